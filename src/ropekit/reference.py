@@ -1,0 +1,196 @@
+"""Readable float64 reference for every ropekit rotation, and ropekit's CPU path.
+
+Everything here is plain torch, computed in float64 and rounded once to the output dtype. The kernels never import
+this module; tests compare them against it.
+
+Conventions (shared with the kernels):
+
+* A head vector of ``head_dim`` D holds a rotated part of ``rotary_dim`` R starting at column ``rotary_start``
+  (0, or D - R for ``rotary_at="back"``); the rest passes through.
+* Pairs: ``neox`` pairs column i with i + R/2 ("lo" and "hi"); ``interleaved`` pairs 2i with 2i + 1.
+* Forward rotation by +theta: ``lo' = lo*cos - hi*sin``, ``hi' = hi*cos + lo*sin``.
+* Tables may be full width (R columns, one cos/sin per output column, as transformers' duplicated-halves tables);
+  then ``lo' = lo*cos_lo - hi*sin_lo`` and ``hi' = hi*cos_hi + lo*sin_hi``. The conjugate (backward) is the
+  transpose: ``lo' = lo*cos_lo + hi*sin_hi``, ``hi' = hi*cos_hi - lo*sin_lo`` -- the rotation by -theta when the
+  halves agree.
+* The whole output (rotated and pass-through columns) is multiplied by the tensor's scale; cos and sin are
+  multiplied by ``rotary_scale`` (transformers' ``attention_scaling``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ropekit._layout import to_canonical
+
+
+def default_positions(batch: int, seqlen: int, pos_offset: int = 0) -> torch.Tensor:
+    """Positions 0..S-1 plus an offset, as an int64 [B, S] tensor."""
+    return (torch.arange(seqlen, dtype=torch.int64) + pos_offset).expand(batch, seqlen)
+
+
+def token_positions(
+    batch: int,
+    seqlen: int,
+    *,
+    positions: torch.Tensor | None = None,
+    seq_offsets: torch.Tensor | None = None,
+    pos_offset: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The position of every token of the canonical [B, S] grid, int64 (on CPU).
+
+    ``positions`` [B, S] per-token ids win; else ``cu_seqlens`` (varlen, B == 1, S == total tokens): the position
+    is the token's index inside its sequence plus ``seq_offsets[seq]`` or ``pos_offset``; else ``s`` plus
+    ``seq_offsets[b]`` or ``pos_offset``. Tokens outside every sequence of ``cu_seqlens`` get -1 (invalid).
+    """
+    if positions is not None:
+        return positions.to(torch.int64).cpu().reshape(batch, seqlen)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int64).cpu()
+        t = torch.arange(seqlen, dtype=torch.int64)
+        seq = torch.searchsorted(cu[1:], t, right=True)  # sequence index of every token
+        inside = (t >= cu[0]) & (t < cu[-1])
+        seq = seq.clamp(max=cu.numel() - 2)
+        start = cu[seq]
+        offset = seq_offsets.to(torch.int64).cpu()[seq] if seq_offsets is not None else pos_offset
+        pos = t - start + offset
+        return torch.where(inside, pos, torch.full_like(pos, -1)).reshape(1, seqlen)
+    base = torch.arange(seqlen, dtype=torch.int64)
+    if seq_offsets is not None:
+        return base[None, :] + seq_offsets.to(torch.int64).cpu()[:, None]
+    return (base + pos_offset).expand(batch, seqlen)
+
+
+def reduced_angle(angle: torch.Tensor) -> torch.Tensor:
+    """``angle`` (float64) reduced to [-pi, pi]; exact enough for any position below 2**40."""
+    return torch.remainder(angle + math.pi, 2 * math.pi) - math.pi
+
+
+def rotation_tables(
+    pos: torch.Tensor,
+    *,
+    half: int,
+    neox: bool,
+    freq_mode: str,
+    inv_freq: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    table_by_token: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``(cos_lo, cos_hi, sin_lo, sin_hi)``, each float64 [B, S, R/2].
+
+    ``freq_mode``: ``"inv_freq"`` (angle = pos * inv_freq[i]), ``"table"`` (cos/sin rows), ``"angles"`` (raw angle
+    rows in ``cos``). Tables are 3-D [Bt, rows, W] with Bt in {1, B} and W in {R/2, R}; rows are positions, or
+    tokens ``s`` when ``table_by_token``.
+    """
+    B, S = pos.shape
+    if freq_mode == "inv_freq":
+        angle = pos.to(torch.float64)[..., None] * inv_freq.to(torch.float64).cpu()
+        angle = reduced_angle(angle)
+        c, s = torch.cos(angle), torch.sin(angle)
+        return c, c, s, s
+
+    def rows(table: torch.Tensor) -> torch.Tensor:  # [B, S, W] gathered per token
+        table = table.to(torch.float64).cpu().expand(B, -1, -1)
+        if table_by_token:
+            return table[:, :S]
+        return torch.gather(table, 1, pos.clamp(min=0)[..., None].expand(B, S, table.shape[-1]))
+
+    def halves(full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if full.shape[-1] == half:
+            return full, full
+        return (full[..., :half], full[..., half:]) if neox else (full[..., 0::2], full[..., 1::2])
+
+    if freq_mode == "angles":
+        a_lo, a_hi = halves(rows(cos))
+        return torch.cos(a_lo), torch.cos(a_hi), torch.sin(a_lo), torch.sin(a_hi)
+    c_lo, c_hi = halves(rows(cos))
+    s_lo, s_hi = halves(rows(sin))
+    return c_lo, c_hi, s_lo, s_hi
+
+
+def rotate(
+    x: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    rotary_dim: int,
+    rotary_start: int,
+    neox: bool,
+    scale: float = 1.0,
+    rotary_scale: float = 1.0,
+    conjugate: bool = False,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate canonical ``x`` [B, S, H, D] in float64; returns a float64 tensor of the same shape.
+
+    ``valid`` [B, S] marks tokens with a usable position; the others become NaN (the kernels do the same).
+    """
+    c_lo, c_hi, s_lo, s_hi = (t[:, :, None, :] * rotary_scale for t in tables)
+    if conjugate:
+        s_lo, s_hi = -s_hi, -s_lo
+    y = x.to(torch.float64).clone()
+    rot = y[..., rotary_start : rotary_start + rotary_dim]
+    if neox:
+        lo, hi = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+    else:
+        lo, hi = rot[..., 0::2], rot[..., 1::2]
+    new_lo = lo * c_lo - hi * s_lo
+    new_hi = hi * c_hi + lo * s_hi
+    lo.copy_(new_lo)
+    hi.copy_(new_hi)
+    y = y * scale
+    if valid is not None:
+        y = torch.where(valid[:, :, None, None], y, torch.full_like(y, math.nan))
+    return y
+
+
+def rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    *,
+    layout: str,
+    style: str,
+    freq_mode: str,
+    rotary_dim: int,
+    rotary_start: int,
+    positions: torch.Tensor | None = None,
+    seq_offsets: torch.Tensor | None = None,
+    pos_offset: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    table_by_token: bool = False,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    rotary_scale: float = 1.0,
+    conjugate: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """The rotation of ``q`` (and ``k``) in float64, returned in float64 when ``out_dtype`` is float64, else
+    rounded once to ``out_dtype`` (default: each input's dtype). Arguments are the normalised ones of
+    ``ropekit::rope`` (see :mod:`ropekit.ops`)."""
+    qc = to_canonical(q, layout)
+    B, S = qc.shape[:2]
+    pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
+                          cu_seqlens=cu_seqlens)
+    valid = pos >= 0
+    if freq_mode != "inv_freq" and not table_by_token:
+        valid &= pos < cos.shape[1]
+    neox = style == "neox"
+    tables = rotation_tables(pos, half=rotary_dim // 2, neox=neox, freq_mode=freq_mode, inv_freq=inv_freq,
+                             cos=cos, sin=sin, table_by_token=table_by_token)
+    outs = []
+    for x, scale in ((q, q_scale), (k, k_scale)):
+        if x is None:
+            continue
+        y = rotate(to_canonical(x, layout), tables, rotary_dim=rotary_dim, rotary_start=rotary_start, neox=neox,
+                   scale=scale, rotary_scale=rotary_scale, conjugate=conjugate, valid=valid)
+        dtype = x.dtype if out_dtype is None else torch.promote_types(x.dtype, out_dtype)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        to_canonical(out, layout).copy_(y)
+        outs.append(out)
+    return outs

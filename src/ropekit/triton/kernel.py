@@ -1,0 +1,242 @@
+"""The RoPE Triton kernel: one launch rotates Q and K, forward or conjugate (backward).
+
+Work decomposition: a 1-D grid of programs, each owning ``BLOCK_T`` consecutive tokens of the canonical
+[B, S, H, D] view and one block of heads, Q head blocks first, then K head blocks, token-major so that the
+programs sharing a token's cos/sin run together. cos/sin are formed once per program for its tokens and reused for
+every head of the block.
+
+Precision: fp32 math on every element, one rounding at the store. In-kernel angles are formed in float64
+(``pos * inv_freq`` is exact there for positions below 2**29 with fp32 ``inv_freq``), reduced modulo 2*pi in
+float64 and only then handed to fp32 sin/cos, so the angle error does not grow with the position.
+
+Tokens whose position is invalid (negative, past the table, outside every ``cu_seqlens`` sequence) get NaN
+outputs instead of an out-of-bounds read: loud on the device without a host sync. The launcher's callers raise
+earlier where the check is cheap.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Position modes (POS_MODE)
+POS_RANGE = 0  # s + pos_offset
+POS_PER_SEQ = 1  # s + seq_offsets[b]
+POS_PER_TOKEN = 2  # positions[b, s]
+POS_VARLEN = 3  # t - cu_seqlens[seq] + (seq_offsets[seq] or pos_offset), B == 1
+
+# Frequency sources (FREQ_MODE)
+FREQ_INV_FREQ = 0  # angle = pos * inv_freq[i], in the kernel
+FREQ_TABLE = 1  # cos/sin rows
+FREQ_ANGLES = 2  # raw angle rows (cuDNN's freqs)
+
+_TWO_PI = tl.constexpr(6.283185307179586)
+_TWO_PI_LO = tl.constexpr(2.4492935982947064e-16)  # 2*pi - float64(2*pi)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
+_NAN = tl.constexpr(float("nan"))
+
+
+@triton.jit
+def _sincos_reduced(angle):
+    """fp32 (cos, sin) of a float64 angle, reduced to [-pi, pi] in float64 first."""
+    two_pi = tl.full([], _TWO_PI, tl.float64)
+    two_pi_lo = tl.full([], _TWO_PI_LO, tl.float64)
+    inv_two_pi = tl.full([], _INV_TWO_PI, tl.float64)
+    turns = tl.floor(angle * inv_two_pi + 0.5)
+    r = ((angle - turns * two_pi) - turns * two_pi_lo).to(tl.float32)
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _token_positions(
+    t, S, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr,
+):
+    """(b, s, pos, valid) of canonical token indices ``t`` (int64)."""
+    b = t // S
+    s = t - b * S
+    valid = t == t
+    if POS_MODE == 0:
+        pos = s + pos_offset
+    elif POS_MODE == 1:
+        pos = s + tl.load(seq_off_ptr + b).to(tl.int64)
+    elif POS_MODE == 2:
+        pos = tl.load(pos_ptr + b * pos_sb + s * pos_ss).to(tl.int64)
+    else:
+        # Largest seq with cu[seq] <= t, by a branch-free binary search over the B + 1 boundaries.
+        lo = tl.zeros_like(t)
+        hi = tl.zeros_like(t) + (n_seqs - 1)
+        for _ in range(n_search_steps):
+            mid = (lo + hi + 1) // 2
+            go_right = tl.load(cu_ptr + mid).to(tl.int64) <= t
+            lo = tl.where((lo < hi) & go_right, mid, lo)
+            hi = tl.where((lo < hi) & (~go_right), mid - 1, hi)
+        start = tl.load(cu_ptr + lo).to(tl.int64)
+        end = tl.load(cu_ptr + n_seqs).to(tl.int64)
+        first = tl.load(cu_ptr).to(tl.int64)
+        valid = (t >= first) & (t < end)
+        if HAS_SEQ_OFFSETS:
+            pos = t - start + tl.load(seq_off_ptr + lo).to(tl.int64)
+        else:
+            pos = t - start + pos_offset
+    valid = valid & (pos >= 0)
+    return b, s, pos, valid
+
+
+@triton.jit
+def _table_columns(i, HALF: tl.constexpr, NEOX: tl.constexpr, TABLE_FULL: tl.constexpr):
+    """Table columns read for the lo and hi element of pair ``i``."""
+    if TABLE_FULL:
+        if NEOX:
+            return i, i + HALF
+        else:
+            return 2 * i, 2 * i + 1
+    else:
+        return i, i
+
+
+@triton.jit
+def _rotation(
+    b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+    ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, NEOX: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr,
+):
+    """fp32 [BLOCK_T, HALF_BLOCK] (cos_lo, cos_hi, sin_a, sin_b) with ``lo' = lo*cos_lo - hi*sin_a`` and
+    ``hi' = hi*cos_hi + lo*sin_b``; invalid tokens get NaN."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    i = tl.arange(0, HALF_BLOCK)
+    mask_i = i < HALF
+    if FREQ_MODE == 0:
+        inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0).to(tl.float64)
+        angle = pos.to(tl.float64)[:, None] * inv_freq[None, :]
+        c_lo, s_lo = _sincos_reduced(angle)
+        c_hi = c_lo
+        s_hi = s_lo
+    else:
+        if TABLE_BY_TOKEN:
+            row = s
+        else:
+            row = pos
+            valid = valid & (pos < table_rows)
+        row = tl.where(valid, row, 0)  # invalid rows read row 0, never out of bounds
+        base = (b * t_sb + row * t_sr)[:, None]
+        m = mask_t[:, None] & mask_i[None, :]
+        col_lo, col_hi = _table_columns(i, HALF, NEOX, TABLE_FULL)
+        if FREQ_MODE == 1:
+            c_lo = tl.load(cos_ptr + base + col_lo[None, :] * t_sc, mask=m, other=0.0).to(tl.float32)
+            s_lo = tl.load(sin_ptr + base + col_lo[None, :] * t_sc, mask=m, other=0.0).to(tl.float32)
+            if TABLE_FULL:
+                c_hi = tl.load(cos_ptr + base + col_hi[None, :] * t_sc, mask=m, other=0.0).to(tl.float32)
+                s_hi = tl.load(sin_ptr + base + col_hi[None, :] * t_sc, mask=m, other=0.0).to(tl.float32)
+            else:
+                c_hi = c_lo
+                s_hi = s_lo
+        else:
+            a_lo = tl.load(cos_ptr + base + col_lo[None, :] * t_sc, mask=m, other=0.0).to(tl.float64)
+            c_lo, s_lo = _sincos_reduced(a_lo)
+            if TABLE_FULL:
+                a_hi = tl.load(cos_ptr + base + col_hi[None, :] * t_sc, mask=m, other=0.0).to(tl.float64)
+                c_hi, s_hi = _sincos_reduced(a_hi)
+            else:
+                c_hi = c_lo
+                s_hi = s_lo
+    ok = valid[:, None]
+    c_lo = tl.where(ok, c_lo * rotary_scale, _NAN)
+    c_hi = tl.where(ok, c_hi * rotary_scale, _NAN)
+    s_lo = tl.where(ok, s_lo * rotary_scale, _NAN)
+    s_hi = tl.where(ok, s_hi * rotary_scale, _NAN)
+    if CONJUGATE:  # transpose of the forward matrix: rotation by -theta
+        return c_lo, c_hi, -s_hi, -s_lo
+    else:
+        return c_lo, c_hi, s_lo, s_hi
+
+
+@triton.jit
+def _rotate_head_block(
+    x_ptr, o_ptr, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, b, s, mask_t, h0, H, scale,
+    c_lo, c_hi, s_a, s_b,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
+):
+    HALF: tl.constexpr = ROT_DIM // 2
+    h = h0 + tl.arange(0, BLOCK_H)
+    m = (mask_t[:, None] & (h < H)[None, :])[:, :, None]
+    x_base = (b * x_sb + s * x_ss)[:, None, None] + (h.to(tl.int64) * x_sh)[None, :, None]
+    o_base = (b * o_sb + s * o_ss)[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
+    c_lo = (c_lo * scale)[:, None, :]
+    c_hi = (c_hi * scale)[:, None, :]
+    s_a = (s_a * scale)[:, None, :]
+    s_b = (s_b * scale)[:, None, :]
+    if NEOX:
+        i = tl.arange(0, HALF_BLOCK)[None, None, :]
+        mi = m
+        if HALF_BLOCK != HALF:
+            mi = m & (i < HALF)
+        x_lo = tl.load(x_ptr + x_base + ROT_START + i, mask=mi).to(tl.float32)
+        x_hi = tl.load(x_ptr + x_base + (ROT_START + HALF) + i, mask=mi).to(tl.float32)
+        y_lo = x_lo * c_lo - x_hi * s_a
+        y_hi = x_hi * c_hi + x_lo * s_b
+        tl.store(o_ptr + o_base + ROT_START + i, y_lo.to(o_ptr.dtype.element_ty), mask=mi)
+        tl.store(o_ptr + o_base + (ROT_START + HALF) + i, y_hi.to(o_ptr.dtype.element_ty), mask=mi)
+    else:
+        # Load the rotated span contiguously and de-interleave in registers (no stride-2 accesses).
+        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
+        mj = m
+        if HALF_BLOCK != HALF:
+            mj = m & (j < ROT_DIM)
+        x = tl.load(x_ptr + x_base + ROT_START + j, mask=mj).to(tl.float32)
+        x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
+        y_lo = x_lo * c_lo - x_hi * s_a
+        y_hi = x_hi * c_hi + x_lo * s_b
+        y = tl.reshape(tl.join(y_lo, y_hi), [x.shape[0], x.shape[1], 2 * HALF_BLOCK])
+        tl.store(o_ptr + o_base + ROT_START + j, y.to(o_ptr.dtype.element_ty), mask=mj)
+    if COPY_PASS:
+        p = tl.arange(0, PASS_BLOCK)[None, None, :]
+        mp = m & (p < HEAD_DIM - ROT_DIM)
+        if ROT_START == 0:
+            p = p + ROT_DIM
+        x_p = tl.load(x_ptr + x_base + p, mask=mp).to(tl.float32)
+        tl.store(o_ptr + o_base + p, (x_p * scale).to(o_ptr.dtype.element_ty), mask=mp)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr,
+    q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh,
+    k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh,
+    HQ, HK, S, num_tokens,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+    q_scale, k_scale, rotary_scale,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, HAS_K: tl.constexpr,
+    COPY_PASS_Q: tl.constexpr, COPY_PASS_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    if HAS_K:
+        n_hb = n_qb + tl.cdiv(HK, BLOCK_HK)
+    else:
+        n_hb = n_qb
+    tb = pid // n_hb
+    hb = pid - tb * n_hb
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    mask_t = t < num_tokens
+    b, s, pos, valid = _token_positions(
+        t, S, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+        POS_MODE, HAS_SEQ_OFFSETS)
+    valid = valid & mask_t
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+        ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE)
+    if hb < n_qb:
+        _rotate_head_block(q_ptr, qo_ptr, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, b, s, mask_t, hb * BLOCK_HQ, HQ,
+                           q_scale, c_lo, c_hi, s_a, s_b, HEAD_DIM, ROT_DIM, ROT_START, NEOX, BLOCK_HQ,
+                           HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q)
+    elif HAS_K:
+        _rotate_head_block(k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, b, s, mask_t,
+                           (hb - n_qb) * BLOCK_HK, HK, k_scale, c_lo, c_hi, s_a, s_b, HEAD_DIM, ROT_DIM, ROT_START,
+                           NEOX, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K)

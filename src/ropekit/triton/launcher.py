@@ -1,0 +1,144 @@
+"""Launcher of :func:`ropekit.triton.kernel.rope_kernel`: strides, modes and block sizes, no copies.
+
+``launch_rope`` writes into the given outputs (which may be the inputs: in place) and allocates nothing, so it is
+CUDA-graph capturable. It takes the normalised arguments of ``ropekit::rope`` (see :mod:`ropekit.ops`); the public
+API validates them first. Benchmarks may call it directly to skip the dispatcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+
+from ropekit._layout import to_canonical
+from ropekit.triton import kernel as K
+
+_FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.FREQ_ANGLES}
+
+# Bytes of Q/K each program moves per pass; tuned on H100 (see BENCHMARKS.md).
+TILE_BYTES = 16384
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_programs_wanted(device: torch.device) -> int:
+    """Programs that keep every SM busy; the CPU interpreter wants as few as possible."""
+    if device.type != "cuda":
+        return 1
+    return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=4096)
+def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
+                 tile_bytes: int = TILE_BYTES) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) for a problem: tiles of about ``tile_bytes``, shrunk (tokens
+    first) until there are ``min_programs`` programs or a tile is one token of one head block."""
+    d_pad = triton.next_power_of_2(head_dim)
+    tile = max(1, tile_bytes // elem_size)
+    heads_per_tile = max(1, tile // d_pad)
+    block_hq = min(triton.next_power_of_2(hq), heads_per_tile)
+    block_hk = min(triton.next_power_of_2(max(hk, 1)), heads_per_tile)
+    block_t = max(1, min(triton.next_power_of_2(num_tokens), tile // (block_hq * d_pad)))
+
+    def programs(bt: int, bq: int, bk: int) -> int:
+        return triton.cdiv(num_tokens, bt) * (triton.cdiv(hq, bq) + (triton.cdiv(hk, bk) if hk else 0))
+
+    while block_t > 1 and programs(block_t, block_hq, block_hk) < min_programs:
+        block_t //= 2
+    while block_t == 1 and max(block_hq, block_hk) > 2 and programs(1, block_hq, block_hk) < min_programs:
+        block_hq = max(1, block_hq // 2)
+        block_hk = max(1, min(block_hk, block_hq))
+    elems = block_t * max(block_hq, block_hk) * d_pad
+    num_warps = 8 if elems * elem_size >= 16384 else 4 if elems >= 1024 else 2 if elems >= 256 else 1
+    return block_t, block_hq, block_hk, num_warps
+
+
+def launch_rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor | None,
+    *,
+    layout: str,
+    style: str,
+    freq_mode: str,
+    rotary_dim: int,
+    rotary_start: int,
+    positions: torch.Tensor | None = None,
+    seq_offsets: torch.Tensor | None = None,
+    pos_offset: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    table_by_token: bool = False,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    rotary_scale: float = 1.0,
+    conjugate: bool = False,
+    tile_bytes: int = TILE_BYTES,
+) -> None:
+    """Rotate ``q`` (and ``k``) into ``q_out`` (and ``k_out``); outputs may alias their inputs exactly."""
+    qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
+    B, S, HQ, D = qc.shape
+    has_k = k is not None
+    kc = to_canonical(k, layout) if has_k else qc
+    koc = to_canonical(k_out, layout) if has_k else qoc
+    HK = kc.shape[2] if has_k else 0
+    num_tokens = B * S
+    if num_tokens == 0 or (HQ == 0 and HK == 0):
+        return
+
+    if positions is not None:
+        pos_mode, pos_t = K.POS_PER_TOKEN, positions
+        pos_sb, pos_ss = positions.stride()
+    else:
+        pos_t, pos_sb, pos_ss = q, 0, 0
+        pos_mode = K.POS_VARLEN if cu_seqlens is not None else K.POS_PER_SEQ if seq_offsets is not None \
+            else K.POS_RANGE
+    n_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    n_search_steps = max(1, math.ceil(math.log2(max(n_seqs, 1)))) + 1
+
+    if cos is not None:  # tables are [Bt, rows, W], W = R/2 (one value per pair) or R (one per column)
+        t_sb = cos.stride(0) if cos.shape[0] > 1 else 0
+        t_sr, t_sc = cos.stride(1), cos.stride(2)
+        table_rows = cos.shape[1]
+        table_full = cos.shape[2] != rotary_dim // 2
+    else:
+        t_sb = t_sr = t_sc = table_rows = 0
+        table_full = False
+
+    copy_pass_q = D != rotary_dim and (q_out.data_ptr() != q.data_ptr() or q_scale != 1.0)
+    copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
+    block_t, block_hq, block_hk, num_warps = block_config(
+        num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes)
+    n_hb = triton.cdiv(HQ, block_hq) + (triton.cdiv(HK, block_hk) if has_k else 0)
+    grid = (triton.cdiv(num_tokens, block_t) * n_hb,)
+    dummy = q
+    K.rope_kernel[grid](
+        qc, qoc, kc, koc,
+        qc.stride(0), qc.stride(1), qc.stride(2), qoc.stride(0), qoc.stride(1), qoc.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2), koc.stride(0), koc.stride(1), koc.stride(2),
+        HQ, HK, S, num_tokens,
+        pos_t, pos_sb, pos_ss,
+        seq_offsets if seq_offsets is not None else dummy, pos_offset,
+        cu_seqlens if cu_seqlens is not None else dummy, n_seqs, n_search_steps,
+        inv_freq if inv_freq is not None else dummy,
+        cos if cos is not None else dummy, sin if sin is not None else dummy,
+        t_sb, t_sr, t_sc, table_rows,
+        q_scale, k_scale, rotary_scale,
+        HEAD_DIM=D, ROT_DIM=rotary_dim, ROT_START=rotary_start, NEOX=style == "neox",
+        POS_MODE=pos_mode, HAS_SEQ_OFFSETS=seq_offsets is not None, FREQ_MODE=_FREQ_MODES[freq_mode],
+        TABLE_BY_TOKEN=table_by_token, TABLE_FULL=table_full, CONJUGATE=conjugate, HAS_K=has_k,
+        COPY_PASS_Q=copy_pass_q, COPY_PASS_K=copy_pass_k,
+        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        HALF_BLOCK=triton.next_power_of_2(rotary_dim // 2),
+        PASS_BLOCK=triton.next_power_of_2(max(D - rotary_dim, 1)),
+        num_warps=num_warps,
+    )
