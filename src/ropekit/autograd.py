@@ -1,0 +1,76 @@
+"""Gradients: the backward of a rotation is the conjugate (transposed) rotation by the same op and kernel.
+
+``ropekit::rope`` gets its autograd formula through ``torch.library.register_autograd`` (so it also holds under
+``torch.compile``); the in-place op is wrapped in :class:`InplaceRope`, which declares its writes with
+``mark_dirty`` so autograd refuses misuse (a leaf, or a tensor saved by another op) instead of computing wrong
+gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ropekit import ops
+
+# Tensor arguments of ropekit::rope after q and k, then the non-tensor ones, in schema order.
+_TENSOR_ARGS = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
+_SCALAR_ARGS = ("pos_offset", "layout", "style", "freq_mode", "rotary_dim", "rotary_start", "table_by_token",
+                "q_scale", "k_scale", "rotary_scale", "conjugate")
+
+
+def conjugate_rotation(grads: list[Optional[Tensor]], in_dtypes: list[torch.dtype], tensors: tuple,
+                       scalars: dict[str, Any]) -> list[Optional[Tensor]]:
+    """Gradients w.r.t. the inputs of a rotation, given the gradients of its outputs (None where unused)."""
+    scalars = dict(scalars, conjugate=not scalars["conjugate"])
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return [None] * len(grads)
+    # The op rotates its first tensor with q_scale and its second with k_scale: keep each grad with its own.
+    if present == [1]:
+        scalars["q_scale"] = scalars["k_scale"]
+    gs = [grads[i] if grads[i].stride(-1) == 1 else grads[i].contiguous() for i in present]
+    outs = ops.rope(gs[0], gs[1] if len(gs) > 1 else None, *tensors, **scalars, promote_dtype=None)
+    result: list[Optional[Tensor]] = [None] * len(grads)
+    for i, out in zip(present, outs):
+        result[i] = out if out.dtype == in_dtypes[i] else out.to(in_dtypes[i])
+    return result
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, *rest = inputs
+    tensors = rest[: len(_TENSOR_ARGS)]
+    scalars = dict(zip(_SCALAR_ARGS, rest[len(_TENSOR_ARGS): len(_TENSOR_ARGS) + len(_SCALAR_ARGS)]))
+    ctx.save_for_backward(*tensors)
+    ctx.scalars = scalars
+    ctx.in_dtypes = [q.dtype] + ([k.dtype] if k is not None else [])
+
+
+def _backward(ctx, grads):
+    grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars)
+    nones = [None] * (len(_TENSOR_ARGS) + len(_SCALAR_ARGS) + 1)
+    return (grads_in[0], grads_in[1] if len(grads_in) > 1 else None, *nones)
+
+
+torch.library.register_autograd("ropekit::rope", _backward, setup_context=_setup_context)
+
+
+class InplaceRope(torch.autograd.Function):
+    """``ropekit::rope_`` with autograd: rotates q (and k) in place and marks them dirty."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Optional[Tensor], tensors: tuple, scalars: dict) -> tuple:
+        ops.rope_(q, k, *tensors, **scalars)
+        dirty = (q,) if k is None else (q, k)
+        ctx.mark_dirty(*dirty)
+        ctx.save_for_backward(*tensors)
+        ctx.scalars = scalars
+        ctx.in_dtypes = [t.dtype for t in dirty]
+        return dirty
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars)
+        return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None

@@ -1,0 +1,88 @@
+"""transformers integration: an exact drop-in for ``apply_rotary_pos_emb``, and model patching.
+
+``patch``/``unpatch`` live in :mod:`ropekit.integrations.patching` and are re-exported lazily, so importing this
+module never imports transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ropekit.api import _FLOAT_DTYPES, _rope
+from ropekit._layout import to_canonical
+
+__all__ = ["apply_rotary_pos_emb", "rotate_half", "patch", "unpatch"]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``cat(-x[..., D/2:], x[..., :D/2])``: transformers' helper, for the eager fallback."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _eager(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _per_token_table(table: Tensor, x: Tensor, layout: str) -> Optional[Tensor]:
+    """``table`` (already unsqueezed) broadcast to ``x`` as a [B, S, D] view, or None when it varies by head or
+    does not broadcast."""
+    try:
+        expanded = table.expand(x.shape)
+    except RuntimeError:
+        return None
+    canonical = to_canonical(expanded, layout)
+    if canonical.stride(2) != 0:
+        return None
+    return canonical[:, :, 0, :]
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+                         ) -> tuple[Tensor, Tensor]:
+    """Drop-in for transformers' ``apply_rotary_pos_emb`` (same signature, semantics, output dtype, gradients).
+
+    Computes ``q * cos + rotate_half(q) * sin`` (and the same for ``k``) with ``cos``/``sin`` unsqueezed at
+    ``unsqueeze_dim``: q, k [B, H, S, D] with ``unsqueeze_dim=1`` or [B, S, H, D] with ``unsqueeze_dim=2``;
+    cos, sin [B, S, D] or [S, D] in transformers' duplicated-halves layout, any float dtype. The output dtype is
+    ``promote_types(q.dtype, cos.dtype, sin.dtype)`` as in transformers. ropekit evaluates it in fp32 (float64 on
+    CPU) and rounds once, so in bf16/fp16 it is at least as accurate as the original. Gradients flow to q and k;
+    when cos/sin themselves require grad, or shapes fall outside the cases above, the original formula runs
+    in eager torch so behaviour stays identical.
+    """
+    fast = (
+        isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor)
+        and q.dim() == 4 and k.dim() == 4 and cos.dim() in (2, 3) and cos.shape == sin.shape
+        and q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype
+        and cos.dtype in _FLOAT_DTYPES and sin.dtype in _FLOAT_DTYPES
+        and q.device == k.device == cos.device == sin.device
+        and q.shape[-1] % 2 == 0 and k.shape[-1] == q.shape[-1] == cos.shape[-1]
+        and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+    )
+    if fast:
+        dim = unsqueeze_dim % (cos.dim() + 1) if -cos.dim() - 1 <= unsqueeze_dim <= cos.dim() else None
+        layout = {1: "bhsd", 2: "bshd"}.get(dim) if cos.dim() == 3 or dim == 1 else None
+        fast = layout is not None
+    if fast:
+        c4, s4 = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        cos_t, sin_t = _per_token_table(c4, q, layout), _per_token_table(s4, q, layout)
+        cos_k = _per_token_table(c4, k, layout)
+        fast = cos_t is not None and sin_t is not None and cos_k is not None and cos_k.shape == cos_t.shape
+    if not fast:
+        return _eager(q, k, cos, sin, unsqueeze_dim)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    promote = torch.promote_types(cos.dtype, sin.dtype)
+    return _rope(q, k, promote_dtype=promote, cos=cos_t, sin=sin_t, style="neox", layout=layout,
+                 rotary_dim=q.shape[-1])
+
+
+def __getattr__(name: str):
+    if name in ("patch", "unpatch"):
+        from ropekit.integrations import patching
+
+        return getattr(patching, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
