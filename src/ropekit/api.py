@@ -31,15 +31,18 @@ _INV_FREQ_CACHE: dict = {}
 
 
 def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> Tensor:
-    """``1 / base ** (2i / R)`` as fp32 [R/2], computed as transformers computes its default frequencies.
+    """``base ** (-2i / R)`` for i < R/2, formed in float64 and rounded once to fp32 [R/2].
 
-    Cached per (base, R, device) in eager mode so that calls stay free of host work and allocations."""
+    Rounded once, the values are the same whether computed eagerly or inside a ``torch.compile`` graph (they agree
+    with transformers' fp32 formula except where that formula is itself an ulp off; ``ropekit.from_hf_config``
+    reproduces transformers bit for bit). Cached per (base, R, device) in eager mode, so calls stay free of host
+    work and allocations."""
     key = (base, rotary_dim, device)
     cached = _INV_FREQ_CACHE.get(key)
-    if cached is not None and not torch.compiler.is_compiling():
+    if cached is not None:
         return cached
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
-    inv_freq = (1.0 / (base ** exponent)).to(device)
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    inv_freq = torch.pow(base, -exponent).to(torch.float32).to(device)
     if not torch.compiler.is_compiling():
         _INV_FREQ_CACHE[key] = inv_freq
     return inv_freq
@@ -168,7 +171,7 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions, inv_freq
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1] with at least 2 entries, got shape "
                              f"{tuple(cu_seqlens.shape)}")
-        if cu_seqlens.device.type == "cpu" or check_positions:
+        if (cu_seqlens.device.type == "cpu" or check_positions) and not torch.compiler.is_compiling():
             cu = cu_seqlens.cpu()
             if cu[0] != 0 or cu[-1] != S or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
@@ -216,6 +219,8 @@ def _check_position_values(q, S, pos_offset, seq_offsets, pos_tensor, table_rows
                            num_seqs, cu_seqlens) -> None:
     """Raise for positions < 0 or past the table. Device tensors are read only with ``check_positions`` (a host
     sync); otherwise the kernel writes NaN for the offending tokens."""
+    if torch.compiler.is_compiling():  # values are unknown while tracing; the kernel marks bad tokens NaN
+        return
     limit = None if table_by_token else table_rows
     if limit is not None:
         if cu_seqlens is None and pos_tensor is None and seq_offsets is None and pos_offset + S > limit:
@@ -275,13 +280,20 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
                    check_positions=check_positions, conjugate=conjugate)
+    # Eager calls without autograd skip the dispatcher (host time); tracing and autograd use the registered ops.
+    direct = not torch.compiler.is_compiling() and not _needs_grad(q, k)
     if inplace:
         _check_inplace_allowed(q, k)
-        if _needs_grad(q, k):
+        if direct:
+            ops.rope_in_place(q, k, *n.tensors, **n.scalars)
+            outs = (q, k)
+        elif _needs_grad(q, k):
             outs = _autograd.InplaceRope.apply(q, k, n.tensors, n.scalars)
         else:
             ops.rope_(q, k, *n.tensors, **n.scalars)
             outs = (q, k)
+    elif direct:
+        outs = ops.rope_out_of_place(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
     else:
         outs = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
     return outs[0] if k is None else (outs[0], outs[1])

@@ -46,15 +46,17 @@ def _run(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor],
         k_out.copy_(results[1])
 
 
-@torch.library.custom_op("ropekit::rope", mutates_args=())
-def rope(
+def rope_out_of_place(
     q: Tensor, k: Optional[Tensor], positions: Optional[Tensor], seq_offsets: Optional[Tensor],
     cu_seqlens: Optional[Tensor], inv_freq: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
     pos_offset: int, layout: str, style: str, freq_mode: str, rotary_dim: int, rotary_start: int,
     table_by_token: bool, q_scale: float, k_scale: float, rotary_scale: float, conjugate: bool,
     promote_dtype: Optional[torch.dtype],
 ) -> list[Tensor]:
-    """Out-of-place rotation; returns ``[q_out]`` or ``[q_out, k_out]`` (fresh tensors in ``layout``)."""
+    """Out-of-place rotation; returns ``[q_out]`` or ``[q_out, k_out]`` (fresh tensors in ``layout``).
+
+    Eager calls that need neither autograd nor tracing call this directly; everything else goes through the
+    registered op ``ropekit::rope`` below, which runs the same body."""
     kwargs = dict(zip(_ROPE_ARGS, (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout,
                                    style, freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale,
                                    rotary_scale, conjugate)))
@@ -62,6 +64,9 @@ def rope(
     k_out = None if k is None else torch.empty(k.shape, dtype=_out_dtype(k, promote_dtype), device=k.device)
     _run(q, k, q_out, k_out, kwargs)
     return [q_out] if k is None else [q_out, k_out]
+
+
+rope = torch.library.custom_op("ropekit::rope", rope_out_of_place, mutates_args=())
 
 
 @rope.register_fake
@@ -73,18 +78,20 @@ def _rope_fake(q, k, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos
     return outs
 
 
-@torch.library.custom_op("ropekit::rope_", mutates_args=("q", "k"))
-def rope_(
+def rope_in_place(
     q: Tensor, k: Optional[Tensor], positions: Optional[Tensor], seq_offsets: Optional[Tensor],
     cu_seqlens: Optional[Tensor], inv_freq: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
     pos_offset: int, layout: str, style: str, freq_mode: str, rotary_dim: int, rotary_start: int,
     table_by_token: bool, q_scale: float, k_scale: float, rotary_scale: float, conjugate: bool,
 ) -> None:
-    """In-place rotation of ``q`` (and ``k``)."""
+    """In-place rotation of ``q`` (and ``k``); registered as ``ropekit::rope_``."""
     kwargs = dict(zip(_ROPE_ARGS, (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout,
                                    style, freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale,
                                    rotary_scale, conjugate)))
     _run(q, k, q, k, kwargs)
+
+
+rope_ = torch.library.custom_op("ropekit::rope_", rope_in_place, mutates_args=("q", "k"))
 
 
 @rope_.register_fake

@@ -2,8 +2,10 @@
 
 Work decomposition: a 1-D grid of programs, each owning ``BLOCK_T`` consecutive tokens of the canonical
 [B, S, H, D] view and one block of heads, Q head blocks first, then K head blocks, token-major so that the
-programs sharing a token's cos/sin run together. cos/sin are formed once per program for its tokens and reused for
-every head of the block.
+programs sharing a token's cos/sin run together. A program's tile is [BLOCK_T, BLOCK_H, R/2]: tokens are a tensor
+dimension (not a loop) so that every load is issued before the first store -- the compiler cannot move a load above
+a store that might alias it, and in-place calls do alias. cos/sin are formed once per token ([BLOCK_T, R/2]) and
+reused for every head of the block.
 
 Precision: fp32 math on every element, one rounding at the store. In-kernel angles are formed in float64
 (``pos * inv_freq`` is exact there for positions below 2**29 with fp32 ``inv_freq``), reduced modulo 2*pi in
@@ -69,8 +71,9 @@ def _token_positions(
         for _ in range(n_search_steps):
             mid = (lo + hi + 1) // 2
             go_right = tl.load(cu_ptr + mid).to(tl.int64) <= t
-            lo = tl.where((lo < hi) & go_right, mid, lo)
-            hi = tl.where((lo < hi) & (~go_right), mid - 1, hi)
+            active = lo < hi
+            lo = tl.where(active & go_right, mid, lo)
+            hi = tl.where(active & ~go_right, mid - 1, hi)
         start = tl.load(cu_ptr + lo).to(tl.int64)
         end = tl.load(cu_ptr + n_seqs).to(tl.int64)
         first = tl.load(cu_ptr).to(tl.int64)

@@ -18,8 +18,11 @@ from ropekit.triton import kernel as K
 
 _FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.FREQ_ANGLES}
 
-# Bytes of Q/K each program moves per pass; tuned on H100 (see BENCHMARKS.md).
+# Bytes of Q (or K) each program reads per pass, over its tokens; tuned on Hopper (see BENCHMARKS.md).
 TILE_BYTES = 16384
+# Elements of one token's head tile: [BLOCK_H, head_dim].
+HEAD_TILE_ELEMS = 4096
+MAX_UNROLL = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,25 +40,28 @@ def _num_programs_wanted(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4096)
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
                  tile_bytes: int = TILE_BYTES) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) for a problem: tiles of about ``tile_bytes``, shrunk (tokens
-    first) until there are ``min_programs`` programs or a tile is one token of one head block."""
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
+
+    A program rotates ``BLOCK_T`` tokens of one head block of at most ``HEAD_TILE_ELEMS``
+    elements per token, about ``tile_bytes`` in all; tokens per program shrink first, then heads, until the grid
+    has ``min_programs`` programs (small decode batches)."""
     d_pad = triton.next_power_of_2(head_dim)
-    tile = max(1, tile_bytes // elem_size)
-    heads_per_tile = max(1, tile // d_pad)
-    block_hq = min(triton.next_power_of_2(hq), heads_per_tile)
-    block_hk = min(triton.next_power_of_2(max(hk, 1)), heads_per_tile)
-    block_t = max(1, min(triton.next_power_of_2(num_tokens), tile // (block_hq * d_pad)))
+    heads_cap = max(1, HEAD_TILE_ELEMS // d_pad)
+    block_hq = min(triton.next_power_of_2(hq), heads_cap)
+    block_hk = min(triton.next_power_of_2(max(hk, 1)), heads_cap)
+    per_token_bytes = block_hq * d_pad * elem_size
+    block_t = max(1, min(MAX_UNROLL, tile_bytes // per_token_bytes, triton.next_power_of_2(num_tokens)))
 
     def programs(bt: int, bq: int, bk: int) -> int:
         return triton.cdiv(num_tokens, bt) * (triton.cdiv(hq, bq) + (triton.cdiv(hk, bk) if hk else 0))
 
     while block_t > 1 and programs(block_t, block_hq, block_hk) < min_programs:
         block_t //= 2
-    while block_t == 1 and max(block_hq, block_hk) > 2 and programs(1, block_hq, block_hk) < min_programs:
-        block_hq = max(1, block_hq // 2)
-        block_hk = max(1, min(block_hk, block_hq))
-    elems = block_t * max(block_hq, block_hk) * d_pad
-    num_warps = 8 if elems * elem_size >= 16384 else 4 if elems >= 1024 else 2 if elems >= 256 else 1
+    while block_t == 1 and block_hq > 2 and programs(1, block_hq, block_hk) < min_programs:
+        block_hq //= 2
+        block_hk = min(block_hk, block_hq)
+    # About 128 bytes (eight 16-byte vectors) per thread was best across the sweep (scripts/tune.py).
+    num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // 4096))
     return block_t, block_hq, block_hk, num_warps
 
 
@@ -83,8 +89,11 @@ def launch_rope(
     rotary_scale: float = 1.0,
     conjugate: bool = False,
     tile_bytes: int = TILE_BYTES,
+    config: tuple[int, int, int, int] | None = None,
 ) -> None:
-    """Rotate ``q`` (and ``k``) into ``q_out`` (and ``k_out``); outputs may alias their inputs exactly."""
+    """Rotate ``q`` (and ``k``) into ``q_out`` (and ``k_out``); outputs may alias their inputs exactly.
+
+    ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only)."""
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
     B, S, HQ, D = qc.shape
     has_k = k is not None
@@ -116,7 +125,7 @@ def launch_rope(
 
     copy_pass_q = D != rotary_dim and (q_out.data_ptr() != q.data_ptr() or q_scale != 1.0)
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
-    block_t, block_hq, block_hk, num_warps = block_config(
+    block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes)
     n_hb = triton.cdiv(HQ, block_hq) + (triton.cdiv(HK, block_hk) if has_k else 0)
     grid = (triton.cdiv(num_tokens, block_t) * n_hb,)

@@ -1,0 +1,109 @@
+"""Shape registry of ``ropekit bench``: plain data, loaded by file path (no imports, no code).
+
+``MODELS``
+    name -> attention shape: ``hq``/``hk`` query and key heads, ``head_dim``, ``rotary_dim`` (default: head_dim),
+    ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``about`` (one line).
+``SIZES``
+    name -> list of ``[batch, seqlen]`` pairs. Tokens = batch * seqlen. Decode sizes are ``[batch, 1]``: one new
+    token for each of ``batch`` sequences, each at its own cache length.
+``PRESETS``
+    name -> list of groups. A group crosses ``models`` x ``dtypes`` x ``styles`` x ``positions`` x ``sizes`` and
+    runs every resulting case in each of its ``modes``. ``sizes`` is a ``SIZES`` name or an explicit list. An
+    optional ``impls`` list restricts the implementations (baselines always run). A group's ``name`` is what
+    ``--cases`` selects.
+
+Values:
+    dtypes     "fp32", "fp16", "bf16"
+    styles     "neox" (pairs i, i + R/2), "interleaved" (pairs 2i, 2i + 1)
+    positions  "range"  0..S-1
+               "offset" an int offset (1000) added to 0..S-1 (KV-cache continuation)
+               "batch"  one offset per sequence, a [B] tensor (decode: the cache lengths)
+               "ids"    per-token position ids, a [B, S] int64 tensor
+               "thd"    packed varlen tokens [T, H, D] with cu_seqlens; B sequences of unequal lengths, T = B * S
+    modes      "fwd"    forward, cold L2, one call
+               "fwdbwd" forward + backward through autograd
+               "decode" one call replayed from a CUDA graph
+               "host"   eager host time per call (no sync inside the loop)
+"""
+
+MODELS = {
+    "llama3-8b": {"hq": 32, "hk": 8, "head_dim": 128, "base": 500000.0,
+                  "about": "Llama-3-8B: GQA 32 query / 8 key heads, D 128"},
+    "llama3-70b": {"hq": 64, "hk": 8, "head_dim": 128, "base": 500000.0,
+                   "about": "Llama-3-70B: GQA 64 / 8 heads, D 128"},
+    "mha16-d64": {"hq": 16, "hk": 16, "head_dim": 64, "base": 10000.0,
+                  "about": "multi-head attention, 16 / 16 heads, D 64 (GPT-2 / Pythia-1B class)"},
+    "hd256": {"hq": 16, "hk": 8, "head_dim": 256, "base": 10000.0,
+              "about": "head_dim 256, 16 / 8 heads (Gemma-2-9B class)"},
+    "mla-rope": {"hq": 16, "hk": 16, "head_dim": 192, "rotary_dim": 64, "rotary_at": "back", "base": 10000.0,
+                 "about": "MLA-style heads (DeepSeek-V2-Lite): D 192 = 128 pass-through + 64 rotated at the back"},
+    # Tiny shapes for the CPU smoke run (Triton interpreter); not model shapes.
+    "tiny": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "about": "CPU smoke only"},
+    "tiny-back": {"hq": 2, "hk": 2, "head_dim": 32, "rotary_dim": 16, "rotary_at": "back", "base": 10000.0,
+                  "about": "CPU smoke only: half the head rotated at the back"},
+}
+
+SIZES = {
+    # prefill / training: 2k .. 128k tokens as batches of 4k-token sequences (2k: one sequence)
+    "prefill": [[1, 2048], [1, 4096], [2, 4096], [4, 4096], [8, 4096], [16, 4096], [32, 4096]],
+    # one long sequence: positions reach 128k (where fp32 angles go wrong)
+    "long": [[1, 16384], [1, 32768], [1, 65536], [1, 131072]],
+    # varied positions at two sizes
+    "mid": [[4, 4096], [8, 4096]],
+    # decode: 1..256 sequences, one token each
+    "decode": [[1, 1], [2, 1], [4, 1], [8, 1], [16, 1], [32, 1], [64, 1], [128, 1], [256, 1]],
+}
+
+_BF16_NEOX = {"dtypes": ["bf16"], "styles": ["neox"]}
+
+PRESETS = {
+    # One representative case per target; about 2-3 minutes on an H100 (most of it torch.compile of the peer).
+    "quick": [
+        {"name": "fwd-large", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"],
+         "sizes": [[8, 4096]], "modes": ["fwd"]},
+        {"name": "fwd-cold", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"],
+         "sizes": [[1, 2048], [4, 4096]], "modes": ["fwd"]},
+        {"name": "fwdbwd", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"],
+         "sizes": [[4, 4096]], "modes": ["fwdbwd"]},
+        {"name": "decode", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
+         "sizes": [[1, 1], [64, 1]], "modes": ["decode"]},
+        {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
+         "sizes": [[1, 1]], "modes": ["host"]},
+    ],
+    # Everything the issue lists. Split it with --cases GROUP or --shard I/N to fit a time limit per command.
+    "full": [
+        {"name": "fwd-models", "models": ["llama3-8b", "llama3-70b", "mha16-d64", "hd256", "mla-rope"],
+         **_BF16_NEOX, "positions": ["range"], "sizes": "prefill", "modes": ["fwd"]},
+        {"name": "fwd-dtypes", "models": ["llama3-8b"], "dtypes": ["fp32", "fp16"], "styles": ["neox"],
+         "positions": ["range"], "sizes": "prefill", "modes": ["fwd"]},
+        {"name": "fwd-interleaved", "models": ["llama3-8b", "mha16-d64"], "dtypes": ["bf16"],
+         "styles": ["interleaved"], "positions": ["range"], "sizes": "prefill", "modes": ["fwd"]},
+        {"name": "fwd-positions", "models": ["llama3-8b"], "dtypes": ["bf16"], "styles": ["neox", "interleaved"],
+         "positions": ["offset", "batch", "ids", "thd"], "sizes": "mid", "modes": ["fwd"]},
+        {"name": "fwd-long", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"], "sizes": "long",
+         "modes": ["fwd"]},
+        {"name": "fwdbwd", "models": ["llama3-8b", "llama3-70b", "mha16-d64"], **_BF16_NEOX,
+         "positions": ["range"], "sizes": "prefill", "modes": ["fwdbwd"]},
+        {"name": "fwdbwd-fp32", "models": ["llama3-8b"], "dtypes": ["fp32"], "styles": ["neox"],
+         "positions": ["range"], "sizes": "prefill", "modes": ["fwdbwd"]},
+        {"name": "fwdbwd-thd", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["thd"], "sizes": "mid",
+         "modes": ["fwdbwd"]},
+        {"name": "decode", "models": ["llama3-8b", "llama3-70b"], **_BF16_NEOX, "positions": ["batch"],
+         "sizes": "decode", "modes": ["decode"]},
+        {"name": "decode-fp16-interleaved", "models": ["llama3-8b"], "dtypes": ["fp16"], "styles": ["interleaved"],
+         "positions": ["batch"], "sizes": "decode", "modes": ["decode"]},
+        {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
+         "sizes": [[1, 1], [64, 1]], "modes": ["host"]},
+    ],
+    # CPU smoke run of the harness itself (TRITON_INTERPRET=1): tiny shapes, not a performance figure.
+    "smoke": [
+        {"name": "smoke-neox", "models": ["tiny"], "dtypes": ["fp32"], "styles": ["neox"],
+         "positions": ["range"], "sizes": [[1, 16]], "modes": ["fwd", "fwdbwd"]},
+        {"name": "smoke-varlen", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["interleaved"],
+         "positions": ["thd"], "sizes": [[2, 8]], "modes": ["fwd"]},
+        {"name": "smoke-back", "models": ["tiny-back"], "dtypes": ["fp16"], "styles": ["neox"],
+         "positions": ["ids"], "sizes": [[2, 4]], "modes": ["fwd"]},
+        {"name": "smoke-decode", "models": ["tiny"], "dtypes": ["fp32"], "styles": ["neox"],
+         "positions": ["batch"], "sizes": [[2, 1]], "modes": ["decode", "host"]},
+    ],
+}

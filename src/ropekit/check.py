@@ -1,0 +1,223 @@
+"""``ropekit check``: every capability against the float64 reference on the best available backend, as a table;
+``ropekit env``: versions and devices.
+
+Backends: ``cuda`` (the Triton kernels through the public API) when a GPU is present, else ``triton-interpreter``
+(the same kernels on the CPU under ``TRITON_INTERPRET=1``, small shapes); ``cpu`` (the float64 path) for the
+mathematical properties; ``webgpu`` when wgpu finds an adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class CheckRow:
+    backend: str
+    device: str
+    case: str
+    max_error: float  # max |out - ref| / max |ref|
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_error == self.max_error and self.max_error <= self.tolerance  # NaN fails
+
+
+# max |out - ref| / max |ref|: half an ulp of the output dtype plus fp32 math and sin/cos (~2e-6).
+_TOL = {torch.float32: 2e-6, torch.float16: 2.0**-11 + 2e-6, torch.bfloat16: 2.0**-8 + 2e-6,
+        torch.float64: 1e-12}
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.detach().cpu().double()
+    return ((out.detach().cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _case_table(device: str, small: bool) -> list[tuple[str, torch.dtype, dict, Callable]]:
+    """(name, dtype, shape dict, kwargs factory) for every capability."""
+    dev = torch.device(device)
+    S = 16 if small else 512
+    P = 4 * S
+
+    def table(dtype=torch.float32, full=False):
+        inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+        ang = torch.outer(torch.arange(P, dtype=torch.float64), inv)
+        if full:
+            ang = torch.cat([ang, ang], -1)
+        return ang
+
+    def kw(**kwargs):
+        return lambda: {k: (v() if callable(v) else v) for k, v in kwargs.items()}
+
+    ids = lambda: torch.randint(0, 1 << 24, (2, S), device=dev)  # noqa: E731
+    cases = [
+        ("neox, base, positions 0..S-1", torch.bfloat16, kw()),
+        ("interleaved, base", torch.bfloat16, kw(style="interleaved")),
+        ("inv_freq fp32, int offset", torch.float32,
+         kw(inv_freq=lambda: 500000.0 ** (-torch.arange(0, 64, 2, device=dev).float() / 64), positions=1000)),
+        ("cos/sin fp32 table, per-token ids", torch.float16,
+         kw(cos=lambda: table().cos().float().to(dev), sin=lambda: table().sin().float().to(dev),
+            positions=lambda: torch.randint(0, P, (2, S), device=dev))),
+        ("cos/sin bf16 table", torch.bfloat16,
+         kw(cos=lambda: table().cos().bfloat16().to(dev), sin=lambda: table().sin().bfloat16().to(dev),
+            positions=3)),
+        ("raw angles (cuDNN), rope_dim at back", torch.bfloat16,
+         kw(angles=lambda: table(full=True)[:, :32].to(dev), rotary_dim=32, rotary_at="back", q_scale=0.125)),
+        ("HF per-token cos/sin [B,S,D]", torch.bfloat16,
+         kw(cos=lambda: table(full=True)[:S].cos().expand(2, S, 64).to(dev),
+            sin=lambda: table(full=True)[:S].sin().expand(2, S, 64).to(dev))),
+        ("[B] per-sequence offsets", torch.float32, kw(positions=lambda: torch.tensor([5, 70000], device=dev))),
+        ("per-token ids to 2^24, exact angles", torch.float32, kw(positions=ids)),
+        ("layout bhsd", torch.float16, kw(layout="bhsd")),
+        ("layout sbhd", torch.float16, kw(layout="sbhd")),
+        ("layout thd + cu_seqlens (varlen)", torch.bfloat16,
+         kw(layout="thd", cu_seqlens=lambda: torch.tensor([0, 3, S, 2 * S - 1, 2 * S], device=dev))),
+        ("partial rotary front (GPT-NeoX 25%)", torch.float32, kw(rotary_dim=16)),
+        ("q_scale/k_scale/rotary_scale", torch.bfloat16, kw(q_scale=0.125, k_scale=2.0, rotary_scale=1.2)),
+        ("backward (conjugate rotation)", torch.float32, kw(_backward=True, positions=12345)),
+        ("in place", torch.bfloat16, kw(_inplace=True, positions=7)),
+    ]
+    return cases
+
+
+def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwargs: Callable,
+              small: bool) -> CheckRow:
+    import ropekit
+
+    kwargs = make_kwargs()
+    backward, inplace = kwargs.pop("_backward", False), kwargs.pop("_inplace", False)
+    layout = kwargs.get("layout", "bshd")
+    B, S, HQ, HK, D = 2, (16 if small else 512), 8, 2, 64
+    q = torch.randn(B, S, HQ, D, dtype=torch.float64)
+    k = torch.randn(B, S, HK, D, dtype=torch.float64)
+    shape = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
+    if layout == "thd":
+        q, k = q.reshape(B * S, HQ, D), k.reshape(B * S, HK, D)
+    else:
+        q, k = q.permute(*shape[layout]).contiguous(), k.permute(*shape[layout]).contiguous()
+    q, k = q.to(dtype), k.to(dtype)
+    cpu_kwargs = {key: (v.cpu() if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+    fn = ropekit.rope_backward if backward else ropekit.apply_rope
+    ref_q, ref_k = fn(q.double(), k.double(), **cpu_kwargs)
+    qd, kd = q.to(device), k.to(device)
+    if backend == "triton-interpreter":
+        from ropekit.api import _normalise
+        from ropekit.triton.launcher import launch_rope
+
+        n = _normalise(qd, kd, **{**dict(positions=None, inv_freq=None, base=10000.0, cos=None, sin=None,
+                                          angles=None, style="neox", layout="bshd", rotary_dim=None,
+                                          rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
+                                          cu_seqlens=None, check_positions=False), **kwargs, "conjugate": backward})
+        out_q, out_k = (qd, kd) if inplace else (torch.full_like(qd, float("nan")), torch.full_like(kd, float("nan")))
+        launch_rope(qd, kd, out_q, out_k,
+                    **dict(zip(("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin"), n.tensors)),
+                    **n.scalars)
+    elif inplace:
+        out_q, out_k = ropekit.apply_rope_(qd, kd, **kwargs)
+    else:
+        out_q, out_k = fn(qd, kd, **kwargs)
+    err = max(_rel_error(out_q, ref_q), _rel_error(out_k, ref_k))
+    tol = _TOL[dtype] * (2 if backend == "triton-interpreter" and dtype == torch.bfloat16 else 1)
+    return CheckRow(backend, device, name, err, tol)
+
+
+def _property_rows() -> list[CheckRow]:
+    """Properties of the float64 CPU path: conjugate undoes forward, pair norms kept, relative positions."""
+    import ropekit
+
+    q = torch.randn(2, 64, 4, 64, dtype=torch.float64)
+    rot = ropekit.apply_rope(q, positions=123456)
+    back = ropekit.rope_backward(rot, positions=123456)
+    rows = [CheckRow("cpu", "cpu", "property: conjugate undoes forward", _rel_error(back, q), 1e-12)]
+    norms = lambda x: x[..., :32] ** 2 + x[..., 32:] ** 2  # noqa: E731
+    rows.append(CheckRow("cpu", "cpu", "property: pair norms preserved", _rel_error(norms(rot), norms(q)), 1e-12))
+    a, b = torch.randn(1, 1, 1, 64, dtype=torch.float64), torch.randn(1, 1, 1, 64, dtype=torch.float64)
+    dots = [(ropekit.apply_rope(a, positions=m + 10) * ropekit.apply_rope(b, positions=m)).sum()
+            for m in (0, 1000, 2**20)]
+    spread = max(abs((d - dots[0]).item()) for d in dots) / abs(dots[0].item())
+    rows.append(CheckRow("cpu", "cpu", "property: q.k depends on position difference only", spread, 1e-9))
+    return rows
+
+
+def run_checks(small: Optional[bool] = None) -> list[CheckRow]:
+    """All check rows for the backends available here."""
+    if torch.cuda.is_available():
+        backend, device = "cuda", "cuda"
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        backend, device = "triton-interpreter", "cpu"
+    small = backend != "cuda" if small is None else small
+    torch.manual_seed(0)
+    rows = []
+    have_triton = importlib.util.find_spec("triton") is not None
+    if have_triton:
+        for name, dtype, make in _case_table(device, small):
+            rows.append(_run_case(backend, device, name, dtype, make, small))
+    rows += _property_rows()
+    try:
+        from ropekit import webgpu
+
+        rows += [CheckRow(r["backend"], r["device"], r["case"], r["max_error"], r["tolerance"])
+                 for r in webgpu.check_rows()]
+    except ImportError:
+        pass
+    return rows
+
+
+def _device_name(backend: str) -> str:
+    if backend == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ropekit check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="small shapes even on a GPU")
+    args = parser.parse_args(argv)
+    rows = run_checks(small=True if args.small else None)
+    width = max(len(r.case) for r in rows)
+    print(f"{'backend':<19} {'device':<24} {'case':<{width}} {'max error':>10} {'tolerance':>10}  result")
+    for r in rows:
+        dev = _device_name(r.backend) if r.backend in ("cuda", "triton-interpreter") else r.device
+        print(f"{r.backend:<19} {dev[:24]:<24} {r.case:<{width}} {r.max_error:>10.2e} {r.tolerance:>10.2e}  "
+              f"{'pass' if r.passed else 'FAIL'}")
+    failed = sum(not r.passed for r in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def env_main(argv: Optional[list[str]] = None) -> int:
+    argparse.ArgumentParser(prog="ropekit env", description="versions and devices").parse_args(argv)
+    import ropekit
+
+    print(f"ropekit      {ropekit.__version__}")
+    print(f"python       {sys.version.split()[0]} ({platform.platform()})")
+    for name in ("torch", "triton", "numpy", "transformers", "wgpu", "matplotlib"):
+        try:
+            version = importlib.import_module(name).__version__
+        except ImportError:
+            version = "not installed"
+        print(f"{name:<12} {version}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"cuda:{i}       {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                  f"{p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
+    else:
+        print("cuda         not available (Triton kernels run only under TRITON_INTERPRET=1)")
+    try:
+        from ropekit import webgpu
+
+        print(f"webgpu       {webgpu.adapter_info() or 'no adapter'}")
+    except ImportError:
+        print("webgpu       not available")
+    return 0

@@ -1,0 +1,268 @@
+"""Make a transformers model rotate its queries and keys with ropekit, and undo it.
+
+How it works
+------------
+A transformers model computes ``(cos, sin) = model.rotary_emb(hidden_states, position_ids)`` once per forward
+and every attention layer then calls its modeling module's ``apply_rotary_pos_emb(q, k, cos, sin)``.
+:func:`patch` changes both ends, per model instance:
+
+* the model's rotary-embedding module gets a ropekit :class:`~ropekit.RotaryEmbedding` (built from the model
+  config by :func:`~ropekit.from_hf_config`, so dynamic NTK and LongRoPE switch exactly as in transformers). Its
+  forward still returns transformers-style ``(cos, sin)`` in the hidden-state dtype -- any code that reads the
+  tables keeps working -- and the cos tensor carries the positions, the float32 ``inv_freq`` and the attention
+  scaling it came from;
+* the family's ``apply_rotary_pos_emb`` (and DeepSeek-V3's ``apply_rotary_pos_emb_interleave``) is replaced by a
+  dispatcher: given a cos tensor from a patched model it rotates with :func:`ropekit.apply_rope` using those
+  positions and frequencies (angles formed exactly in the kernel, fp32 math, no bf16 table); given anything else
+  (an unpatched model of the same family) it calls the original function unchanged.
+
+The module-level replacement is shared by all patched models of a family and reference-counted: the original
+function comes back when the last such model is unpatched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import threading
+import types
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ropekit.api import _rope
+from ropekit.modules import RotaryEmbedding, hf_tables
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "is_patched", "patch", "unpatch"]
+
+# How a family's function pairs columns:
+#   "neox"                 rotate_half pairs (i, i + R/2); R = cos width; columns past R pass through (Phi-3, NeoX)
+#   "interleaved"          pairs (2i, 2i+1) with angle i, R = cos width, tail passes through (GLM)
+#   "interleaved_to_halves" pairs (2i, 2i+1), output laid out as [rotated evens, rotated odds] (DeepSeek-V3)
+_FAMILIES: dict[str, dict[str, str]] = {
+    "llama": {"apply_rotary_pos_emb": "neox"},
+    "mistral": {"apply_rotary_pos_emb": "neox"},
+    "qwen2": {"apply_rotary_pos_emb": "neox"},
+    "qwen3": {"apply_rotary_pos_emb": "neox"},
+    "phi3": {"apply_rotary_pos_emb": "neox"},
+    "gpt_neox": {"apply_rotary_pos_emb": "neox"},
+    "glm": {"apply_rotary_pos_emb": "interleaved"},
+    "glm4": {"apply_rotary_pos_emb": "interleaved"},
+    "deepseek_v3": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_interleave": "interleaved_to_halves"},
+}
+#: ``config.model_type`` values :func:`patch` accepts.
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+_PLAN_ATTR = "_ropekit_plan"
+_STATE_ATTR = "_ropekit_patch"
+_LOCK = threading.Lock()
+_GLOBAL_REFS: dict[str, int] = {}  # modeling module name -> patched models using its dispatchers
+_ORIGINALS: dict[tuple[str, str], Callable] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a patched rotary module knew when it built the tables: enough to rotate without them."""
+
+    positions: Tensor  # int64 [B|1, S] on the tables' device
+    inv_freq: Tensor  # float32 [R/2]
+    scale: float  # attention_scaling
+    width: int  # cos.shape[-1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the patched rotary-embedding forward
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type: str | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """Replacement of a transformers ``*RotaryEmbedding.forward``: HF-style tables, tagged with a plan."""
+    if layer_type is not None:
+        raise ValueError("ropekit's patch covers models with one rotary embedding for all layers; this call asked "
+                         f"for layer_type={layer_type!r}")
+    rope: RotaryEmbedding = getattr(self, _STATE_ATTR).rope
+    with torch.no_grad():
+        if rope.frequencies.is_dynamic:  # transformers reads max(position_ids) here too
+            rope.update(int(position_ids.max()) + 1)
+        f = rope.frequencies
+        inv = rope._inv_freq_on(x.device)
+        cos, sin = hf_tables(position_ids, inv, f.attention_scaling)  # float32, exact angles
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # what transformers returns
+    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
+                                   width=cos.shape[-1]))
+    return cos, sin
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the module-level dispatchers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _unsqueeze_dim(signature: inspect.Signature, args: tuple, kwargs: dict) -> int | None:
+    if not args and not kwargs:
+        return 1
+    try:
+        bound = signature.bind(None, None, None, None, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound.arguments.get("unsqueeze_dim", 1)
+
+
+def _make_dispatcher(original: Callable, kind: str) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def dispatcher(q, k, cos, sin, *args, **kwargs):
+        plan = getattr(cos, _PLAN_ATTR, None)
+        if plan is not None:
+            out = _rotate(plan, kind, q, k, cos, _unsqueeze_dim(signature, args, kwargs))
+            if out is not None:
+                return out
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    dispatcher._ropekit_original = original  # type: ignore[attr-defined]
+    return dispatcher
+
+
+def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze_dim: int | None):
+    """The ropekit rotation for one dispatcher call, or None when the call falls outside what the plan covers
+    (then the original function runs)."""
+    layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
+    if layout is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
+        return None
+    if k.dtype != q.dtype or cos.shape[-1] != plan.width or plan.positions.dim() != 2:
+        return None
+    seq_axis = 2 if layout == "bhsd" else 1
+    B, S = q.shape[0], q.shape[seq_axis]
+    if plan.positions.shape[-1] != S or plan.positions.shape[0] not in (1, B) or k.shape[seq_axis] != S:
+        return None
+    rotary_dim = plan.width if kind != "interleaved_to_halves" else q.shape[-1]
+    if kind == "interleaved_to_halves" and plan.width != rotary_dim:
+        return None
+    if q.shape[-1] < rotary_dim or k.shape[-1] != q.shape[-1] or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return None
+    style = "neox" if kind == "neox" else "interleaved"
+    promote = cos.dtype  # transformers' output dtype is promote(q, cos)
+    q_out, k_out = _rope(q, k, promote_dtype=promote, positions=plan.positions, inv_freq=plan.inv_freq,
+                         style=style, layout=layout, rotary_dim=rotary_dim, rotary_scale=plan.scale)
+    if kind == "interleaved_to_halves":
+        q_out = torch.cat((q_out[..., 0::2], q_out[..., 1::2]), dim=-1)
+        k_out = torch.cat((k_out[..., 0::2], k_out[..., 1::2]), dim=-1)
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# patch / unpatch
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _ModuleState:
+    rope: RotaryEmbedding
+    modeling: str
+
+
+def _rotary_modules(model: nn.Module, modeling: str) -> list[nn.Module]:
+    found = []
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__.endswith("RotaryEmbedding") and cls.__module__ == modeling and hasattr(module, "config"):
+            found.append(module)
+    return found
+
+
+def _model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise TypeError(f"patch expects a transformers PreTrainedModel (with .config.model_type), got "
+                        f"{type(model).__name__}")
+    return model_type
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Make ``model`` (a transformers model) apply its rotary embedding with ropekit; returns ``model``.
+
+    Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+    GPT-NeoX, GLM, GLM-4, DeepSeek-V3). Every rope type works (default, linear, dynamic, yarn, longrope, llama3,
+    ...); partial rotary and attention scaling follow the model. Logits and gradients match the unpatched
+    model (to float32 rounding in fp32; in bf16 ropekit is the more accurate of the two, since transformers
+    rounds its cos/sin tables to bf16). Patching twice is a no-op. Undo with :func:`unpatch`.
+
+    Raises
+    ------
+    ValueError
+        For an unsupported model type, or a model without a rotary-embedding module of its family.
+    """
+    model_type = _model_type(model)
+    if model_type not in _FAMILIES:
+        raise ValueError(f"ropekit cannot patch model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
+    modeling = f"transformers.models.{model_type}.modeling_{model_type}"
+    module = importlib.import_module(modeling)
+    rotaries = _rotary_modules(model, modeling)
+    if not rotaries:
+        raise ValueError(f"found no rotary-embedding module of {modeling} in {type(model).__name__}")
+    todo = [m for m in rotaries if not hasattr(m, _STATE_ATTR)]
+    if not todo:
+        return model
+    with _LOCK:
+        for rotary in todo:
+            rope = RotaryEmbedding(rotary.config)
+            buffer = getattr(rotary, "inv_freq", None)
+            if isinstance(buffer, Tensor):
+                rope.to(buffer.device)
+            # not registered as a submodule: the model's module tree and state dict stay as they were
+            object.__setattr__(rotary, _STATE_ATTR, _ModuleState(rope=rope, modeling=modeling))
+            rotary.forward = types.MethodType(_rotary_forward, rotary)
+            _GLOBAL_REFS[modeling] = _GLOBAL_REFS.get(modeling, 0) + 1
+        for name, kind in _FAMILIES[model_type].items():
+            current = getattr(module, name, None)
+            if current is None:
+                continue
+            if not hasattr(current, "_ropekit_original"):
+                _ORIGINALS[(modeling, name)] = current
+                setattr(module, name, _make_dispatcher(current, kind))
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch` on ``model``; returns ``model``. A model that is not patched is returned unchanged."""
+    with _LOCK:
+        for rotary in list(model.modules()):
+            state = rotary.__dict__.get(_STATE_ATTR)
+            if state is None:
+                continue
+            del rotary.__dict__[_STATE_ATTR]
+            rotary.__dict__.pop("forward", None)
+            refs = _GLOBAL_REFS.get(state.modeling, 0) - 1
+            _GLOBAL_REFS[state.modeling] = max(refs, 0)
+            if refs <= 0:
+                _restore_globals(state.modeling)
+    return model
+
+
+def _restore_globals(modeling: str) -> None:
+    module = importlib.import_module(modeling)
+    for (mod_name, name), original in list(_ORIGINALS.items()):
+        if mod_name == modeling:
+            setattr(module, name, original)
+            del _ORIGINALS[(mod_name, name)]
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether any rotary-embedding module of ``model`` is patched."""
+    return any(_STATE_ATTR in m.__dict__ for m in model.modules())
+
+
+def _ropekit_module(model: nn.Module) -> RotaryEmbedding | None:
+    """The ropekit module behind a patched model's (first) rotary embedding, for inspection."""
+    for m in model.modules():
+        state = m.__dict__.get(_STATE_ATTR)
+        if state is not None:
+            return state.rope
+    return None

@@ -1,0 +1,238 @@
+"""``RotaryEmbedding``: a ``torch.nn.Module`` that rotates queries and keys through :func:`ropekit.apply_rope`.
+
+It is built from a :class:`~ropekit.frequencies.RopeFrequencies`, a transformers config (object or dict), or a
+rotary dimension plus :func:`~ropekit.frequencies.rope_frequencies` keywords. Angles are formed from the fp32
+``inv_freq`` inside the kernel (exactly, at any position); the module never builds a bf16 table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ropekit.api import apply_rope
+from ropekit.frequencies import RopeFrequencies, from_hf_config, rope_frequencies
+
+__all__ = ["RotaryEmbedding", "hf_tables"]
+
+
+def hf_tables(positions: Tensor, inv_freq: Tensor, scale: float = 1.0, *, full: bool = True,
+              dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos and sin ``[*positions.shape, W]`` on ``positions``' device, times ``scale``: ``W = 2 * len(inv_freq)``
+    in transformers' ``cat(angles, angles)`` layout when ``full``, else one column per pair.
+
+    The angle ``position * inv_freq`` is formed in float64 (exact below 2**29 positions for float32
+    ``inv_freq``) and its cos/sin taken in float64, then rounded once to ``dtype``.
+    """
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device, torch.float64)
+    cos, sin = (torch.cos(angles) * scale).to(dtype), (torch.sin(angles) * scale).to(dtype)
+    if full:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return cos, sin
+
+
+def _canonical_seq(q: Tensor, layout: str) -> int:
+    """S of the canonical [B, S, H, D] view (T for ``thd``)."""
+    if layout in ("bshd", "thd"):
+        return q.shape[1] if layout == "bshd" else q.shape[0]
+    if layout == "bhsd":
+        return q.shape[2]
+    if layout == "sbhd":
+        return q.shape[0]
+    raise ValueError(f"layout must be one of ('bshd', 'bhsd', 'sbhd', 'thd'), got {layout!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding of one attention layer (or of a whole model: it holds no per-layer state).
+
+    Parameters
+    ----------
+    source : RopeFrequencies, transformers config, Mapping, or int
+        The frequencies; a config goes through :func:`ropekit.from_hf_config` (``layer_type``/``style`` are
+        forwarded), an int is a ``rotary_dim`` for :func:`ropekit.frequencies.rope_frequencies` (``**kwargs``
+        forwarded: ``base``, ``rope_type``, ``factor``, ``freq_scale``, ...).
+
+    Buffers
+    -------
+    inv_freq : float32 [rotary_dim // 2], not saved in the state dict: the set in force. ``dynamic`` and
+        ``longrope`` replace it per call the way transformers' rotary module does (see :meth:`forward`).
+
+    Notes
+    -----
+    ``attention_scaling`` (YaRN, LongRoPE) multiplies cos and sin, as transformers applies it: the rotated
+    columns are scaled, pass-through columns are not.
+    """
+
+    inv_freq: Tensor
+
+    def __init__(self, source: RopeFrequencies | Mapping[str, Any] | Any | int, *, layer_type: str | None = None,
+                 style: str | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        if isinstance(source, RopeFrequencies):
+            if layer_type is not None or style is not None or kwargs:
+                raise ValueError("layer_type, style and frequency keywords apply to configs and ints, not to a "
+                                 "RopeFrequencies (build it with the settings you want)")
+            freqs = source
+        elif isinstance(source, int) and not isinstance(source, bool):
+            if layer_type is not None:
+                raise ValueError("layer_type applies to configs only")
+            freqs = rope_frequencies(source, style=style or "neox", **kwargs)
+        else:
+            if kwargs:
+                raise ValueError(f"unexpected keywords {sorted(kwargs)} for a config source; only layer_type, "
+                                 "style are read")
+            freqs = from_hf_config(source, layer_type=layer_type, style=style)
+        self._initial = freqs
+        self._current = freqs
+        # transformers' dynamic-NTK state: the largest length seen since the last reset
+        self._cached_len = freqs.max_position_embeddings
+        self.register_buffer("inv_freq", freqs.inv_freq.clone(), persistent=False)
+
+    # ---- construction helpers ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, layer_type: str | None = None, style: str | None = None
+                       ) -> RotaryEmbedding:
+        """``RotaryEmbedding(config, layer_type=..., style=...)``."""
+        return cls(config, layer_type=layer_type, style=style)
+
+    # ---- properties ------------------------------------------------------------------------------------------
+
+    @property
+    def frequencies(self) -> RopeFrequencies:
+        """The :class:`RopeFrequencies` in force (changes with the sequence length for dynamic/longrope)."""
+        return self._current
+
+    @property
+    def attention_scaling(self) -> float:
+        return self._current.attention_scaling
+
+    @property
+    def rotary_dim(self) -> int:
+        return self._current.rotary_dim
+
+    @property
+    def head_dim(self) -> int:
+        return self._current.head_dim
+
+    @property
+    def style(self) -> str:
+        return self._current.style
+
+    def extra_repr(self) -> str:
+        f = self._current
+        return (f"rope_type={f.rope_type!r}, rotary_dim={f.rotary_dim}, head_dim={f.head_dim}, style={f.style!r}, "
+                f"base={f.base}, attention_scaling={f.attention_scaling:.6g}")
+
+    # ---- frequency selection ---------------------------------------------------------------------------------
+
+    def update(self, seq_len: int) -> RopeFrequencies:
+        """Select the frequencies for a call whose largest position is ``seq_len - 1``, as transformers'
+        ``dynamic_rope_update`` does, and return them.
+
+        * ``dynamic``: recomputed when ``seq_len`` exceeds the largest length seen so far (which starts at
+          ``max_position_embeddings``); reset to the original set when a sequence shorter than
+          ``max_position_embeddings`` follows a longer one. Lengths in between keep the grown set -- exactly
+          transformers' behaviour, state included.
+        * ``longrope``: long factors above ``original_max_position_embeddings``, short ones otherwise.
+        * other types: nothing changes.
+        """
+        f0 = self._initial
+        if not f0.is_dynamic:
+            return self._current
+        seq_len = int(seq_len)
+        if f0.rope_type == "longrope":
+            new = f0.for_seq_len(seq_len)
+        else:
+            new = self._current
+            original = f0.max_position_embeddings
+            if seq_len > self._cached_len:
+                new = f0.for_seq_len(seq_len)
+                self._cached_len = seq_len
+            if seq_len < original and self._cached_len > original:
+                new = f0
+                self._cached_len = original
+        if new is not self._current:
+            self._current = new
+            self.inv_freq = new.inv_freq.to(self.inv_freq.device)
+        return new
+
+    def _inv_freq_on(self, device: torch.device) -> Tensor:
+        inv = self.inv_freq
+        if inv.dtype != torch.float32 or inv.device != device:
+            # a module-wide .to(dtype) may have cast the buffer: rebuild it from the float32 values
+            inv = self._current.inv_freq.to(device)
+            self.inv_freq = inv
+        return inv
+
+    @staticmethod
+    def seq_len_of(q: Tensor, positions: None | int | Tensor, layout: str,
+                   cu_seqlens: Tensor | None = None) -> int:
+        """The sequence length transformers would use for these positions: largest position + 1. Reads
+        tensor values (a host sync for CUDA tensors)."""
+        S = _canonical_seq(q, layout)
+        if isinstance(positions, Tensor):
+            if positions.numel() == 0:
+                return 0
+            num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
+            if positions.dim() == 1 and positions.shape[0] == num_seqs and (cu_seqlens is not None
+                                                                            or layout != "thd"):
+                lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(positions.device) if cu_seqlens is not None else S
+                return int((positions.to(torch.int64) + lengths).max())  # per-sequence offset + length
+            return int(positions.max()) + 1
+        offset = int(positions or 0)
+        if cu_seqlens is not None and cu_seqlens.numel() > 1:
+            return offset + int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return offset + S
+
+    # ---- application -----------------------------------------------------------------------------------------
+
+    def forward(self, q: Tensor, k: Tensor | None = None, *, positions: None | int | Tensor = None,
+                layout: str = "bshd", cu_seqlens: Tensor | None = None, seq_len: int | None = None,
+                q_scale: float = 1.0, k_scale: float = 1.0) -> Tensor | tuple[Tensor, Tensor]:
+        """Rotate ``q`` (and ``k``); returns new tensors like :func:`ropekit.apply_rope`.
+
+        Parameters
+        ----------
+        q, k : Tensor
+            In ``layout`` (``"bshd"`` [B, S, H, D], ``"bhsd"``, ``"sbhd"``, ``"thd"`` [T, H, D]); head_dim may
+            exceed ``rotary_dim`` (the tail passes through). Gradients flow to both.
+        positions : None, int or Tensor
+            As for :func:`ropekit.apply_rope`: None (0..S-1), an int offset, [B] offsets, or per-token ids.
+        cu_seqlens : Tensor, optional
+            Packed-sequence boundaries for ``layout="thd"``.
+        seq_len : int, optional
+            For ``dynamic``/``longrope``: the length that selects the frequencies (default: largest position
+            + 1, read from ``positions`` -- a host sync on CUDA; pass it to avoid one). Ignored otherwise.
+        q_scale, k_scale : float
+            Multiply the whole output of q / k.
+        """
+        if self._initial.is_dynamic:
+            self.update(self.seq_len_of(q, positions, layout, cu_seqlens) if seq_len is None else seq_len)
+        f = self._current
+        if q.shape[-1] < f.rotary_dim:
+            raise ValueError(f"q head_dim {q.shape[-1]} is smaller than this embedding's rotary_dim {f.rotary_dim}")
+        return apply_rope(q, k, positions=positions, inv_freq=self._inv_freq_on(q.device), style=f.style,
+                          layout=layout, rotary_dim=f.rotary_dim, rotary_at=f.rotary_at,
+                          rotary_scale=float(f.attention_scaling), q_scale=q_scale, k_scale=k_scale,
+                          cu_seqlens=cu_seqlens)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32, *, full: bool = True,
+                seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """transformers-style ``(cos, sin)`` tables ``[*positions.shape, rotary_dim]`` on ``positions``' device,
+        times ``attention_scaling``, for code that needs tables (``full=False``: one column per pair).
+
+        Like transformers' rotary module, a ``dynamic``/``longrope`` embedding first selects its frequencies
+        from ``seq_len`` (default: ``positions.max() + 1``). Values are computed in float64 and rounded once to
+        ``dtype``; keep ``dtype=torch.float32`` for anything that feeds a rotation.
+        """
+        positions = torch.as_tensor(positions)
+        if positions.is_floating_point():
+            raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+        if self._initial.is_dynamic:
+            self.update(int(positions.max()) + 1 if seq_len is None else seq_len)
+        f = self._current
+        return hf_tables(positions, self._inv_freq_on(positions.device), f.attention_scaling, full=full, dtype=dtype)

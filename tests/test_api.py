@@ -1,0 +1,226 @@
+"""Public API on CPU: dtypes, autograd, in-place semantics, torch.library/compile, and the bad-input table."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import ropekit
+from ropekit.api import _normalise
+from helpers import CPU_TOLERANCES, assert_close_to_ref, make_qk
+from ropekit.reference import rope_reference
+
+
+def _ref(q, k, **kwargs):
+    n = _normalise(q, k, **{**_DEFAULTS, **kwargs})
+    tensors = dict(zip(("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin"), n.tensors))
+    return rope_reference(q, k, **tensors, **n.scalars, out_dtype=torch.float64)
+
+
+_DEFAULTS = dict(positions=None, inv_freq=None, base=10000.0, cos=None, sin=None, angles=None, style="neox",
+                 layout="bshd", rotary_dim=None, rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
+                 cu_seqlens=None, check_positions=False, conjugate=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_output_dtype_and_single_rounding(dtype):
+    q, k = make_qk(2, 9, 4, 2, 32, dtype=dtype)
+    q_rot, k_rot = ropekit.apply_rope(q, k, positions=7, q_scale=0.3)
+    ref_q, ref_k = _ref(q, k, positions=7, q_scale=0.3)
+    assert_close_to_ref(q_rot, ref_q, dtype, CPU_TOLERANCES)
+    assert_close_to_ref(k_rot, ref_k, dtype, CPU_TOLERANCES)
+
+
+def test_q_only_returns_a_tensor():
+    q, _ = make_qk(1, 3, 2, 1, 8)
+    out = ropekit.apply_rope(q)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("rotary_at", ["front", "back"])
+def test_gradcheck_float64(style, rotary_at):
+    q, k = make_qk(2, 2, 2, 1, 12, dtype=torch.float64)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+
+    def f(a, b):
+        return ropekit.apply_rope(a, b, positions=torch.tensor([3, 50]), style=style, rotary_dim=8,
+                                  rotary_at=rotary_at, q_scale=0.7, k_scale=1.3, rotary_scale=1.1)
+
+    assert torch.autograd.gradcheck(f, (q, k))
+    if style == "neox" and rotary_at == "front":
+        assert torch.autograd.gradgradcheck(f, (q, k))
+
+
+def test_gradcheck_hf_style_tables_with_unequal_halves():
+    # Full-width tables whose halves differ are not a rotation; the backward must still be the exact transpose.
+    q = torch.randn(1, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = torch.randn(1, 5, 8, dtype=torch.float64), torch.randn(1, 5, 8, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a: ropekit.apply_rope(a, cos=cos, sin=sin), (q,))
+
+
+def test_rope_backward_equals_autograd():
+    q, k = make_qk(2, 6, 4, 2, 16, dtype=torch.float64)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    kw = dict(positions=5, rotary_dim=8, q_scale=0.25, style="interleaved")
+    q_rot, k_rot = ropekit.apply_rope(q, k, **kw)
+    gq, gk = torch.randn_like(q_rot), torch.randn_like(k_rot)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (gq, gk))
+    eq, ek = ropekit.rope_backward(gq, gk, **kw)
+    torch.testing.assert_close(dq, eq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dk, ek, rtol=1e-12, atol=1e-12)
+
+
+def test_grad_of_only_k_uses_k_scale():
+    q, k = make_qk(1, 3, 2, 2, 8, dtype=torch.float64)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    _, k_rot = ropekit.apply_rope(q, k, q_scale=2.0, k_scale=0.5)
+    g = torch.randn_like(k_rot)
+    (dk,) = torch.autograd.grad(k_rot, (k,), g)
+    torch.testing.assert_close(dk, ropekit.rope_backward(g, k_scale=0.5, q_scale=0.5), rtol=1e-12, atol=1e-12)
+
+
+def test_in_place_returns_inputs_and_matches_out_of_place():
+    q, k = make_qk(2, 5, 4, 2, 16)
+    want_q, want_k = ropekit.apply_rope(q, k, positions=3)
+    q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
+    got_q, got_k = ropekit.apply_rope_(q, k, positions=3)
+    assert got_q is q and got_k is k and q.data_ptr() == q_ptr and k.data_ptr() == k_ptr
+    torch.testing.assert_close(q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(k, want_k, rtol=0, atol=0)
+
+
+def test_in_place_on_leaf_requiring_grad_raises_and_writes_nothing():
+    q = torch.randn(1, 3, 2, 8, requires_grad=True)
+    before = q.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf"):
+        ropekit.apply_rope_(q)
+    torch.testing.assert_close(q.detach(), before, rtol=0, atol=0)
+
+
+def test_in_place_autograd_on_non_leaf():
+    x = torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True)
+    y = x * 2
+    ropekit.apply_rope_(y, positions=2)
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    torch.testing.assert_close(dx, 2 * ropekit.rope_backward(g, positions=2), rtol=1e-12, atol=1e-12)
+
+
+def test_in_place_on_tensor_saved_by_another_op_raises():
+    x = torch.randn(1, 4, 2, 8, requires_grad=True)
+    y = x * 1.0
+    z = y.sin()  # sin saves y for its backward
+    ropekit.apply_rope_(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def _op_args(q, k, **kwargs):
+    n = _normalise(q, k, **{**_DEFAULTS, **kwargs})
+    return (q, k, *n.tensors, *n.scalars.values())
+
+
+@pytest.mark.parametrize("kwargs", [dict(positions=3), dict(positions=torch.tensor([1, 4]), rotary_dim=8),
+                                    dict(style="interleaved", q_scale=0.5)])
+def test_opcheck_out_of_place_and_in_place(kwargs):
+    q, k = make_qk(2, 5, 4, 2, 16)
+    q.requires_grad_(True)
+    opcheck(torch.ops.ropekit.rope.default, (*_op_args(q, k, **kwargs), None))
+    q2, k2 = make_qk(2, 5, 4, 2, 16)
+    opcheck(torch.ops.ropekit.rope_.default, _op_args(q2, k2, **kwargs))
+
+
+def test_torch_compile_fullgraph_cpu():
+    q, k = make_qk(2, 6, 4, 2, 16)
+    pos = torch.randint(0, 100, (2, 6))
+
+    @torch.compile(fullgraph=True)
+    def f(a, b, p):
+        return ropekit.apply_rope(a, b, positions=p, q_scale=0.125)
+
+    got = f(q, k, pos)
+    want = ropekit.apply_rope(q, k, positions=pos, q_scale=0.125)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+def test_empty_inputs():
+    q = torch.randn(0, 5, 2, 8)
+    assert ropekit.apply_rope(q).shape == q.shape
+    q = torch.randn(2, 0, 2, 8)
+    assert ropekit.apply_rope(q, positions=torch.tensor([1, 2])).shape == q.shape
+
+
+# ------------------------------------------------------------------------------------------------ bad input table
+
+def _q(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype) if shape else torch.randn(2, 4, 3, 8, dtype=dtype)
+
+
+_table = torch.randn(6, 4)
+BAD_INPUTS = [
+    # (id, args, kwargs, exception, message fragment)
+    ("integer q", (torch.ones(2, 4, 3, 8, dtype=torch.int64),), {}, TypeError, "q must be a floating"),
+    ("q not tensor", ([1.0, 2.0],), {}, TypeError, "q must be a torch.Tensor"),
+    ("odd head_dim", (_q(2, 4, 3, 7),), {}, ValueError, "head_dim must be even"),
+    ("odd rotary_dim", (_q(),), dict(rotary_dim=5), ValueError, "rotary_dim must be even"),
+    ("rotary_dim > head_dim", (_q(),), dict(rotary_dim=10), ValueError, "rotary_dim must be even and in"),
+    ("head_dim mismatch", (_q(), _q(2, 4, 1, 6)), {}, ValueError, "k head_dim 6 must equal q head_dim 8"),
+    ("batch mismatch", (_q(), _q(3, 4, 1, 8)), {}, ValueError, "k must have q's batch and sequence"),
+    ("dtype mismatch", (_q(), _q(2, 4, 1, 8, dtype=torch.float16)), {}, TypeError, "k must be of q's dtype"),
+    ("wrong ndim", (_q(4, 3, 8),), {}, ValueError, "q must have 4 dims for layout 'bshd'"),
+    ("bad layout", (_q(),), dict(layout="bsdh"), ValueError, "layout must be one of"),
+    ("bad style", (_q(),), dict(style="gptj"), ValueError, "style must be one of"),
+    ("bad rotary_at", (_q(),), dict(rotary_at="middle"), ValueError, "rotary_at must be"),
+    ("non-contiguous last dim", (_q(2, 4, 3, 16)[..., ::2],), {}, ValueError, "contiguous last dimension"),
+    ("negative offset", (_q(),), dict(positions=-1), ValueError, "positions .an offset. must be >= 0"),
+    ("negative position ids", (_q(),), dict(positions=torch.tensor([[0, 1, -2, 3]] * 2)), IndexError,
+     "positions must be >= 0"),
+    ("float positions", (_q(),), dict(positions=torch.zeros(2, 4)), TypeError, "positions must be an int32"),
+    ("positions wrong shape", (_q(),), dict(positions=torch.zeros(3, 4, dtype=torch.int64)), ValueError,
+     "positions must be"),
+    ("positions past table", (_q(),), dict(positions=torch.tensor([[0, 1, 2, 6]] * 2), cos=_table, sin=_table),
+     IndexError, "table has 6 rows"),
+    ("offset past table", (_q(),), dict(positions=3, cos=_table, sin=_table), IndexError, "table has 6 rows"),
+    ("per-seq offsets past table", (_q(),), dict(positions=torch.tensor([0, 3]), cos=_table, sin=_table),
+     IndexError, "table has 6 rows"),
+    ("cos without sin", (_q(),), dict(cos=_table), ValueError, "cos and sin must be given together"),
+    ("two sources", (_q(),), dict(cos=_table, sin=_table, inv_freq=torch.ones(4)), ValueError,
+     "one frequency source"),
+    ("table width", (_q(),), dict(cos=torch.randn(6, 3), sin=torch.randn(6, 3), rotary_dim=8), ValueError,
+     "cos last dim must be"),
+    ("inv_freq length", (_q(),), dict(inv_freq=torch.ones(3), rotary_dim=8), ValueError,
+     "inv_freq must have rotary_dim/2 = 4"),
+    ("inv_freq dtype", (_q(),), dict(inv_freq=torch.ones(4, dtype=torch.float16)), TypeError,
+     "inv_freq must be a float32"),
+    ("bad base", (_q(),), dict(base=0.5), ValueError, "base must be a real number > 1"),
+    ("cu_seqlens needs thd", (_q(),), dict(cu_seqlens=torch.tensor([0, 4])), ValueError,
+     "cu_seqlens needs layout='thd'"),
+    ("cu_seqlens wrong end", (_q(8, 3, 8),), dict(layout="thd", cu_seqlens=torch.tensor([0, 3, 7])), ValueError,
+     "end at the token count 8"),
+    ("cu_seqlens decreasing", (_q(8, 3, 8),), dict(layout="thd", cu_seqlens=torch.tensor([0, 5, 3, 8])),
+     ValueError, "never decrease"),
+    ("cu_seqlens float", (_q(8, 3, 8),), dict(layout="thd", cu_seqlens=torch.tensor([0.0, 8.0])), TypeError,
+     "cu_seqlens must be an int32"),
+    ("scale not a number", (_q(),), dict(q_scale="2"), TypeError, "q_scale must be a finite real"),
+    ("3-D table wrong S", (_q(),), dict(cos=torch.randn(2, 5, 4), sin=torch.randn(2, 5, 4)), ValueError,
+     "one row per token"),
+    ("positions with per-token table", (_q(),), dict(cos=torch.randn(2, 4, 4), sin=torch.randn(2, 4, 4),
+                                                     positions=torch.zeros(2, 4, dtype=torch.int64)),
+     ValueError, "cannot be combined with per-token"),
+]
+
+
+@pytest.mark.parametrize("fn", ["apply_rope", "apply_rope_", "rope_backward"])
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_raises_and_writes_nothing(case, fn):
+    _, args, kwargs, exc, match = case
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises(exc, match=match):
+        getattr(ropekit, fn)(*args, **kwargs)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()))

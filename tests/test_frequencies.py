@@ -1,0 +1,539 @@
+"""Frequencies: every rope type against transformers' own functions over real model configs, plus ggml's knobs,
+tables, exactness at long positions and the errors for bad configs.
+
+The model configs below are the RoPE-relevant fields of the published ``config.json`` files (no downloads).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ropekit.frequencies import ROPE_TYPES, RopeFrequencies, from_hf_config, rope_frequencies
+
+# Phi-3.5-mini-instruct's LongRoPE factors (48 = head_dim 96 / 2).
+PHI35_LONG = [
+    1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+    1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+    4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+    17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+    32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+    50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+    62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+    63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+    64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+    64.51000213623047, 64.52999877929688, 64.83999633789062,
+]
+PHI35_SHORT = [
+    1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
+    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
+    1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+    1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
+    1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
+    2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
+    2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+    2.749999523162842, 2.8399994373321533,
+]
+
+MODEL_CONFIGS: dict[str, dict] = {
+    # llama3 smoothing (Llama 3.1)
+    "llama-3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+    # linear position interpolation (LongChat / Vicuna v1.5 16k)
+    "vicuna-7b-v1.5-16k": {
+        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "rope_scaling": {"factor": 4.0, "type": "linear"},
+    },
+    # dynamic NTK on a Llama 2 (the rope_scaling of transformers' documentation)
+    "llama-2-7b-dynamic": {
+        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0},
+    },
+    "qwen2.5-7b-instruct": {
+        "model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "intermediate_size": 18944, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rope_scaling": None, "sliding_window": 131072,
+    },
+    # Qwen2.5's documented long-context setting: YaRN x4 (legacy "type" key)
+    "qwen2.5-7b-instruct-yarn": {
+        "model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+        "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+    },
+    # transformers 5 spelling: rope_parameters carries rope_theta
+    "qwen3-8b": {
+        "model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "qwen3-8b-yarn": {
+        "model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 32768},
+    },
+    "mistral-7b-v0.1": {
+        "model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rope_theta": 10000.0, "sliding_window": 4096,
+    },
+    # head_dim (128) differs from hidden_size / heads (160)
+    "mistral-nemo-2407": {
+        "model_type": "mistral", "hidden_size": 5120, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 1024000, "rope_theta": 1000000.0,
+    },
+    # LongRoPE with the pretraining length beside rope_scaling
+    "phi-3.5-mini-instruct": {
+        "model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"long_factor": PHI35_LONG, "short_factor": PHI35_SHORT, "type": "longrope"},
+    },
+    # DeepSeek YaRN: mscale / mscale_all_dim, MLA rope head 64, interleaved pairs
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+    },
+    # YaRN without truncating the correction range
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    },
+    # partial rotary through GPT-NeoX's own key names
+    "gpt-neox-20b": {
+        "model_type": "gpt_neox", "hidden_size": 6144, "num_attention_heads": 64, "max_position_embeddings": 2048,
+        "rotary_pct": 0.25, "rotary_emb_base": 10000,
+    },
+    "pythia-1.4b": {
+        "model_type": "gpt_neox", "hidden_size": 2048, "num_attention_heads": 16, "max_position_embeddings": 2048,
+        "rotary_pct": 0.25, "rotary_emb_base": 10000,
+    },
+    # interleaved pairs, half the head rotated
+    "glm-4-9b-0414": {
+        "model_type": "glm4", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+        "head_dim": 128, "partial_rotary_factor": 0.5, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+    },
+}
+
+EXPECTED = {  # (rope_type, rotary_dim, style) per config: the parsing itself
+    "llama-3.1-8b": ("llama3", 128, "neox"), "llama-3.2-1b": ("llama3", 64, "neox"),
+    "vicuna-7b-v1.5-16k": ("linear", 128, "neox"), "llama-2-7b-dynamic": ("dynamic", 128, "neox"),
+    "qwen2.5-7b-instruct": ("default", 128, "neox"), "qwen2.5-7b-instruct-yarn": ("yarn", 128, "neox"),
+    "qwen3-8b": ("default", 128, "neox"), "qwen3-8b-yarn": ("yarn", 128, "neox"),
+    "mistral-7b-v0.1": ("default", 128, "neox"), "mistral-nemo-2407": ("default", 128, "neox"),
+    "phi-3.5-mini-instruct": ("longrope", 96, "neox"), "deepseek-v3": ("yarn", 64, "interleaved"),
+    "gpt-oss-20b": ("yarn", 64, "neox"), "gpt-neox-20b": ("default", 24, "neox"),
+    "pythia-1.4b": ("default", 32, "neox"), "glm-4-9b-0414": ("default", 64, "interleaved"),
+}
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-6) -> None:
+    actual, expected = actual.to(torch.float64), expected.to(torch.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    rel = ((actual - expected).abs() / expected.abs().clamp_min(1e-300)).max().item()
+    assert rel <= rtol, f"max relative difference {rel:.3e} > {rtol:.1e}"
+
+
+# ---- transformers side -------------------------------------------------------------------------------------------
+
+
+def hf_config(d: dict):
+    """A transformers config object built from a copy of ``d`` (transformers mutates the dicts it is given)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoConfig.for_model(**copy.deepcopy(d))
+
+
+def hf_rotary(config):
+    """The model's own rotary-embedding module (its default init differs per family)."""
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and "Vision" not in n]
+    classes = [c for c in classes if c.__module__ == module.__name__]
+    assert len(classes) == 1, classes
+    return classes[0](config)
+
+
+# ---- parsing -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CONFIGS))
+def test_parse_without_transformers_objects(name):
+    f = from_hf_config(MODEL_CONFIGS[name])
+    assert (f.rope_type, f.rotary_dim, f.style) == EXPECTED[name]
+    assert f.inv_freq.dtype == torch.float32 and f.inv_freq.shape == (f.rotary_dim // 2,)
+    assert isinstance(f.attention_scaling, float)
+    assert torch.isfinite(f.inv_freq).all() and (f.inv_freq > 0).all()
+
+
+def test_config_dicts_are_not_mutated():
+    d = copy.deepcopy(MODEL_CONFIGS["phi-3.5-mini-instruct"])
+    snapshot = copy.deepcopy(d)
+    from_hf_config(d)
+    assert d == snapshot
+
+
+def test_works_without_transformers():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from ropekit.frequencies import from_hf_config\n"
+        "f = from_hf_config({'model_type': 'llama', 'hidden_size': 256, 'num_attention_heads': 4,"
+        " 'max_position_embeddings': 4096, 'rope_theta': 5e5, 'rope_scaling': {'rope_type': 'llama3',"
+        " 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 512}})\n"
+        "assert f.inv_freq.shape == (32,)\n"
+        "assert 'transformers' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    import ropekit
+
+    src = os.path.dirname(os.path.dirname(ropekit.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---- agreement with transformers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CONFIGS))
+@pytest.mark.parametrize("as_object", [False, True], ids=["dict", "config"])
+def test_matches_transformers_at_construction(name, as_object):
+    config = hf_config(MODEL_CONFIGS[name])
+    rotary = hf_rotary(config)
+    f = from_hf_config(config if as_object else MODEL_CONFIGS[name])
+    assert_rel_close(f.inv_freq, rotary.inv_freq)
+    assert f.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "phi-3.5-mini-instruct", "deepseek-v3", "gpt-neox-20b",
+                                  "glm-4-9b-0414"])
+def test_cos_sin_match_transformers_tables(name):
+    config = hf_config(MODEL_CONFIGS[name])
+    rotary = hf_rotary(config)
+    f = from_hf_config(config)
+    pos = torch.randint(0, 300, (2, 17))
+    x = torch.randn(2, 17, 8)
+    hf_cos, hf_sin = rotary(x, pos)
+    cos, sin = f.cos_sin(pos, torch.float32)
+    # transformers forms the angle in fp32: a few roundings of |angle| < 300 rad, each <= 300 * 2**-24
+    atol = 4 * 300 * 2.0**-24
+    torch.testing.assert_close(cos, hf_cos, rtol=0, atol=atol)
+    torch.testing.assert_close(sin, hf_sin, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("seq_len", [4096, 5000, 9000, 40000])
+def test_dynamic_ntk_recomputed_like_transformers(seq_len):
+    d = MODEL_CONFIGS["llama-2-7b-dynamic"]
+    rotary = hf_rotary(hf_config(d))
+    rotary(torch.randn(1, 1, 8), torch.tensor([[seq_len - 1]]))  # only the largest position matters
+    f = from_hf_config(d)
+    g = f.for_seq_len(seq_len)
+    assert f.is_dynamic
+    assert_rel_close(g.inv_freq, rotary.inv_freq)
+    if seq_len <= 4096:
+        assert g is f
+    else:
+        assert g.inv_freq[-1] < f.inv_freq[-1]  # the base grew: slow pairs slower
+        assert g.inv_freq[0] == f.inv_freq[0]
+
+
+def test_dynamic_ntk_matches_init_function_with_partial_rotary():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d = {**MODEL_CONFIGS["pythia-1.4b"], "rope_scaling": {"rope_type": "dynamic", "factor": 3.0}}
+    config = hf_config(d)
+    for seq_len in (100, 2048, 3000, 12345):
+        inv, scaling = ROPE_INIT_FUNCTIONS["dynamic"](config, None, seq_len=seq_len)
+        g = from_hf_config(d).for_seq_len(seq_len)
+        assert g.rotary_dim == 32
+        assert_rel_close(g.inv_freq, inv)
+        assert g.attention_scaling == scaling == 1.0
+    del transformers
+
+
+@pytest.mark.parametrize("seq_len", [4096, 4097, 100000])
+def test_longrope_switches_factors_like_transformers(seq_len):
+    d = MODEL_CONFIGS["phi-3.5-mini-instruct"]
+    rotary = hf_rotary(hf_config(d))
+    rotary(torch.randn(1, 1, 8), torch.tensor([[seq_len - 1]]))
+    f = from_hf_config(d)
+    g = f.for_seq_len(seq_len)
+    assert_rel_close(g.inv_freq, rotary.inv_freq)
+    assert g.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-6)
+    expected_scale = math.sqrt(1 + math.log(131072 / 4096) / math.log(4096))
+    assert g.attention_scaling == pytest.approx(expected_scale, rel=1e-12)
+    uses_long = seq_len > 4096
+    ext = torch.tensor(PHI35_LONG if uses_long else PHI35_SHORT, dtype=torch.float64)
+    assert_rel_close(g.inv_freq, 10000.0 ** -(torch.arange(0, 96, 2, dtype=torch.float64) / 96) / ext, 1e-7)
+
+
+def test_longrope_explicit_attention_factor_and_factor():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    base = MODEL_CONFIGS["phi-3.5-mini-instruct"]
+    for extra in ({"attention_factor": 1.25}, {"factor": 16.0}, {"factor": 1.0}):
+        d = copy.deepcopy(base)
+        d["rope_scaling"].update(extra)
+        config = hf_config(d)
+        for seq_len in (None, 5000):
+            inv, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=seq_len)
+            f = from_hf_config(d)
+            g = f if seq_len is None else f.for_seq_len(seq_len)
+            assert_rel_close(g.inv_freq, inv)
+            assert g.attention_scaling == pytest.approx(scaling, rel=1e-12)
+    del transformers
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"truncate": False},
+    {"attention_factor": 0.8},
+    {"mscale": 0.707, "mscale_all_dim": 1.0},
+    {"mscale": 1.0, "mscale_all_dim": 0.0},  # one of them falsy: plain 0.1 ln f + 1
+    {"beta_fast": 16, "beta_slow": 2},
+    {"beta_fast": 0, "beta_slow": 0},  # falsy betas fall back to 32 / 1
+    {"factor": None},  # derived from max_position_embeddings / original
+    {"factor": 1.0},
+    {"beta_fast": 4000.0, "beta_slow": 4000.0},  # an empty ramp (low == high)
+])
+def test_yarn_edge_cases_match_transformers(extra):
+    pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d = copy.deepcopy(MODEL_CONFIGS["qwen3-8b-yarn"])
+    d["rope_parameters"].update(extra)
+    config = hf_config(d)
+    inv, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    f = from_hf_config(d)
+    assert_rel_close(f.inv_freq, inv)
+    assert f.attention_scaling == pytest.approx(scaling, rel=1e-12)
+
+
+def test_yarn_deepseek_attention_and_softmax_scale():
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    d = copy.deepcopy(MODEL_CONFIGS["deepseek-v3"])
+    d["rope_scaling"]["mscale"] = 0.707  # DeepSeek-V2-Lite's values: attention factor != 1
+    config = hf_config(d)
+    rotary = hf_rotary(config)
+    f = from_hf_config(d)
+    assert_rel_close(f.inv_freq, rotary.inv_freq)
+    assert f.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert f.attention_scaling != pytest.approx(1.0)
+    assert f.softmax_scale == pytest.approx(ds.yarn_apply_mscale(config.rope_parameters, 1.0), rel=1e-12)
+    assert from_hf_config(MODEL_CONFIGS["qwen3-8b"]).softmax_scale == 1.0
+    # the vLLM name of the same method parses the same way
+    d["rope_scaling"]["type"] = "deepseek_yarn"
+    assert torch.equal(from_hf_config(d).inv_freq, f.inv_freq)
+
+
+def test_llama3_bands():
+    f = from_hf_config(MODEL_CONFIGS["llama-3.1-8b"])
+    base = 500000.0 ** -(torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    wavelen = 2 * math.pi / base
+    high = wavelen < 8192 / 4  # untouched
+    low = wavelen > 8192 / 1  # divided by the factor
+    mid = ~high & ~low
+    assert high.any() and low.any() and mid.any()
+    assert_rel_close(f.inv_freq[high], base[high], 1e-7)
+    assert_rel_close(f.inv_freq[low], base[low] / 8, 1e-7)
+    ratio = f.inv_freq_float64[mid] / base[mid]
+    assert ((ratio > 1 / 8) & (ratio < 1)).all()
+    assert (ratio[1:] <= ratio[:-1]).all()  # monotone blend from 1 down to 1/8
+
+
+def test_proportional_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for prf, factor in ((0.25, 1.0), (0.5, 8.0), (1.0, 2.0)):
+        d = {"model_type": "llama", "hidden_size": 1024, "num_attention_heads": 4, "head_dim": 256,
+             "max_position_embeddings": 8192,
+             "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": prf,
+                                 "factor": factor}}
+        inv, scaling = ROPE_INIT_FUNCTIONS["proportional"](hf_config(d), None)
+        f = from_hf_config(d)
+        assert f.rotary_dim == f.head_dim == 256
+        nonzero = inv != 0
+        assert torch.equal(f.inv_freq != 0, nonzero)
+        assert_rel_close(f.inv_freq[nonzero], inv[nonzero])
+        assert f.attention_scaling == scaling
+    del transformers
+
+
+def test_every_type_transformers_has_is_supported():
+    pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    assert set(ROPE_INIT_FUNCTIONS) <= set(ROPE_TYPES)
+
+
+def test_per_layer_type_configs():
+    transformers = pytest.importorskip("transformers")
+    rope_parameters = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    config = transformers.Gemma3TextConfig(head_dim=256, rope_parameters=copy.deepcopy(rope_parameters))
+    rotary = hf_rotary(config)
+    for layer_type in ("full_attention", "sliding_attention"):
+        for cfg in (config, {"model_type": "gemma3_text", "head_dim": 256, "rope_parameters": rope_parameters}):
+            f = from_hf_config(cfg, layer_type=layer_type)
+            assert_rel_close(f.inv_freq, getattr(rotary, f"{layer_type}_inv_freq"))
+            assert f.attention_scaling == getattr(rotary, f"{layer_type}_attention_scaling")
+    with pytest.raises(ValueError, match="layer_type="):
+        from_hf_config(config)
+    with pytest.raises(ValueError, match="'chunked' has no rope parameters"):
+        from_hf_config(config, layer_type="chunked")
+
+
+def test_legacy_and_alias_spellings():
+    base = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "max_position_embeddings": 2048}
+    a = from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    b = from_hf_config({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
+    assert torch.equal(a.inv_freq, b.inv_freq) and a.rope_type == b.rope_type == "linear"
+    su = copy.deepcopy(MODEL_CONFIGS["phi-3.5-mini-instruct"])
+    su["rope_scaling"]["type"] = "su"
+    assert from_hf_config(su).rope_type == "longrope"
+    assert from_hf_config({**base, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}).rope_type \
+        == "default"
+    assert from_hf_config(base).base == 10000.0  # no theta anywhere: the transformers default
+
+
+# ---- explicit construction, ggml knobs, tables -------------------------------------------------------------------
+
+
+def test_rope_frequencies_matches_config_path():
+    f = rope_frequencies(128, 500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                         original_max_position_embeddings=8192)
+    g = from_hf_config(MODEL_CONFIGS["llama-3.1-8b"])
+    assert torch.equal(f.inv_freq, g.inv_freq)
+
+
+def test_freq_scale_and_freq_factors_follow_ggml():
+    # ggml: theta_i = pos * freq_scale * base^(-2i/d) / freq_factors[i]
+    d, base = 64, 10000.0
+    factors = torch.rand(d // 2, dtype=torch.float64) * 3 + 0.5
+    f = rope_frequencies(d, base, freq_scale=0.25, freq_factors=factors)
+    expected = 0.25 * base ** -(torch.arange(0, d, 2, dtype=torch.float64) / d) / factors
+    assert_rel_close(f.inv_freq_float64, expected, 1e-15)
+    assert_rel_close(f.inv_freq, expected, 6e-8)  # one float32 rounding
+    # freq_scale = 1/f is linear scaling by f
+    lin = rope_frequencies(d, base, rope_type="linear", factor=4.0)
+    assert_rel_close(rope_frequencies(d, base, freq_scale=0.25).inv_freq, lin.inv_freq, 1e-7)
+    # the knobs stack on top of a scaled type and survive a dynamic recomputation
+    dyn = rope_frequencies(d, base, rope_type="dynamic", factor=2.0, max_position_embeddings=1024, freq_scale=0.5)
+    plain = rope_frequencies(d, base, rope_type="dynamic", factor=2.0, max_position_embeddings=1024)
+    assert_rel_close(dyn.for_seq_len(5000).inv_freq_float64, plain.for_seq_len(5000).inv_freq_float64 * 0.5, 1e-15)
+
+
+def test_precomputed_table():
+    table = torch.rand(24, dtype=torch.float64) * 0.9 + 0.01
+    f = RopeFrequencies.from_inv_freq(table, attention_scaling=1.1, head_dim=64, style="interleaved")
+    assert f.rotary_dim == 48 and f.head_dim == 64 and f.style == "interleaved"
+    assert torch.equal(f.inv_freq, table.to(torch.float32)) and torch.equal(f.inv_freq_float64, table)
+    assert f.attention_scaling == 1.1 and not f.is_dynamic and f.for_seq_len(10**6) is f
+    g = RopeFrequencies.from_inv_freq(table, freq_factors=torch.full((24,), 2.0))
+    assert torch.equal(g.inv_freq_float64, table / 2)
+
+
+def test_cos_sin_exact_at_long_positions():
+    f = from_hf_config(MODEL_CONFIGS["llama-3.1-8b"])
+    pos = torch.tensor([0, 1, 131071, 1_000_003, 2**24 + 5, 2**29 - 1])
+    cos, sin = f.cos_sin(pos, torch.float64, full=False)
+    inv = f.inv_freq.tolist()
+    for r, p in enumerate(pos.tolist()):
+        for i in (0, 1, 17, 40, 63):
+            angle = p * inv[i]  # exact: a float32 value times an integer below 2**29 fits a float64
+            assert cos[r, i].item() == pytest.approx(math.cos(angle), abs=1e-9)
+            assert sin[r, i].item() == pytest.approx(math.sin(angle), abs=1e-9)
+
+
+def test_cos_sin_layouts_and_scaling():
+    f = from_hf_config(MODEL_CONFIGS["qwen3-8b-yarn"])
+    pos = torch.arange(7)
+    half_c, half_s = f.cos_sin(pos, full=False)
+    full_c, full_s = f.cos_sin(pos)
+    assert half_c.shape == (7, 64) and full_c.shape == (7, 128)
+    assert torch.equal(full_c[:, :64], half_c) and torch.equal(full_c[:, 64:], half_c)
+    assert torch.equal(full_s[:, 64:], half_s)
+    torch.testing.assert_close(half_c[0], torch.full((64,), f.attention_scaling))
+    torch.testing.assert_close(half_c**2 + half_s**2, torch.full((7, 64), f.attention_scaling**2))
+    assert f.cos_sin(pos, torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_apply_kwargs_and_wavelengths():
+    f = from_hf_config(MODEL_CONFIGS["gpt-neox-20b"])
+    kw = f.apply_kwargs()
+    assert kw["rotary_dim"] == 24 and kw["style"] == "neox" and kw["rotary_at"] == "front"
+    assert kw["inv_freq"] is f.inv_freq and kw["rotary_scale"] == 1.0
+    torch.testing.assert_close(f.wavelengths, 2 * math.pi / f.inv_freq.double())
+    assert f.to_dict()["rotary_dim"] == 24
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+_LLAMA = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "max_position_embeddings": 2048,
+          "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("rope_scaling, match", [
+    ({"rope_type": "ntk-by-parts"}, r"rope_type 'ntk-by-parts' is not supported; expected one of \['default'"),
+    ({"rope_type": "linear"}, r"rope_type 'linear' needs rope_parameters\['factor'\]"),
+    ({"rope_type": "dynamic", "factor": "2"}, r"rope_parameters\['factor'\] must be a number"),
+    ({"rope_type": "linear", "factor": 0.0}, r"rope_parameters\['factor'\] must be positive"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
+     r"rope_type 'llama3' needs rope_parameters\['high_freq_factor'\]"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+     r"high_freq_factor'\] \(1.0\) must exceed"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 32}, r"needs rope_parameters\['long_factor'\]"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 31, "long_factor": [1.0] * 32},
+     r"rope_parameters\['short_factor'\] must hold rotary_dim // 2 = 32 numbers, got 31"),
+])
+def test_bad_configs_raise(rope_scaling, match):
+    with pytest.raises(ValueError, match=match):
+        from_hf_config({**_LLAMA, "rope_scaling": rope_scaling})
+
+
+def test_bad_shapes_and_arguments_raise():
+    with pytest.raises(ValueError, match=r"int\(64 \* 0.3\) = 19 is odd"):
+        from_hf_config({**_LLAMA, "partial_rotary_factor": 0.3})
+    with pytest.raises(ValueError, match="needs head_dim, or hidden_size and num_attention_heads"):
+        from_hf_config({"model_type": "llama", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="'dynamic' needs max_position_embeddings"):
+        rope_frequencies(64, rope_type="dynamic", factor=2.0)
+    with pytest.raises(ValueError, match=r"rope_type 'linear' does not read \['low_freq_factor'\]"):
+        rope_frequencies(64, rope_type="linear", factor=2.0, low_freq_factor=1.0)
+    with pytest.raises(ValueError, match="freq_factors must hold rotary_dim // 2 = 32 values, got 4"):
+        rope_frequencies(64, freq_factors=[1.0] * 4)
+    with pytest.raises(ValueError, match="freq_factors must be finite and positive"):
+        rope_frequencies(4, freq_factors=[1.0, 0.0])
+    with pytest.raises(ValueError, match="style must be one of"):
+        rope_frequencies(64, style="gptj")
+    with pytest.raises(ValueError, match=r"head_dim \(32\) must be at least rotary_dim \(64\)"):
+        rope_frequencies(64, head_dim=32)
+    with pytest.raises(ValueError, match="must be a finite number > 1"):
+        rope_frequencies(64, base=1.0)
+    with pytest.raises(ValueError, match="positions must be integers"):
+        rope_frequencies(64).angles(torch.tensor([1.5]))
+    with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig or a Mapping"):
+        from_hf_config(42)

@@ -1,0 +1,217 @@
+"""Model patching: tiny random transformers models give the same logits and gradients (and greedy generations)
+with and without ropekit, in fp32 and bf16; unpatch restores everything."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ropekit.integrations import patching  # noqa: E402
+from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64)
+# Sequences of 24 tokens pass original_max_position_embeddings = 16: the scaled regimes are exercised.
+TINY = {
+    "llama": dict(num_key_value_heads=2, rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "mistral": dict(num_key_value_heads=2, head_dim=32),
+    "qwen2": dict(num_key_value_heads=2, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 16}),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),
+    # LongRoPE with partial rotary (as Phi-4-mini): 12 of 16 columns rotated
+    "phi3": dict(num_key_value_heads=2, partial_rotary_factor=0.75, original_max_position_embeddings=16,
+                 pad_token_id=0, eos_token_id=1, bos_token_id=1, rope_scaling={
+                     "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                     "long_factor": [1.0 + 0.7 * i for i in range(6)]}),
+    "gpt_neox": dict(rotary_pct=0.25),
+    "glm": dict(num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, pad_token_id=0),
+    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_scaling={
+                            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+                            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+}
+FAMILIES = sorted(TINY)
+
+
+def tiny_model(model_type: str, dtype=torch.float32, **overrides):
+    kwargs = {**COMMON, **copy.deepcopy(TINY[model_type]), **overrides}
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def forward_backward(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().float(), grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def rope_calls(monkeypatch):
+    """Counts the rotations that went through ropekit."""
+    calls = []
+    original = patching._rope
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["style"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(patching, "_rope", spy)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _no_patch_leaks():
+    yield
+    assert not patching._ORIGINALS, "a test left a module-level function patched"
+
+
+def test_supported_families_cover_the_issue():
+    assert {"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "glm", "deepseek_v3"} <= \
+        set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_fp32_logits_and_gradients_match(model_type, rope_calls):
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 128, (2, 24))
+    ref_logits, ref_grads = forward_backward(model, ids)
+    patch(model)
+    try:
+        logits, grads = forward_backward(model, ids)
+    finally:
+        unpatch(model)
+    expected_style = {"glm": "interleaved", "deepseek_v3": "interleaved"}.get(model_type, "neox")
+    assert rope_calls == [expected_style] * COMMON["num_hidden_layers"]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_bf16_within_bf16_tolerance(model_type):
+    ids = torch.randint(0, 128, (2, 24))
+    exact_logits, exact_grads = forward_backward(tiny_model(model_type), ids)
+    model = tiny_model(model_type, torch.bfloat16)
+    hf_logits, hf_grads = forward_backward(model, ids)
+    patch(model)
+    try:
+        logits, grads = forward_backward(model, ids)
+    finally:
+        unpatch(model)
+    # patched and unpatched bf16 agree to bf16 accuracy, and ropekit is no further from fp32 than transformers
+    assert rel_err(logits, hf_logits) < 2e-2
+    assert rel_err(logits, exact_logits) <= 1.5 * rel_err(hf_logits, exact_logits) + 2e-3
+    for name, g in grads.items():
+        assert rel_err(g.float(), hf_grads[name].float()) < 6e-2, name
+        assert rel_err(g.float(), exact_grads[name]) <= 1.5 * rel_err(hf_grads[name].float(), exact_grads[name]) \
+            + 1e-2, name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "deepseek_v3", "gpt_neox"])
+def test_greedy_generate_matches(model_type, rope_calls):
+    model = tiny_model(model_type)
+    ids = torch.randint(2, 128, (2, 12))  # 12 prompt tokens + 8 new ones cross the original length 16
+    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    ref = model.generate(ids, **kwargs)
+    patch(model)
+    try:
+        out = model.generate(ids, **kwargs)
+    finally:
+        unpatch(model)
+    assert len(rope_calls) == 8 * COMMON["num_hidden_layers"]  # prefill + 7 decode steps, every layer
+    assert torch.equal(out, ref)
+
+
+def test_dynamic_ntk_model():
+    overrides = dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)
+    model = tiny_model("llama", **overrides)
+    rotary = model.model.rotary_emb
+    logits = {}
+    for n in (24, 10, 40):  # grow, reset, grow again: transformers' state machine on both sides
+        ids = torch.randint(0, 128, (1, n))
+        logits[n] = model(ids).logits
+        patch(model)
+        try:
+            out = model(ids).logits
+            rope = patching._ropekit_module(model)
+            assert torch.allclose(rope.inv_freq, rotary.inv_freq, rtol=1e-6, atol=0)
+        finally:
+            unpatch(model)
+        torch.testing.assert_close(out, logits[n], rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_checkpointing(rope_calls):
+    model = tiny_model("qwen3")
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 128, (2, 20))
+    ref_logits, ref_grads = forward_backward(model, ids)
+    patch(model)
+    try:
+        logits, grads = forward_backward(model, ids)
+    finally:
+        unpatch(model)
+    assert len(rope_calls) == 2 * COMMON["num_hidden_layers"]  # forward, then the recomputation
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+def test_unpatch_restores_and_unpatched_models_are_untouched(rope_calls):
+    modeling = __import__("transformers.models.llama.modeling_llama", fromlist=["x"])
+    original_fn = modeling.apply_rotary_pos_emb
+    a, b = tiny_model("llama"), tiny_model("llama")
+    ids = torch.randint(0, 128, (2, 10))
+    ref_a, ref_b = a(ids).logits, b(ids).logits
+    keys = set(a.state_dict())
+    assert patch(a) is a and is_patched(a) and not is_patched(b)
+    assert patch(a) is a  # idempotent
+    assert set(a.state_dict()) == keys
+    assert modeling.apply_rotary_pos_emb is not original_fn
+    assert torch.equal(b(ids).logits, ref_b)  # same family, not patched: the original function ran
+    assert rope_calls == []
+    patch(b)
+    unpatch(a)
+    assert modeling.apply_rotary_pos_emb is not original_fn  # b still needs the dispatcher
+    unpatch(b)
+    assert modeling.apply_rotary_pos_emb is original_fn
+    assert not is_patched(a) and "forward" not in a.model.rotary_emb.__dict__
+    assert torch.equal(a(ids).logits, ref_a)
+    assert unpatch(a) is a  # unpatching twice is harmless
+
+
+def test_model_moved_after_patching_and_dtype_cast():
+    model = tiny_model("mistral")
+    patch(model)
+    try:
+        model.to(torch.float64)  # casts buffers; ropekit keeps float32 frequencies
+        ids = torch.randint(0, 128, (1, 8))
+        out = model(ids).logits
+        assert out.dtype == torch.float64
+        assert patching._ropekit_module(model).inv_freq.dtype == torch.float32
+    finally:
+        unpatch(model)
+
+
+def test_errors():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    with pytest.raises(ValueError, match=r"cannot patch model_type 'gpt2'; supported: \["):
+        patch(transformers.GPT2LMHeadModel(config))
+    with pytest.raises(TypeError, match="expects a transformers PreTrainedModel"):
+        patch(torch.nn.Linear(2, 2))

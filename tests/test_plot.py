@@ -1,0 +1,115 @@
+"""ropekit plot: the PNG is written (function and command line), the q.k curve is the relative-position
+property computed through the core op, and method specs parse or fail clearly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ropekit.frequencies import from_hf_config, rope_frequencies
+from ropekit.plot import (binned_relative_position_curve, main, parse_method, plot_frequencies,
+                          relative_position_curve)
+from test_frequencies import MODEL_CONFIGS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_png(path):
+    image = pytest.importorskip("matplotlib.image")
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return image.imread(path)
+
+
+def test_plot_function_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    entries = {"default": rope_frequencies(64),
+               "yarn x8": rope_frequencies(64, rope_type="yarn", factor=8.0, original_max_position_embeddings=512),
+               "dynamic x2": rope_frequencies(64, rope_type="dynamic", factor=2.0, max_position_embeddings=512)}
+    out = plot_frequencies(tmp_path / "sub" / "spectra.png", entries, max_distance=2048, samples=4, title="t")
+    pixels = read_png(out)
+    height, width = pixels.shape[:2]
+    assert width > 1000 and height > 400
+    assert pixels[..., :3].std() > 0.05  # something was drawn
+    with pytest.raises(ValueError, match="at least one"):
+        plot_frequencies(tmp_path / "x.png", {})
+    with pytest.raises(TypeError, match="must be a RopeFrequencies"):
+        plot_frequencies(tmp_path / "x.png", {"a": 3})
+
+
+def test_cli_methods_and_configs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    cfg_dir = tmp_path / "phi-3.5-mini-instruct"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps(MODEL_CONFIGS["phi-3.5-mini-instruct"]))
+    out = tmp_path / "cli.png"
+    code = main(["--out", str(out), "--method", "default:base=500000", "--method", "llama3:factor=8",
+                 "--config", str(cfg_dir), "--context", "1024", "--max-distance", "8192", "--samples", "4"])
+    assert code == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    read_png(out)
+
+
+def test_routed_through_ropekit_command(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ropekit.cli import main as ropekit_main
+
+    out = tmp_path / "routed.png"
+    assert ropekit_main(["plot", "-o", str(out), "-m", "linear:factor=2", "--max-distance", "256",
+                         "--samples", "2"]) == 0
+    read_png(out)
+
+
+def test_cli_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "x.png"), "--method", "ntk:factor=2"])
+    assert info.value.code == 2
+    assert "rope type 'ntk' is not one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "missing.json")])
+    assert "missing.json" in capsys.readouterr().err
+
+
+def test_relative_position_curve_is_the_core_op_property():
+    f = from_hf_config(MODEL_CONFIGS["qwen2.5-7b-instruct-yarn"])  # attention scaling != 1
+    dist = torch.tensor([0, 1, 2, 5, 77, 1000, 40_000])
+    curve = relative_position_curve(f, dist, samples=16, seed=3)
+    shifted = relative_position_curve(f, dist, samples=16, seed=3, start=123_457)
+    torch.testing.assert_close(curve, shifted, rtol=0, atol=1e-9)  # depends on the distance only
+    assert curve[0].item() == pytest.approx(1.0, abs=1e-12)
+    # the closed form for the same heads: sum over pairs of s^2 (lo^2 + hi^2) cos(d theta_i)
+    x = torch.randn(1, 1, 16, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float64)[0, 0]
+    energy = x[:, :64] ** 2 + x[:, 64:] ** 2  # [samples, pairs]
+    theta = f.inv_freq.double()
+    expected = (energy[None] * torch.cos(dist.double()[:, None, None] * theta)).sum(-1).mean(-1)
+    torch.testing.assert_close(curve, expected / energy.sum(-1).mean(), rtol=1e-9, atol=1e-9)
+
+
+def test_partial_rotary_curve_keeps_pass_through_energy():
+    f = from_hf_config(MODEL_CONFIGS["gpt-neox-20b"])  # 24 of 96 columns rotated
+    centres, curve = binned_relative_position_curve(f, 4096, samples=64)
+    assert centres.numel() == curve.numel() > 30
+    assert (centres[1:] > centres[:-1]).all()
+    assert curve.min() > 0.6  # at least the ~3/4 of energy that never rotates
+
+
+def test_parse_method():
+    f = parse_method("yarn:factor=8,beta_fast=16,truncate=false", head_dim=64, context=2048)
+    assert f.rope_type == "yarn" and f.parameters["beta_fast"] == 16 and f.parameters["truncate"] is False
+    assert f.original_max_position_embeddings == 2048 and f.rotary_dim == 64
+    g = parse_method("default:base=500000,rotary_dim=32,head_dim=128")
+    assert g.base == 500000.0 and g.rotary_dim == 32 and g.head_dim == 128
+    h = parse_method("llama3:factor=8")
+    assert h.parameters["low_freq_factor"] == 1.0 and h.parameters["high_freq_factor"] == 4.0
+    d = parse_method("dynamic:factor=2", context=1000)
+    assert d.max_position_embeddings == 1000
+    assert math.isclose(parse_method("default:freq_scale=0.5").inv_freq[0].item(), 0.5)
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_method("linear:4")
+    with pytest.raises(ValueError, match="give factor="):
+        parse_method("yarn")
+    with pytest.raises(ValueError, match=r"does not read \['bogus'\]"):
+        parse_method("linear:factor=2,bogus=1")
