@@ -118,6 +118,13 @@ def main() -> None:
 
     t = do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median", grad_to_none=[q, k])
     print(f"{'fwd+bwd bf16 B4 S4096':<38} {'autograd':<14} {t * 1e3:>9.1f} {t / (2 * t_copy):>7.3f} (x 4-pass copy)")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            q.grad = k.grad = None
+            fwd_bwd()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
     # decode under CUDA-graph replay, and eager host time per call
     for tokens in (1, 64):
         q = torch.randn(tokens, 1, 32, 128, device="cuda", dtype=torch.bfloat16)

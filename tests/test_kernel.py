@@ -186,3 +186,20 @@ def test_conjugate_undoes_forward_in_kernel():
     (qb, kb), _ = run_kernel(qr, kr, positions=123, style="interleaved", conjugate=True)
     torch.testing.assert_close(qb, q, **TOLERANCES[torch.float32])
     torch.testing.assert_close(kb, k, **TOLERANCES[torch.float32])
+
+
+def test_launch_cache_key_covers_every_argument(monkeypatch):
+    # The cached-launch key classifies arguments by position; keep it in step with the kernel's signature.
+    from ropekit.triton import launcher
+
+    seen = {}
+    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev: seen.update(args=args))
+    q, k = make_qk(1, 2, 2, 1, 8)
+    run_kernel(q, k, positions=torch.tensor([[3, 4]]))
+    args = seen["args"]
+    assert all(isinstance(args[i], torch.Tensor) for i in launcher._POINTERS)
+    static = set(range(4, 18)) | {21, 22, 31, 32, 33}
+    ints = {i for i, a in enumerate(args) if isinstance(a, int)}
+    assert ints == static | set(launcher._VARYING)
+    floats = {i for i, a in enumerate(args) if isinstance(a, float)}
+    assert len(args) == len(ints) + len(floats) + len(launcher._POINTERS)

@@ -115,6 +115,8 @@ def test_seq_len_from_positions_forms():
     assert s(t, None, "thd", cu) == 7
     assert s(t, torch.tensor([5, 1]), "thd", cu) == 8
     assert s(t, torch.arange(10), "thd") == 10
+    assert s(q.transpose(0, 1), torch.tensor([3, 40]), "sbhd") == 46  # [S, B, H, D]: offsets are per batch
+    assert s(q.transpose(1, 2), 2, "bhsd") == 8
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "sbhd", "thd"])

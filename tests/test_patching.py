@@ -115,10 +115,10 @@ def test_bf16_within_bf16_tolerance(model_type):
     finally:
         unpatch(model)
     # patched and unpatched bf16 agree to bf16 accuracy, and ropekit is no further from fp32 than transformers
-    assert rel_err(logits, hf_logits) < 2e-2
+    assert rel_err(logits, hf_logits) < 1.5e-2
     assert rel_err(logits, exact_logits) <= 1.5 * rel_err(hf_logits, exact_logits) + 2e-3
     for name, g in grads.items():
-        assert rel_err(g.float(), hf_grads[name].float()) < 6e-2, name
+        assert rel_err(g.float(), hf_grads[name].float()) < 4e-2, name
         assert rel_err(g.float(), exact_grads[name]) <= 1.5 * rel_err(hf_grads[name].float(), exact_grads[name]) \
             + 1e-2, name
 

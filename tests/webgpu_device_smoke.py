@@ -126,7 +126,7 @@ def run_adapter(runner: webgpu.WebGPURunner, report: Report) -> None:
 
     # More workgroups than one grid dimension allows: a quarter turn moves every element.
     for dtype, entry in ((np.float32, "rope_table"), (np.float16, "rope_table_f16")):
-        H, D = 2, 1024
+        H, D = 32, 128
         S = (65536 * 256) // (H * D // 2) + 1
         if S * H * D * np.dtype(dtype).itemsize > runner.max_binding_bytes:
             print(f"  skip  {entry} with >65535 workgroups: larger than one storage binding")

@@ -294,6 +294,8 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
             outs = (q, k)
     elif direct:
         outs = ops.rope_out_of_place(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
+    elif not torch.compiler.is_compiling():
+        outs = _autograd.Rope.apply(q, k, n.tensors, n.scalars, promote_dtype)
     else:
         outs = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
     return outs[0] if k is None else (outs[0], outs[1])

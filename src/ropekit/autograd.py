@@ -32,7 +32,10 @@ def conjugate_rotation(grads: list[Optional[Tensor]], in_dtypes: list[torch.dtyp
     if present == [1]:
         scalars["q_scale"] = scalars["k_scale"]
     gs = [grads[i] if grads[i].stride(-1) == 1 else grads[i].contiguous() for i in present]
-    outs = ops.rope(gs[0], gs[1] if len(gs) > 1 else None, *tensors, **scalars, promote_dtype=None)
+    # Inside torch.compile (or double backward) the registered op keeps the graph traceable; eager backward
+    # calls the implementation directly.
+    rotate = ops.rope if torch.compiler.is_compiling() or torch.is_grad_enabled() else ops.rope_out_of_place
+    outs = rotate(gs[0], gs[1] if len(gs) > 1 else None, *tensors, **scalars, promote_dtype=None)
     result: list[Optional[Tensor]] = [None] * len(grads)
     for i, out in zip(present, outs):
         result[i] = out if out.dtype == in_dtypes[i] else out.to(in_dtypes[i])
@@ -55,6 +58,26 @@ def _backward(ctx, grads):
 
 
 torch.library.register_autograd("ropekit::rope", _backward, setup_context=_setup_context)
+
+
+class Rope(torch.autograd.Function):
+    """Eager autograd for the out-of-place rotation without the dispatcher round trips of the registered op
+    (its Python autograd wrapper costs far more host time than the kernel at training sizes). Same kernel and
+    same conjugate backward as ``ropekit::rope``'s registered formula, which ``torch.compile`` uses."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Optional[Tensor], tensors: tuple, scalars: dict,
+                promote_dtype: Optional[torch.dtype]) -> tuple:
+        outs = ops.rope_out_of_place(q, k, *tensors, **scalars, promote_dtype=promote_dtype)
+        ctx.save_for_backward(*tensors)
+        ctx.scalars = scalars
+        ctx.in_dtypes = [q.dtype] + ([k.dtype] if k is not None else [])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars)
+        return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None, None
 
 
 class InplaceRope(torch.autograd.Function):

@@ -1,8 +1,9 @@
 """``RotaryEmbedding``: a ``torch.nn.Module`` that rotates queries and keys through :func:`ropekit.apply_rope`.
 
 It is built from a :class:`~ropekit.frequencies.RopeFrequencies`, a transformers config (object or dict), or a
-rotary dimension plus :func:`~ropekit.frequencies.rope_frequencies` keywords. Angles are formed from the fp32
-``inv_freq`` inside the kernel (exactly, at any position); the module never builds a bf16 table.
+rotary dimension plus :func:`~ropekit.frequencies.rope_frequencies` keywords. The kernel forms each angle from
+the fp32 ``inv_freq`` and the integer position itself (in float64, reduced exactly), so the module never builds
+a table, let alone a bf16 one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ropekit._layout import to_canonical
 from ropekit.api import apply_rope
 from ropekit.frequencies import RopeFrequencies, from_hf_config, rope_frequencies
 
@@ -32,17 +34,6 @@ def hf_tables(positions: Tensor, inv_freq: Tensor, scale: float = 1.0, *, full: 
     if full:
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return cos, sin
-
-
-def _canonical_seq(q: Tensor, layout: str) -> int:
-    """S of the canonical [B, S, H, D] view (T for ``thd``)."""
-    if layout in ("bshd", "thd"):
-        return q.shape[1] if layout == "bshd" else q.shape[0]
-    if layout == "bhsd":
-        return q.shape[2]
-    if layout == "sbhd":
-        return q.shape[0]
-    raise ValueError(f"layout must be one of ('bshd', 'bhsd', 'sbhd', 'thd'), got {layout!r}")
 
 
 class RotaryEmbedding(nn.Module):
@@ -173,11 +164,11 @@ class RotaryEmbedding(nn.Module):
                    cu_seqlens: Tensor | None = None) -> int:
         """The sequence length transformers would use for these positions: largest position + 1. Reads
         tensor values (a host sync for CUDA tensors)."""
-        S = _canonical_seq(q, layout)
+        B, S = to_canonical(q, layout).shape[:2]
         if isinstance(positions, Tensor):
             if positions.numel() == 0:
                 return 0
-            num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
+            num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
             if positions.dim() == 1 and positions.shape[0] == num_seqs and (cu_seqlens is not None
                                                                             or layout != "thd"):
                 lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(positions.device) if cu_seqlens is not None else S

@@ -14,7 +14,7 @@ from torch import Tensor
 from ropekit.api import _FLOAT_DTYPES, _rope
 from ropekit._layout import to_canonical
 
-__all__ = ["apply_rotary_pos_emb", "rotate_half", "patch", "unpatch"]
+__all__ = ["apply_rotary_pos_emb", "rotate_half", "patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -81,7 +81,7 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsquee
 
 
 def __getattr__(name: str):
-    if name in ("patch", "unpatch"):
+    if name in ("patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"):
         from ropekit.integrations import patching
 
         return getattr(patching, name)

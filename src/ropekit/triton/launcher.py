@@ -128,9 +128,9 @@ def launch_rope(
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes)
     n_hb = triton.cdiv(HQ, block_hq) + (triton.cdiv(HK, block_hk) if has_k else 0)
-    grid = (triton.cdiv(num_tokens, block_t) * n_hb,)
+    grid = (triton.cdiv(num_tokens, block_t) * n_hb, 1, 1)
     dummy = q
-    K.rope_kernel[grid](
+    args = (
         qc, qoc, kc, koc,
         qc.stride(0), qc.stride(1), qc.stride(2), qoc.stride(0), qoc.stride(1), qoc.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), koc.stride(0), koc.stride(1), koc.stride(2),
@@ -142,12 +142,51 @@ def launch_rope(
         cos if cos is not None else dummy, sin if sin is not None else dummy,
         t_sb, t_sr, t_sc, table_rows,
         q_scale, k_scale, rotary_scale,
-        HEAD_DIM=D, ROT_DIM=rotary_dim, ROT_START=rotary_start, NEOX=style == "neox",
-        POS_MODE=pos_mode, HAS_SEQ_OFFSETS=seq_offsets is not None, FREQ_MODE=_FREQ_MODES[freq_mode],
-        TABLE_BY_TOKEN=table_by_token, TABLE_FULL=table_full, CONJUGATE=conjugate, HAS_K=has_k,
-        COPY_PASS_Q=copy_pass_q, COPY_PASS_K=copy_pass_k,
-        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        HALF_BLOCK=triton.next_power_of_2(rotary_dim // 2),
-        PASS_BLOCK=triton.next_power_of_2(max(D - rotary_dim, 1)),
-        num_warps=num_warps,
     )
+    constexprs = (
+        D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
+        _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
+        block_t, block_hq, block_hk, triton.next_power_of_2(rotary_dim // 2),
+        triton.next_power_of_2(max(D - rotary_dim, 1)),
+    )
+    _launch(grid, args, constexprs, num_warps, q.device)
+
+
+_CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
+                    "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
+                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK")
+_COMPILED: dict = {}
+
+
+_VARYING = (18, 19, 24, 26, 27, 34)  # S, num_tokens, pos_offset, n_seqs, n_search_steps, table_rows: per call
+_POINTERS = (0, 1, 2, 3, 20, 23, 25, 28, 29, 30)
+
+
+def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
+    """Everything Triton specialises the kernel on. Pointers: dtype and 16-byte alignment; ints that vary from
+    call to call (positions offsets, token counts): == 1, divisible by 16, 32-bit; the other ints (strides, head
+    counts): their values, which pins every specialisation and is cheaper to build."""
+    ptrs = [args[i] for i in _POINTERS]
+    varying = [args[i] for i in _VARYING]
+    return (tuple(p.dtype for p in ptrs), tuple(p.data_ptr() % 16 == 0 for p in ptrs),
+            tuple((v == 1) + 2 * (v % 16 == 0) + 4 * (not -(2**31) <= v < 2**31) for v in varying),
+            args[4:18], args[21:23], args[31:34], constexprs, num_warps, device_index)
+
+
+def _launch(grid, args, constexprs, num_warps, device) -> None:
+    """Launch ``rope_kernel``; on CUDA, keep the compiled kernel per specialisation and call it directly.
+
+    ``kernel[grid](...)`` re-binds and re-hashes ~50 arguments on every call (tens of microseconds of host
+    time); the cached handle skips that. The first call for a specialisation goes through Triton (compiling if
+    needed), so behaviour is Triton's own."""
+    if device.type != "cuda":
+        K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
+        return
+    key = _cache_key(args, constexprs, num_warps, device.index)
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        compiled[grid](*args, *constexprs)
+        return
+    compiled = K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
+    if compiled is not None and hasattr(compiled, "__getitem__"):
+        _COMPILED[key] = compiled
