@@ -165,8 +165,10 @@ def check(config, args, dtype, ids):
         hf_vs_32 = rel_err(hf_logits, ref_logits)
         rk_vs_32 = rel_err(rk_logits, ref_logits)
         row.update(logits_rel_err_hf_vs_fp32=hf_vs_32, logits_rel_err_ropekit_vs_fp32=rk_vs_32)
-        tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-        row["ok"] = row["logits_rel_err_vs_unpatched"] < tol and rk_vs_32 <= 1.5 * hf_vs_32 + 2e-3
+        # Both runs round differently, so they may differ by up to the sum of their own errors against the fp32
+        # run; ropekit must be at least about as accurate as transformers.
+        row["ok"] = (row["logits_rel_err_vs_unpatched"] <= hf_vs_32 + rk_vs_32 + 1e-3
+                     and rk_vs_32 <= 1.5 * hf_vs_32 + 2e-3)
     return row
 
 
@@ -227,12 +229,14 @@ def generate(model, args, prompt, patched: bool):
                       attention_mask=torch.ones_like(prompt), pad_token_id=0)
         with torch.no_grad():
             model.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-            sync(args.device)
-            t0 = time.perf_counter()
-            out = model.generate(prompt, **kwargs)
-            sync(args.device)
-            ms = (time.perf_counter() - t0) * 1e3
-        return ms, out
+            times = []
+            for _ in range(3):  # median of three: one-off initialisation must not decide the comparison
+                sync(args.device)
+                t0 = time.perf_counter()
+                out = model.generate(prompt, **kwargs)
+                sync(args.device)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[1], out
     finally:
         if patched:
             unpatch(model)

@@ -22,8 +22,11 @@ _SCALAR_ARGS = ("pos_offset", "layout", "style", "freq_mode", "rotary_dim", "rot
 
 
 def conjugate_rotation(grads: list[Optional[Tensor]], in_dtypes: list[torch.dtype], tensors: tuple,
-                       scalars: dict[str, Any]) -> list[Optional[Tensor]]:
-    """Gradients w.r.t. the inputs of a rotation, given the gradients of its outputs (None where unused)."""
+                       scalars: dict[str, Any], eager: bool = False) -> list[Optional[Tensor]]:
+    """Gradients w.r.t. the inputs of a rotation, given the gradients of its outputs (None where unused).
+
+    ``eager``: called from the eager Functions below, which may call the implementation directly; the registered
+    formula (traced by AOT autograd with fake tensors) always goes through the registered op."""
     scalars = dict(scalars, conjugate=not scalars["conjugate"])
     present = [i for i, g in enumerate(grads) if g is not None]
     if not present:
@@ -32,9 +35,8 @@ def conjugate_rotation(grads: list[Optional[Tensor]], in_dtypes: list[torch.dtyp
     if present == [1]:
         scalars["q_scale"] = scalars["k_scale"]
     gs = [grads[i] if grads[i].stride(-1) == 1 else grads[i].contiguous() for i in present]
-    # Inside torch.compile (or double backward) the registered op keeps the graph traceable; eager backward
-    # calls the implementation directly.
-    rotate = ops.rope if torch.compiler.is_compiling() or torch.is_grad_enabled() else ops.rope_out_of_place
+    # Double backward (grad mode on) needs the differentiable registered op; a plain eager backward does not.
+    rotate = ops.rope_out_of_place if eager and not torch.is_grad_enabled() else ops.rope
     outs = rotate(gs[0], gs[1] if len(gs) > 1 else None, *tensors, **scalars, promote_dtype=None)
     result: list[Optional[Tensor]] = [None] * len(grads)
     for i, out in zip(present, outs):
@@ -76,7 +78,7 @@ class Rope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars)
+        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars, eager=True)
         return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None, None
 
 
@@ -95,5 +97,5 @@ class InplaceRope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars)
+        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars, eager=True)
         return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None
