@@ -48,6 +48,12 @@ def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> Tens
     return inv_freq
 
 
+def _is_real(value) -> bool:
+    """A real Python number (not a bool); the exact-type test first because ABC checks cost microseconds."""
+    t = type(value)
+    return t is float or t is int or (isinstance(value, numbers.Real) and t is not bool)
+
+
 def _check_tensor(name: str, x: Tensor, ref: Tensor, dtypes: tuple, what: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -118,7 +124,7 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions, inv_freq
     if rotary_at not in ("front", "back"):
         raise ValueError(f"rotary_at must be 'front' or 'back', got {rotary_at!r}")
     for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("rotary_scale", rotary_scale)):
-        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        if not _is_real(value) or not math.isfinite(value):
             raise TypeError(f"{name} must be a finite real number, got {value!r}")
     if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool)):
         raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
@@ -152,7 +158,7 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions, inv_freq
         cos, table_by_token, rotary_dim = _resolve_table("angles", angles, q, B, S, rotary_dim, D)
         freq_mode, table_rows = "angles", cos.shape[1]
     else:
-        if not isinstance(base, numbers.Real) or isinstance(base, bool) or not base > 1.0:
+        if not _is_real(base) or not base > 1.0:
             raise ValueError(f"base must be a real number > 1, got {base!r}")
         rotary_dim = D if rotary_dim is None else rotary_dim
         freq_mode = "inv_freq"
@@ -179,7 +185,7 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions, inv_freq
     num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     if positions is None:
         pass
-    elif isinstance(positions, bool) or isinstance(positions, numbers.Integral):
+    elif type(positions) is int or (isinstance(positions, numbers.Integral) and not isinstance(positions, bool)):
         pos_offset = int(positions)
         if pos_offset < 0:
             raise ValueError(f"positions (an offset) must be >= 0, got {pos_offset}")

@@ -25,6 +25,15 @@ HEAD_TILE_ELEMS = 4096
 MAX_UNROLL = 8
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    # triton.cdiv / triton.next_power_of_2 are constexpr functions whose Python call costs microseconds each
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -45,15 +54,15 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``HEAD_TILE_ELEMS``
     elements per token, about ``tile_bytes`` in all; tokens per program shrink first, then heads, until the grid
     has ``min_programs`` programs (small decode batches)."""
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = _next_pow2(head_dim)
     heads_cap = max(1, HEAD_TILE_ELEMS // d_pad)
-    block_hq = min(triton.next_power_of_2(hq), heads_cap)
-    block_hk = min(triton.next_power_of_2(max(hk, 1)), heads_cap)
+    block_hq = min(_next_pow2(hq), heads_cap)
+    block_hk = min(_next_pow2(max(hk, 1)), heads_cap)
     per_token_bytes = block_hq * d_pad * elem_size
-    block_t = max(1, min(MAX_UNROLL, tile_bytes // per_token_bytes, triton.next_power_of_2(num_tokens)))
+    block_t = max(1, min(MAX_UNROLL, tile_bytes // per_token_bytes, _next_pow2(num_tokens)))
 
     def programs(bt: int, bq: int, bk: int) -> int:
-        return triton.cdiv(num_tokens, bt) * (triton.cdiv(hq, bq) + (triton.cdiv(hk, bk) if hk else 0))
+        return _cdiv(num_tokens, bt) * (_cdiv(hq, bq) + (_cdiv(hk, bk) if hk else 0))
 
     while block_t > 1 and programs(block_t, block_hq, block_hk) < min_programs:
         block_t //= 2
@@ -127,8 +136,8 @@ def launch_rope(
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes)
-    n_hb = triton.cdiv(HQ, block_hq) + (triton.cdiv(HK, block_hk) if has_k else 0)
-    grid = (triton.cdiv(num_tokens, block_t) * n_hb, 1, 1)
+    n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
+    grid = (_cdiv(num_tokens, block_t) * n_hb, 1, 1)
     dummy = q
     args = (
         qc, qoc, kc, koc,
@@ -146,8 +155,8 @@ def launch_rope(
     constexprs = (
         D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
         _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
-        block_t, block_hq, block_hk, triton.next_power_of_2(rotary_dim // 2),
-        triton.next_power_of_2(max(D - rotary_dim, 1)),
+        block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
+        _next_pow2(max(D - rotary_dim, 1)),
     )
     _launch(grid, args, constexprs, num_warps, q.device)
 
@@ -167,9 +176,8 @@ def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
     call to call (positions offsets, token counts): == 1, divisible by 16, 32-bit; the other ints (strides, head
     counts): their values, which pins every specialisation and is cheaper to build."""
     ptrs = [args[i] for i in _POINTERS]
-    varying = [args[i] for i in _VARYING]
-    return (tuple(p.dtype for p in ptrs), tuple(p.data_ptr() % 16 == 0 for p in ptrs),
-            tuple((v == 1) + 2 * (v % 16 == 0) + 4 * (not -(2**31) <= v < 2**31) for v in varying),
+    return (*[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
+            *[(v == 1) + 2 * (v & 15 == 0) + 4 * (not -(2**31) <= v < 2**31) for v in (args[i] for i in _VARYING)],
             args[4:18], args[21:23], args[31:34], constexprs, num_warps, device_index)
 
 

@@ -1,0 +1,262 @@
+"""The benchmark harness: registry, bytes model, targets, and a CPU smoke run of ``ropekit bench`` end to end.
+
+The smoke run uses the Triton interpreter and tiny shapes; its numbers are not performance figures and the output
+says so. A small stand-in for transformers' ``apply_rotary_pos_emb`` (same calling convention and formula) lets
+the run exercise the peer code path and check its cos/sin layout against ropekit's output.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    from ropekit import bench
+except ImportError:  # running from a checkout without an install
+    sys.path.insert(0, str(ROOT / "src"))
+    from ropekit import bench
+
+REGISTRY = ROOT / "benchmarks" / "registry.py"
+REQUIRED_FIELDS = ("gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes",
+                   "median_us", "gbps", "ratio_vs_copy")
+
+_STAND_IN_LLAMA = '''
+import torch
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+'''
+
+_STAND_IN_COHERE = '''
+import torch
+
+
+def rotate_half(x):
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack([-odd, even], dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    dtype = q.dtype
+    q, k = q.float(), k.float()
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos + rotate_half(q) * sin).to(dtype), (k * cos + rotate_half(k) * sin).to(dtype)
+'''
+
+
+def _stand_in_transformers(root: Path) -> Path:
+    """A package named ``transformers`` with the two functions the harness imports."""
+    pkg = root / "transformers"
+    files = {
+        "__init__.py": '__version__ = "stand-in"\n',
+        "models/__init__.py": "",
+        "models/llama/__init__.py": "",
+        "models/llama/modeling_llama.py": _STAND_IN_LLAMA,
+        "models/cohere/__init__.py": "",
+        "models/cohere/modeling_cohere.py": _STAND_IN_COHERE,
+    }
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registry, bytes model, targets (in process, no kernels)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_registry_presets_expand():
+    registry = bench.load_registry(str(REGISTRY))
+    for preset in registry["PRESETS"]:
+        cases = bench.expand_preset(registry, preset)
+        assert cases, preset
+        pairs = [(c.name, m) for c in cases for m in c.modes]
+        assert len(pairs) == len(set(pairs)), f"{preset}: a (case, mode) pair runs twice"
+    full = bench.expand_preset(registry, "full")
+    assert {c.model for c in full} >= {"llama3-8b", "llama3-70b", "mha16-d64", "hd256", "mla-rope"}
+    assert {c.dtype for c in full} == {"fp32", "fp16", "bf16"}
+    assert {c.style for c in full} == {"neox", "interleaved"}
+    assert {c.positions for c in full} == set(bench.POSITION_KINDS)
+    assert {m for c in full for m in c.modes} == set(bench.MODES)
+    prefill = [c.tokens for c in full if "fwd" in c.modes]
+    assert min(prefill) == 2048 and max(prefill) == 131072
+    decode = [c.tokens for c in full if "decode" in c.modes]
+    assert min(decode) == 1 and max(decode) == 256
+    mla = next(c for c in full if c.model == "mla-rope")
+    assert (mla.head_dim, mla.rotary_dim, mla.rotary_at) == (192, 64, "back")
+
+
+@pytest.mark.parametrize("source", ["file", "built-in"])
+def test_quick_preset_has_a_case_for_every_target(source):
+    registry = bench.load_registry(str(REGISTRY)) if source == "file" else dict(bench.BUILTIN_REGISTRY)
+    cases = bench.expand_preset(registry, "quick")
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    for target in bench.TARGETS:
+        rows = [bench._row(env, c, m, target.impl, bench.case_bytes(c)[m], bench.BASELINE[m])
+                for c in cases for m in c.modes]
+        assert any(r["mode"] == target.mode and target.select(r) for r in rows), target.key
+
+
+def test_select_cases_filters_and_shards():
+    registry = bench.load_registry(str(REGISTRY))
+    cases = bench.expand_preset(registry, "full")
+    only = bench.select_cases(cases, groups="decode", pattern=None, modes=None, shard=None)
+    assert only and all(c.group == "decode" for c in only)
+    rx = bench.select_cases(cases, groups=None, pattern=r"^llama3-70b/", modes="fwd", shard=None)
+    assert rx and all(c.model == "llama3-70b" and c.modes == ("fwd",) for c in rx)
+    shards = [bench.select_cases(cases, groups=None, pattern=None, modes=None, shard=f"{i}/3") for i in (1, 2, 3)]
+    assert sorted(c.name + c.group for s in shards for c in s) == sorted(c.name + c.group for c in cases)
+    with pytest.raises(ValueError, match="shard"):
+        bench.select_cases(cases, groups=None, pattern=None, modes=None, shard="4/3")
+    with pytest.raises(ValueError, match="mode"):
+        bench.select_cases(cases, groups=None, pattern=None, modes="fwd,backwards", shard=None)
+
+
+@pytest.mark.parametrize("positions", bench.POSITION_KINDS)
+def test_bytes_model_matches_the_tensors(positions):
+    import torch
+
+    case = bench.Case(group="t", family="t", model="tiny", hq=4, hk=2, head_dim=32, rotary_dim=32, rotary_at="front",
+                      base=10000.0, dtype="bf16", style="neox", positions=positions, batch=3, seqlen=8,
+                      modes=("fwd",))
+    inp = bench.make_inputs(case, torch.device("cpu"))
+    qk = 3 * 8 * (4 + 2) * 32 * 2
+    assert bench.bytes_model(inp) == bench.case_bytes(case)
+    assert bench.bytes_model(inp)["fwd"] >= 2 * qk
+    assert bench.bytes_model(inp)["fwdbwd"] == 2 * bench.bytes_model(inp)["fwd"]
+    assert int(inp.pos_grid.max()) < inp.cos_tab.shape[0]
+    if positions == "thd":
+        assert inp.q.shape == (24, 4, 32) and int(inp.cu_seqlens[-1]) == 24
+        assert len(set(bench.varlen_lengths(3, 8))) > 1
+
+
+def test_targets_take_the_worst_qualifying_row():
+    def row(case, mode, impl, us, ratio, **kw):
+        base = dict(case=case, mode=mode, impl=impl, median_us=str(us), ratio_vs_copy=str(ratio), tokens=4096,
+                    bytes=10**9, hq=32, hk=8, head_dim=128)
+        return dict(base, **kw)
+
+    rows = [row("a", "fwd", "ropekit", 101, 1.005), row("b", "fwd", "ropekit", 103, 1.03),
+            row("a", "fwd", "ropekit-table", 100, 1.0), row("b", "fwd", "ropekit-table", 102, 1.02),
+            row("d", "decode", "ropekit", 3, 0.9, tokens=1)]
+    results = {t["target"]: t for t in bench.evaluate_targets(rows)}
+    assert results["fwd-large"]["worst"] == pytest.approx(1.03) and results["fwd-large"]["ok"] is False
+    assert results["fwd-large"]["case"] == "b" and results["fwd-large"]["cases"] == 2
+    assert results["fwd-cold"]["ok"] is True and results["fwd-cold"]["cases"] == 2  # 4096 tokens qualify
+    assert results["exact-vs-table"]["worst"] == pytest.approx(101 / 100) and results["exact-vs-table"]["cases"] == 2
+    assert results["decode"]["ok"] is True
+    assert results["fwdbwd"]["ok"] is None and results["host"]["worst"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU smoke run, end to end
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """``ropekit bench --preset smoke`` on CPU under the Triton interpreter, in a fresh process (the interpreter
+    must be chosen before Triton kernels are defined)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    stand_in = _stand_in_transformers(tmp / "site")
+    out = tmp / "out"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(stand_in), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "ropekit.cli", "bench", "--preset", "smoke", "--device", "cpu",
+           "--impls", "ropekit*,hf", "--out", str(out), "--commit", "test"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out, seconds
+
+
+def _one(out: Path, pattern: str) -> Path:
+    found = sorted(out.glob(pattern))
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+def test_smoke_run_is_fast_and_labelled(smoke_run):
+    proc, out, seconds = smoke_run
+    assert seconds < 30, f"CPU smoke run took {seconds:.1f} s"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert bench.SMOKE_LABEL in lines[0]
+    assert bench.SMOKE_LABEL in lines[-1]  # the short table comes last and ends with the label
+    assert any(line.startswith("case ") and "ropekit" in line for line in lines)
+    assert any("Targets" in line for line in lines)
+    assert bench.SMOKE_LABEL in _one(out, "bench-*-cpu-smoke.md").read_text()
+
+
+def test_smoke_csv_and_json_rows(smoke_run):
+    _, out, _ = smoke_run
+    with _one(out, "bench-*-cpu-smoke.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    data = json.loads(_one(out, "bench-*-cpu-smoke.json").read_text())
+    assert len(data["rows"]) == len(rows) > 0
+    assert data["meta"]["label"] == bench.SMOKE_LABEL and data["meta"]["commit"] == "test"
+    assert {t["target"] for t in data["targets"]} == {t.key for t in bench.TARGETS}
+    for row in rows:
+        assert set(REQUIRED_FIELDS) <= set(row)
+        assert row["label"] == bench.SMOKE_LABEL
+        assert row["gpu"].startswith("none (CPU") and row["commit"] == "test"
+    modes = {r["mode"] for r in rows}
+    assert modes == set(bench.MODES)
+    for (case, mode) in {(r["case"], r["mode"]) for r in rows}:
+        group = {r["impl"]: r for r in rows if r["case"] == case and r["mode"] == mode}
+        base = group[bench.BASELINE[mode]]
+        assert float(base["median_us"]) > 0 and float(base["ratio_vs_copy"]) == 1.0
+        rk = group["ropekit"]
+        assert float(rk["median_us"]) > 0, rk
+        assert float(rk["ratio_vs_copy"]) == pytest.approx(float(rk["median_us"]) / float(base["median_us"]),
+                                                           rel=1e-2)
+        if mode != "host":
+            assert float(rk["gbps"]) == pytest.approx(int(rk["bytes"]) / float(rk["median_us"]) / 1e3, rel=1e-2)
+        assert "ropekit-table" in group
+    # Every timed implementation agrees with ropekit (the peer path's cos/sin layout, THD, partial rotary).
+    for row in rows:
+        if row["max_rel_diff"]:
+            assert float(row["max_rel_diff"]) < 1e-2, row
+            assert "MISMATCH" not in row["note"]
+    hf = [r for r in rows if r["impl"] == "hf"]
+    assert hf and all(r["median_us"] for r in hf), hf
+    assert any("partial rotary" in r["note"] for r in hf)
+    if importlib.util.find_spec("triton") is not None:  # the Triton kernel itself, interpreted
+        launcher = [r for r in rows if r["impl"] == "ropekit-launcher"]
+        assert launcher and all(r["median_us"] for r in launcher), launcher
+
+
+def test_smoke_plots(smoke_run):
+    pytest.importorskip("matplotlib")
+    _, out, _ = smoke_run
+    for mode in ("fwd", "fwdbwd", "decode"):
+        png = _one(out, f"bench-*-cpu-smoke-{mode}.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_from_json_merges_and_redraws(smoke_run, tmp_path, capsys):
+    _, out, _ = smoke_run
+    source = _one(out, "bench-*-cpu-smoke.json")
+    assert bench.main(["--from-json", str(source), str(source), "--out", str(tmp_path), "--no-plot"]) == 0
+    merged = json.loads(_one(tmp_path, "bench-*-merged.json").read_text())
+    assert len(merged["rows"]) == 2 * len(json.loads(source.read_text())["rows"])
+    assert bench.SMOKE_LABEL in capsys.readouterr().out.strip().splitlines()[-1]
