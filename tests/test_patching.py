@@ -31,7 +31,8 @@ TINY = {
                      "long_factor": [1.0 + 0.7 * i for i in range(6)]}),
     "gpt_neox": dict(rotary_pct=0.25),
     "glm": dict(num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, pad_token_id=0),
-    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+    # every token uses all 4 experts: bf16 rounding cannot flip the routing between patched and unpatched runs
+    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=4,
                         n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_scaling={
                             "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
