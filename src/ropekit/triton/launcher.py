@@ -156,14 +156,14 @@ def launch_rope(
         D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
         _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
-        _next_pow2(max(D - rotary_dim, 1)),
+        _next_pow2(max(D - rotary_dim, 1)), q.device.type == "cuda",
     )
     _launch(grid, args, constexprs, num_warps, q.device)
 
 
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
-                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK")
+                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG")
 _COMPILED: dict = {}
 
 
