@@ -19,9 +19,6 @@ import ropekit
 from ropekit.api import _normalise
 from ropekit.triton.launcher import launch_rope
 
-_DEFAULTS = dict(positions=None, inv_freq=None, base=10000.0, cos=None, sin=None, angles=None, style="neox",
-                 layout="bshd", rotary_dim=None, rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
-                 cu_seqlens=None, check_positions=False, conjugate=False)
 NAMES = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
 
 # (name, B, S, HQ, HK, D, dtype, api kwargs)
@@ -52,7 +49,7 @@ def _prepare(B, S, HQ, HK, D, dtype, extra):
         kwargs.update(cos=ang.cos().float(), sin=ang.sin().float())
     if extra.get("ids"):
         kwargs.update(positions=torch.randint(0, S, (B, S), device="cuda"))
-    n = _normalise(q, k, **{**_DEFAULTS, **kwargs})
+    n = _normalise(q, k, **kwargs)
     return q, k, kwargs, dict(zip(NAMES, n.tensors)), n.scalars
 
 
@@ -147,11 +144,11 @@ def main() -> None:
         print(f"{'decode ' + str(tokens) + ' tok, graph replay':<38} {'rope/copy q':<14} {t_r * 1e3:>9.2f} "
               f"{t_r / t_c:>7.3f} (copy {t_c * 1e3:.2f} us)")
         x = torch.randn(16, device="cuda")
-        n = _normalise(q, k, **{**_DEFAULTS, "positions": pos})
+        n = _normalise(q, k, positions=pos)
         tensors, scalars = dict(zip(NAMES, n.tensors)), n.scalars
         for fn, label in ((lambda: ropekit.apply_rope_(q, k, positions=pos), "apply_rope_"),
                           (lambda: ropekit.apply_rope(q, k, positions=pos), "apply_rope"),
-                          (lambda: _normalise(q, k, **{**_DEFAULTS, "positions": pos}), "validate only"),
+                          (lambda: _normalise(q, k, positions=pos), "validate only"),
                           (lambda: launch_rope(q, k, q, k, **tensors, **scalars), "launch only"),
                           (lambda: x.add_(1), "x.add_(1)")):
             for _ in range(100):

@@ -11,14 +11,11 @@ from ropekit.reference import rope_reference
 
 
 def _ref(q, k, **kwargs):
-    n = _normalise(q, k, **{**_DEFAULTS, **kwargs})
+    n = _normalise(q, k, **kwargs)
     tensors = dict(zip(("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin"), n.tensors))
     return rope_reference(q, k, **tensors, **n.scalars, out_dtype=torch.float64)
 
 
-_DEFAULTS = dict(positions=None, inv_freq=None, base=10000.0, cos=None, sin=None, angles=None, style="neox",
-                 layout="bshd", rotary_dim=None, rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
-                 cu_seqlens=None, check_positions=False, conjugate=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -119,7 +116,7 @@ def test_in_place_on_tensor_saved_by_another_op_raises():
 
 
 def _op_args(q, k, **kwargs):
-    n = _normalise(q, k, **{**_DEFAULTS, **kwargs})
+    n = _normalise(q, k, **kwargs)
     return (q, k, *n.tensors, *n.scalars.values())
 
 

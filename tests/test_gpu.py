@@ -7,7 +7,7 @@ from torch.library import opcheck
 import ropekit
 from ropekit.api import _normalise
 from helpers import TOLERANCES, assert_close_to_ref, make_qk
-from test_api import _DEFAULTS, _ref
+from test_api import _ref
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +59,7 @@ def test_autograd_on_cuda():
 
 def test_opcheck_on_cuda():
     q, k = make_qk(2, 8, 4, 2, 32, device="cuda")
-    n = _normalise(q, k, **{**_DEFAULTS, "positions": torch.tensor([3, 4], device="cuda")})
+    n = _normalise(q, k, positions=torch.tensor([3, 4], device="cuda"))
     opcheck(torch.ops.ropekit.rope.default, (q.requires_grad_(True), k, *n.tensors, *n.scalars.values(), None))
     q2, k2 = make_qk(2, 8, 4, 2, 32, device="cuda")
     opcheck(torch.ops.ropekit.rope_.default, (q2, k2, *n.tensors, *n.scalars.values()))

@@ -13,15 +13,12 @@ from ropekit.triton.launcher import launch_rope
 from helpers import TOLERANCES, assert_close_to_ref, make_qk, poisoned_like
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_DEFAULTS = dict(positions=None, inv_freq=None, base=10000.0, cos=None, sin=None, angles=None, style="neox",
-                 layout="bshd", rotary_dim=None, rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
-                 cu_seqlens=None, check_positions=False, conjugate=False)
 _TENSOR_NAMES = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
 
 
 def run_kernel(q, k, *, inplace=False, **kwargs):
     """(kernel outputs, float64 reference outputs) for one call."""
-    n = _normalise(q, k, **{**_DEFAULTS, **kwargs})
+    n = _normalise(q, k, **kwargs)
     tensors = dict(zip(_TENSOR_NAMES, n.tensors))
     ref = rope_reference(q.cpu(), None if k is None else k.cpu(),
                          **{name: (t.cpu() if t is not None else None) for name, t in tensors.items()},
@@ -156,10 +153,9 @@ def test_invalid_positions_become_nan_not_out_of_bounds():
     cos, sin, _ = _freqs(6, 16)
     q, k = make_qk(1, 4, 2, 1, 16, device=DEVICE)
     pos = _dev(torch.tensor([[0, 5, 6, 1]]))
-    n = _normalise(q, k, **{**_DEFAULTS, "positions": pos, "cos": cos, "sin": sin}) if DEVICE == "cuda" else None
+    n = _normalise(q, k, positions=pos, cos=cos, sin=sin) if DEVICE == "cuda" else None
     if n is None:  # on CPU the API refuses; drive the launcher with what the API would pass on a device
-        n = _normalise(q, k, **{**_DEFAULTS, "positions": _dev(torch.tensor([[0, 5, 5, 1]])), "cos": cos,
-                                "sin": sin})
+        n = _normalise(q, k, positions=_dev(torch.tensor([[0, 5, 5, 1]])), cos=cos, sin=sin)
         n.tensors[0].copy_(pos)
     q_out, k_out = poisoned_like(q), poisoned_like(k)
     launch_rope(q, k, q_out, k_out, **dict(zip(_TENSOR_NAMES, n.tensors)), **n.scalars)

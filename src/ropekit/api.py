@@ -87,10 +87,13 @@ def _resolve_table(name: str, table: Tensor, q: Tensor, batch: int, seqlen: int,
     return table3, by_token, rotary_dim
 
 
-def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions, inv_freq: Optional[Tensor], base: float,
-               cos: Optional[Tensor], sin: Optional[Tensor], angles: Optional[Tensor], style: str, layout: str,
-               rotary_dim: Optional[int], rotary_at: str, q_scale: float, k_scale: float, rotary_scale: float,
-               cu_seqlens: Optional[Tensor], check_positions: bool, conjugate: bool) -> _Normalised:
+def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, inv_freq: Optional[Tensor] = None,
+               base: float = 10000.0, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+               angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd",
+               rotary_dim: Optional[int] = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
+               rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
+               conjugate: bool = False) -> _Normalised:
+    """Validate a call's arguments (the public API's defaults) and normalise them for ``ropekit::rope``."""
     # --- q and k ---------------------------------------------------------------------------------------------
     if not isinstance(q, Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")

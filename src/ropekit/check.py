@@ -113,10 +113,7 @@ def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwa
         from ropekit.api import _normalise
         from ropekit.triton.launcher import launch_rope
 
-        n = _normalise(qd, kd, **{**dict(positions=None, inv_freq=None, base=10000.0, cos=None, sin=None,
-                                          angles=None, style="neox", layout="bshd", rotary_dim=None,
-                                          rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
-                                          cu_seqlens=None, check_positions=False), **kwargs, "conjugate": backward})
+        n = _normalise(qd, kd, **kwargs, conjugate=backward)
         out_q, out_k = (qd, kd) if inplace else (torch.full_like(qd, float("nan")), torch.full_like(kd, float("nan")))
         launch_rope(qd, kd, out_q, out_k,
                     **dict(zip(("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin"), n.tensors)),
