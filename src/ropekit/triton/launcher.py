@@ -11,7 +11,6 @@ import functools
 import math
 
 import torch
-import triton
 
 from ropekit._layout import to_canonical
 from ropekit.triton import kernel as K
