@@ -138,11 +138,10 @@ def launch_rope(
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     grid = (_cdiv(num_tokens, block_t) * n_hb, 1, 1)
     dummy = q
-    q_s, qo_s, k_s, ko_s = qc.stride(), qoc.stride(), kc.stride(), koc.stride()  # one call each: host time
     args = (
         qc, qoc, kc, koc,
-        q_s[0], q_s[1], q_s[2], qo_s[0], qo_s[1], qo_s[2],
-        k_s[0], k_s[1], k_s[2], ko_s[0], ko_s[1], ko_s[2],
+        qc.stride(0), qc.stride(1), qc.stride(2), qoc.stride(0), qoc.stride(1), qoc.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2), koc.stride(0), koc.stride(1), koc.stride(2),
         HQ, HK, S, num_tokens,
         pos_t, pos_sb, pos_ss,
         seq_offsets if seq_offsets is not None else dummy, pos_offset,
