@@ -357,3 +357,39 @@ def test_check_rows_and_adapter_info(runner):
     failed = [r for r in rows if not r["passed"]]
     assert not failed, failed
     assert all(r["backend"] == "webgpu" and r["device"] == info for r in rows)
+
+
+# ------------------------------------------------------------------------ ropekit.apply_rope(..., backend="webgpu")
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_public_api_backend_webgpu_matches_the_default_backend(runner, style):
+    import ropekit
+
+    q = torch.randn(2, 9, 4, 16)
+    k = torch.randn(2, 9, 2, 16)
+    got_q, got_k = ropekit.apply_rope(q, k, positions=77, base=500000.0, style=style, backend="webgpu")
+    want_q, want_k = ropekit.apply_rope(q.double(), k.double(), positions=77, base=500000.0, style=style)
+    torch.testing.assert_close(got_q.double(), want_q, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(got_k.double(), want_k, rtol=1e-6, atol=2e-6)
+    back = ropekit.rope_backward(got_q, positions=77, base=500000.0, style=style, backend="webgpu")
+    torch.testing.assert_close(back, q, rtol=1e-5, atol=1e-5)
+    x = q.clone()
+    assert ropekit.apply_rope_(x, positions=77, base=500000.0, style=style, backend="webgpu") is x
+    torch.testing.assert_close(x, got_q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(positions=torch.tensor([1, 2])), "positions tensor"),
+    (dict(rotary_dim=8), "rotary_dim < head_dim"),
+    (dict(q_scale=0.5), "q_scale"),
+    (dict(layout="bhsd"), "layout='bhsd'"),
+    (dict(backend="metal"), "backend must be"),
+])
+def test_public_api_backend_webgpu_refuses_what_it_cannot_do(kwargs, match):
+    import ropekit
+
+    q = torch.randn(2, 4, 3, 16)
+    before = q.clone()
+    with pytest.raises(ValueError, match=match):
+        ropekit.apply_rope_(q, **{"backend": "webgpu", **kwargs})
+    assert torch.equal(q, before)

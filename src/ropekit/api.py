@@ -283,12 +283,17 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
           base: float = 10000.0, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
           angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd",
           rotary_dim: Optional[int] = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
-          rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False):
+          rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
+          backend: str = "auto"):
     """Shared body of the public functions; ``promote_dtype`` sets out dtype = promote(input, promote_dtype)."""
+    if backend not in ("auto", "webgpu"):
+        raise ValueError(f"backend must be 'auto' or 'webgpu', got {backend!r}")
     n = _normalise(q, k, positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
                    check_positions=check_positions, conjugate=conjugate)
+    if backend == "webgpu":
+        return _rope_webgpu(q, k, n, inplace)
     # Eager calls without autograd skip the dispatcher (host time); tracing and autograd use the registered ops.
     direct = not torch.compiler.is_compiling() and not _needs_grad(q, k)
     if inplace:
@@ -307,6 +312,33 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
         outs = _autograd.Rope.apply(q, k, n.tensors, n.scalars, promote_dtype)
     else:
         outs = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
+    return outs[0] if k is None else (outs[0], outs[1])
+
+
+def _rope_webgpu(q: Tensor, k: Optional[Tensor], n: _Normalised, inplace: bool):
+    """The WGSL kernels (:mod:`ropekit.webgpu`) for the subset of arguments they implement."""
+    from ropekit import webgpu
+
+    positions, seq_offsets, cu_seqlens, inv_freq, cos, sin = n.tensors
+    sc = n.scalars
+    unsupported = [name for name, bad in (
+        ("a positions tensor (only an int offset)", positions is not None or seq_offsets is not None),
+        ("cu_seqlens", cu_seqlens is not None),
+        (f"layout={sc['layout']!r} (only 'bshd' or 'thd')", sc["layout"] not in ("bshd", "thd")),
+        ("rotary_dim < head_dim", sc["rotary_dim"] != q.shape[-1]),
+        ("q_scale/k_scale/rotary_scale other than 1", (sc["q_scale"], sc["k_scale"], sc["rotary_scale"]) != (1, 1, 1)),
+        ("raw angles or per-token cos/sin", sc["freq_mode"] == "angles" or sc["table_by_token"]),
+        ("autograd (inputs that require grad)", _needs_grad(q, k)),
+    ) if bad]
+    if unsupported:
+        raise ValueError(f"backend='webgpu' does not support {', '.join(unsupported)}")
+    outs = webgpu.apply_rope(q, k, pos_offset=sc["pos_offset"], inv_freq=inv_freq if cos is None else None,
+                             cos=cos, sin=sin, style=sc["style"], conjugate=sc["conjugate"])
+    outs = (outs,) if k is None else outs
+    if inplace:
+        for x, out in zip((q, k), outs):
+            x.copy_(out)
+        outs = (q, k)
     return outs[0] if k is None else (outs[0], outs[1])
 
 
@@ -353,6 +385,10 @@ _ARGS_DOC = """
         Also check device-resident ``positions``/``cu_seqlens`` values on the host (one sync). Without it, CPU
         tensors are always checked and CUDA tokens with an invalid position come out as NaN (never an
         out-of-bounds access).
+    backend : {"auto", "webgpu"}
+        ``auto``: the Triton kernels for CUDA tensors, the float64 reference for CPU tensors. ``webgpu``: the WGSL
+        kernels through wgpu on CPU tensors (``pip install "ropekit[webgpu]"``), for layouts ``bshd``/``thd``,
+        an int offset, full rotary, unit scales and no autograd; other arguments raise ``ValueError``.
 
     Sign convention: the forward rotation is by +theta, ``x0' = x0*cos - x1*sin``, ``x1' = x0*sin + x1*cos``.
     Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument; nothing is written when it raises.
@@ -370,7 +406,7 @@ def apply_rope(
     base: float = 10000.0, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd", rotary_dim: Optional[int] = None,
     rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
-    cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
+    cu_seqlens: Optional[Tensor] = None, check_positions: bool = False, backend: str = "auto",
 ):
     """Rotate ``q`` (and ``k``) by their positions; returns new tensors ``(q_rot, k_rot)``, or ``q_rot`` alone
     when ``k`` is None. Differentiable in q and k (the backward is the conjugate rotation).
@@ -378,7 +414,7 @@ def apply_rope(
     return _rope(q, k, inplace=False, conjugate=False, positions=positions, inv_freq=inv_freq, base=base, cos=cos,
                  sin=sin, angles=angles, style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at,
                  q_scale=q_scale, k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
-                 check_positions=check_positions)
+                 check_positions=check_positions, backend=backend)
 
 
 @_signature_doc
@@ -387,7 +423,7 @@ def apply_rope_(
     base: float = 10000.0, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
     angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd", rotary_dim: Optional[int] = None,
     rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
-    cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
+    cu_seqlens: Optional[Tensor] = None, check_positions: bool = False, backend: str = "auto",
 ):
     """In-place :func:`apply_rope`: rotates ``q`` (and ``k``) in their own memory and returns them.
 
@@ -398,7 +434,7 @@ def apply_rope_(
     return _rope(q, k, inplace=True, conjugate=False, positions=positions, inv_freq=inv_freq, base=base, cos=cos,
                  sin=sin, angles=angles, style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at,
                  q_scale=q_scale, k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
-                 check_positions=check_positions)
+                 check_positions=check_positions, backend=backend)
 
 
 @_signature_doc
@@ -408,6 +444,7 @@ def rope_backward(
     sin: Optional[Tensor] = None, angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd",
     rotary_dim: Optional[int] = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
     rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
+    backend: str = "auto",
 ):
     """Explicit backward of :func:`apply_rope` (cuDNN's ``rope_backward``): the gradients w.r.t. q (and k)
     given those w.r.t. the rotated outputs -- the rotation by -theta, times the same ``q_scale``/``k_scale``
@@ -416,4 +453,4 @@ def rope_backward(
     return _rope(dq_rot, dk_rot, inplace=False, conjugate=True, positions=positions, inv_freq=inv_freq, base=base,
                  cos=cos, sin=sin, angles=angles, style=style, layout=layout, rotary_dim=rotary_dim,
                  rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale, rotary_scale=rotary_scale,
-                 cu_seqlens=cu_seqlens, check_positions=check_positions)
+                 cu_seqlens=cu_seqlens, check_positions=check_positions, backend=backend)
