@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
+from ropekit import _eager
 from ropekit import autograd as _autograd
 from ropekit import ops
 from ropekit._layout import LAYOUTS, layout_ndim, to_canonical
@@ -286,6 +287,17 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
           rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
           backend: str = "auto"):
     """Shared body of the public functions; ``promote_dtype`` sets out dtype = promote(input, promote_dtype)."""
+    # Eager CUDA calls without autograd: replay the launch plan of an earlier call with the same signature.
+    optional = (positions, inv_freq, cos, sin, angles, cu_seqlens)
+    sig = None if backend != "auto" or check_positions else _eager.signature(
+        q, k, optional, (inplace, conjugate, promote_dtype, base, style, layout, rotary_dim, rotary_at, q_scale,
+                         k_scale, rotary_scale))
+    if sig is not None:
+        plan = _eager._PLANS.get(sig[0])
+        if plan is not None:
+            outs = plan(q, k, positions, sig[1])
+            if outs is not None:
+                return outs
     if backend not in ("auto", "webgpu"):
         raise ValueError(f"backend must be 'auto' or 'webgpu', got {backend!r}")
     n = _normalise(q, k, positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
@@ -312,6 +324,8 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
         outs = _autograd.Rope.apply(q, k, n.tensors, n.scalars, promote_dtype)
     else:
         outs = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
+    if sig is not None:
+        _eager.record(sig[0], q, k, optional, n, outs, inplace)
     return outs[0] if k is None else (outs[0], outs[1])
 
 

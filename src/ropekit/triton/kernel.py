@@ -63,12 +63,10 @@ def _sincos_reduced(angle, FAST_TRIG: tl.constexpr):
 
 @triton.jit
 def _token_positions(
-    t, S, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    t, b, s, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr,
 ):
-    """(b, s, pos, valid) of canonical token indices ``t`` (int64)."""
-    b = t // S
-    s = t - b * S
+    """(pos, valid) of canonical token indices ``t`` = ``b * S + s`` (``b``, ``s`` int64)."""
     valid = t == t
     if POS_MODE == 0:
         pos = s + pos_offset
@@ -78,6 +76,7 @@ def _token_positions(
         pos = tl.load(pos_ptr + b * pos_sb + s * pos_ss).to(tl.int64)
     else:
         # Largest seq with cu[seq] <= t, by a branch-free binary search over the B + 1 boundaries.
+        t = t.to(tl.int64)
         lo = tl.zeros_like(t)
         hi = tl.zeros_like(t) + (n_seqs - 1)
         for _ in range(n_search_steps):
@@ -95,7 +94,7 @@ def _token_positions(
         else:
             pos = t - start + pos_offset
     valid = valid & (pos >= 0)
-    return b, s, pos, valid
+    return pos, valid
 
 
 @triton.jit
@@ -167,21 +166,26 @@ def _rotation(
 
 
 @triton.jit
-def _rotate_head_block(
-    x_ptr, o_ptr, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, b, s, mask_t, h0, H, scale,
-    c_lo, c_hi, s_a, s_b,
+def _rope_head_block(
+    x_ptr, o_ptr, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, t, b, s, mask_t, h0, H, scale,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr,
     BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):
+    """Rotate one [BLOCK_T, BLOCK_H] block of heads of ``x`` into ``o``.
+
+    The block's loads come first, before the position load and the angle math they do not depend on: a decode
+    call is one round trip to memory plus the sin/cos latency, not a position round trip, then the angles, then
+    the data round trip."""
     HALF: tl.constexpr = ROT_DIM // 2
     h = h0 + tl.arange(0, BLOCK_H)
     m = (mask_t[:, None] & (h < H)[None, :])[:, :, None]
     x_base = (b * x_sb + s * x_ss)[:, None, None] + (h.to(tl.int64) * x_sh)[None, :, None]
     o_base = (b * o_sb + s * o_ss)[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
-    c_lo = (c_lo * scale)[:, None, :]
-    c_hi = (c_hi * scale)[:, None, :]
-    s_a = (s_a * scale)[:, None, :]
-    s_b = (s_b * scale)[:, None, :]
     if NEOX:
         i = tl.arange(0, HALF_BLOCK)[None, None, :]
         mi = m
@@ -189,10 +193,6 @@ def _rotate_head_block(
             mi = m & (i < HALF)
         x_lo = tl.load(x_ptr + x_base + ROT_START + i, mask=mi).to(tl.float32)
         x_hi = tl.load(x_ptr + x_base + (ROT_START + HALF) + i, mask=mi).to(tl.float32)
-        y_lo = x_lo * c_lo - x_hi * s_a
-        y_hi = x_hi * c_hi + x_lo * s_b
-        tl.store(o_ptr + o_base + ROT_START + i, y_lo.to(o_ptr.dtype.element_ty), mask=mi)
-        tl.store(o_ptr + o_base + (ROT_START + HALF) + i, y_hi.to(o_ptr.dtype.element_ty), mask=mi)
     else:
         # Load the rotated span contiguously and de-interleave in registers (no stride-2 accesses).
         j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
@@ -201,20 +201,38 @@ def _rotate_head_block(
             mj = m & (j < ROT_DIM)
         x = tl.load(x_ptr + x_base + ROT_START + j, mask=mj).to(tl.float32)
         x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
-        y_lo = x_lo * c_lo - x_hi * s_a
-        y_hi = x_hi * c_hi + x_lo * s_b
-        y = tl.reshape(tl.join(y_lo, y_hi), [x.shape[0], x.shape[1], 2 * HALF_BLOCK])
-        tl.store(o_ptr + o_base + ROT_START + j, y.to(o_ptr.dtype.element_ty), mask=mj)
     if COPY_PASS:
         p = tl.arange(0, PASS_BLOCK)[None, None, :]
         mp = m & (p < HEAD_DIM - ROT_DIM)
         if ROT_START == 0:
             p = p + ROT_DIM
         x_p = tl.load(x_ptr + x_base + p, mask=mp).to(tl.float32)
+
+    pos, valid = _token_positions(t, b, s, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs,
+                                  n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+    valid = valid & mask_t
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+        ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG)
+    c_lo = (c_lo * scale)[:, None, :]
+    c_hi = (c_hi * scale)[:, None, :]
+    s_a = (s_a * scale)[:, None, :]
+    s_b = (s_b * scale)[:, None, :]
+    y_lo = x_lo * c_lo - x_hi * s_a
+    y_hi = x_hi * c_hi + x_lo * s_b
+    if NEOX:
+        tl.store(o_ptr + o_base + ROT_START + i, y_lo.to(o_ptr.dtype.element_ty), mask=mi)
+        tl.store(o_ptr + o_base + (ROT_START + HALF) + i, y_hi.to(o_ptr.dtype.element_ty), mask=mi)
+    else:
+        y = tl.reshape(tl.join(y_lo, y_hi), [x.shape[0], x.shape[1], 2 * HALF_BLOCK])
+        tl.store(o_ptr + o_base + ROT_START + j, y.to(o_ptr.dtype.element_ty), mask=mj)
+    if COPY_PASS:
         tl.store(o_ptr + o_base + p, (x_p * scale).to(o_ptr.dtype.element_ty), mask=mp)
 
 
-@triton.jit
+# pos_offset changes on every decode step: specialising on its value (== 1, divisible by 16) would compile new
+# variants and make a kernel bound once (ropekit.triton.launcher.bind_rope) wrong for other offsets.
+@triton.jit(do_not_specialize=["pos_offset"])
 def rope_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr,
     q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh,
@@ -230,7 +248,9 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
+    # Program and token indices in int32 (the launcher refuses 2**31 tokens): int64 division is a long
+    # instruction sequence on the path to the first load. Addresses are formed in int64.
+    pid = tl.program_id(0)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     if HAS_K:
         n_hb = n_qb + tl.cdiv(HK, BLOCK_HK)
@@ -238,20 +258,22 @@ def rope_kernel(
         n_hb = n_qb
     tb = pid // n_hb
     hb = pid - tb * n_hb
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < num_tokens
-    b, s, pos, valid = _token_positions(
-        t, S, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-        POS_MODE, HAS_SEQ_OFFSETS)
-    valid = valid & mask_t
-    c_lo, c_hi, s_a, s_b = _rotation(
-        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-        ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG)
+    b32 = t // S
+    s = (t - b32 * S).to(tl.int64)
+    b = b32.to(tl.int64)
     if hb < n_qb:
-        _rotate_head_block(q_ptr, qo_ptr, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, b, s, mask_t, hb * BLOCK_HQ, HQ,
-                           q_scale, c_lo, c_hi, s_a, s_b, HEAD_DIM, ROT_DIM, ROT_START, NEOX, BLOCK_HQ,
-                           HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q)
+        _rope_head_block(
+            q_ptr, qo_ptr, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, t, b, s, mask_t, hb * BLOCK_HQ, HQ, q_scale,
+            pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+            CONJUGATE, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q, FAST_TRIG)
     elif HAS_K:
-        _rotate_head_block(k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, b, s, mask_t,
-                           (hb - n_qb) * BLOCK_HK, HK, k_scale, c_lo, c_hi, s_a, s_b, HEAD_DIM, ROT_DIM, ROT_START,
-                           NEOX, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K)
+        _rope_head_block(
+            k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, t, b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK,
+            k_scale, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+            CONJUGATE, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K, FAST_TRIG)

@@ -17,10 +17,13 @@ from ropekit.triton import kernel as K
 
 _FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.FREQ_ANGLES}
 
-# Bytes of Q (or K) each program reads per pass, over its tokens; tuned on Hopper (see BENCHMARKS.md).
-TILE_BYTES = 16384
-# Elements of one token's head tile: [BLOCK_H, head_dim].
-HEAD_TILE_ELEMS = 4096
+# Bytes of Q (or K) each program reads per pass, and elements of one token's head tile [BLOCK_H, head_dim]: small
+# programs of one token (D 128: 8 heads, 2 KB) with 64 bytes per thread were best across the block sweep on Hopper
+# once every load is issued before the angle math (scripts/tune.py --sweep; see BENCHMARKS.md).
+TILE_BYTES = 2048
+HEAD_TILE_ELEMS = 1024
+BYTES_PER_THREAD = 64
+INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 
 
@@ -65,11 +68,11 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
 
     while block_t > 1 and programs(block_t, block_hq, block_hk) < min_programs:
         block_t //= 2
-    while block_t == 1 and block_hq > 2 and programs(1, block_hq, block_hk) < min_programs:
+    # Decode: down to one head per program, as the fewer elements a thread handles, the shorter its latency.
+    while block_t == 1 and block_hq > 1 and programs(1, block_hq, block_hk) < min_programs:
         block_hq //= 2
         block_hk = min(block_hk, block_hq)
-    # About 128 bytes (eight 16-byte vectors) per thread was best across the sweep (scripts/tune.py).
-    num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // 4096))
+    num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // (32 * BYTES_PER_THREAD)))
     return block_t, block_hq, block_hk, num_warps
 
 
@@ -102,6 +105,20 @@ def launch_rope(
     """Rotate ``q`` (and ``k``) into ``q_out`` (and ``k_out``); outputs may alias their inputs exactly.
 
     ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only)."""
+    launch = _kernel_launch(q, k, q_out, k_out, layout=layout, style=style, freq_mode=freq_mode,
+                            rotary_dim=rotary_dim, rotary_start=rotary_start, positions=positions,
+                            seq_offsets=seq_offsets, pos_offset=pos_offset, cu_seqlens=cu_seqlens, inv_freq=inv_freq,
+                            cos=cos, sin=sin, table_by_token=table_by_token, q_scale=q_scale, k_scale=k_scale,
+                            rotary_scale=rotary_scale, conjugate=conjugate, tile_bytes=tile_bytes, config=config)
+    if launch is not None:
+        _launch(*launch, q.device)
+
+
+def _kernel_launch(q, k, q_out, k_out, *, layout, style, freq_mode, rotary_dim, rotary_start, positions,
+                   seq_offsets, pos_offset, cu_seqlens, inv_freq, cos, sin, table_by_token, q_scale, k_scale,
+                   rotary_scale, conjugate, tile_bytes=TILE_BYTES, config=None):
+    """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments; None when
+    there is nothing to rotate."""
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
     B, S, HQ, D = qc.shape
     has_k = k is not None
@@ -110,7 +127,9 @@ def launch_rope(
     HK = kc.shape[2] if has_k else 0
     num_tokens = B * S
     if num_tokens == 0 or (HQ == 0 and HK == 0):
-        return
+        return None
+    if num_tokens >= 2**31:  # the kernel indexes tokens in int32
+        raise ValueError(f"at most 2**31 - 1 tokens (batch * seqlen) per call, got {num_tokens}; split the call")
 
     if positions is not None:
         pos_mode, pos_t = K.POS_PER_TOKEN, positions
@@ -133,6 +152,8 @@ def launch_rope(
 
     copy_pass_q = D != rotary_dim and (q_out.data_ptr() != q.data_ptr() or q_scale != 1.0)
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
+    if q.device.type != "cuda":  # the CPU interpreter pays per program: fewer, larger ones
+        tile_bytes = max(tile_bytes, INTERPRETER_TILE_BYTES)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes)
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
@@ -157,7 +178,7 @@ def launch_rope(
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), q.device.type == "cuda",
     )
-    _launch(grid, args, constexprs, num_warps, q.device)
+    return grid, args, constexprs, num_warps
 
 
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
@@ -168,6 +189,7 @@ _COMPILED: dict = {}
 
 _VARYING = (18, 19, 24, 26, 27, 34)  # S, num_tokens, pos_offset, n_seqs, n_search_steps, table_rows: per call
 _POINTERS = (0, 1, 2, 3, 20, 23, 25, 28, 29, 30)
+_POS_OFFSET = 24
 
 
 def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
@@ -189,6 +211,11 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
     if device.type != "cuda":
         K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
         return
+    if device.index is not None and device.index != _current_device():
+        # Triton launches (and compiles) for the current device: make it the tensors' device.
+        with torch.cuda.device(device.index):
+            _launch(grid, args, constexprs, num_warps, device)
+        return
     key = _cache_key(args, constexprs, num_warps, device.index)
     compiled = _COMPILED.get(key)
     if compiled is not None:
@@ -197,3 +224,82 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
     compiled = K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
     if compiled is not None and hasattr(compiled, "__getitem__"):
         _COMPILED[key] = compiled
+
+
+class BoundLaunch:
+    """One compiled specialisation of ``rope_kernel`` with its grid and every argument fixed except the ten data
+    pointers (q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, as ints) and the
+    position offset: the eager fast path of :mod:`ropekit.api` calls it for repeated calls of one signature.
+
+    It calls Triton's compiled launcher directly, with integer pointers (no ``data_ptr()`` or pointer-attribute
+    query per tensor), on the current stream of the kernel's device. The caller guarantees that the tensors
+    behind the pointers have the shapes, strides, dtypes, device and 16-byte alignment the launch was bound with.
+    """
+
+    __slots__ = ("_run", "_grid", "_function", "_packed", "_head", "_mid1", "_mid2", "_tail", "_device_index",
+                 "_compiled")
+
+    def __init__(self, compiled, grid, args, constexprs, device_index: int):
+        self._compiled = compiled
+        self._run = compiled.run
+        self._grid = grid
+        self._function = compiled.function
+        self._packed = compiled.packed_metadata
+        # args between the pointer slots (see _POINTERS): 4..19, 21..22, 26..27, 31.. + constexprs
+        self._head = tuple(args[4:20])
+        self._mid1 = tuple(args[21:23])
+        self._mid2 = tuple(args[26:28])
+        self._tail = (*args[31:], *constexprs)
+        self._device_index = device_index
+
+    def __call__(self, q: int, q_out: int, k: int, k_out: int, positions: int, seq_offsets: int, cu_seqlens: int,
+                 inv_freq: int, cos: int, sin: int, pos_offset: int) -> None:
+        args = (q, q_out, k, k_out, *self._head, positions, *self._mid1, seq_offsets, pos_offset, cu_seqlens,
+                *self._mid2, inv_freq, cos, sin, *self._tail)
+        if _current_device() != self._device_index:
+            with torch.cuda.device(self._device_index):
+                self._launch(args)
+        else:
+            self._launch(args)
+
+    def _launch(self, args: tuple) -> None:
+        if _launch_hooks_idle():
+            stream = _current_raw_stream(self._device_index)
+            self._run(self._grid[0], 1, 1, stream, self._function, self._packed, None, None, None, *args)
+        else:  # a profiler hooked Triton's launches: go through Triton's own launch path
+            self._compiled[self._grid](*args)
+
+
+def _launch_hooks_idle() -> bool:
+    """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
+    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    return (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True))
+
+
+try:
+    from triton import knobs as _knobs
+
+    _RUNTIME_KNOBS = _knobs.runtime
+except ImportError:  # older Triton: hooks live on CompiledKernel
+    from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
+
+# What Triton's own launch path reads (its CUDA driver calls these torch functions), without the wrappers.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
+def bind_rope(q, k, q_out, k_out, **kwargs) -> BoundLaunch | None:
+    """A :class:`BoundLaunch` for :func:`launch_rope`'s arguments, or None where there is none to bind: nothing
+    to rotate, a device other than CUDA, a specialisation not compiled yet (the first call goes through
+    :func:`launch_rope`), or a Triton without the launcher attributes this relies on."""
+    if q.device.type != "cuda" or _current_raw_stream is None:
+        return None
+    launch = _kernel_launch(q, k, q_out, k_out, **kwargs)
+    if launch is None:
+        return None
+    grid, args, constexprs, num_warps = launch
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    compiled = _COMPILED.get(_cache_key(args, constexprs, num_warps, q.device.index))
+    if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    return BoundLaunch(compiled, grid, args, constexprs, device_index)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU side of a change, in one command on a CUDA machine: tests, `ropekit check`, host-time breakdown, kernel
+# timings, and optionally `ropekit bench`. Logs go to $LOGS (default out/gpu-suite).
+#
+#   bash scripts/gpu_suite.sh [tests] [check] [host] [tune] [bench:<ropekit bench args>]   (default: all but bench)
+#
+# Peers for the benchmark (Liger, flash-attn's rotary file) are optional; see benchmarks/README.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOGS=${LOGS:-out/gpu-suite}
+mkdir -p "$LOGS"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests check host tune)
+status=0
+for step in "${steps[@]}"; do
+  echo "=== $step"
+  case "$step" in
+    tests)
+      python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_gpu_eager_plans.py tests/test_kernel.py \
+        tests/test_api.py tests/test_transformers_dropin.py tests/test_modules.py 2>&1 | tee "$LOGS/tests.log" | tail -4
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    check) python -m ropekit.cli check 2>&1 | tee "$LOGS/check.log" | tail -4 ;;
+    host) python scripts/host_time.py 2>&1 | tee "$LOGS/host.log" ;;
+    tune) python scripts/tune.py --tiles 16384 --sweep 0 2>&1 | tee "$LOGS/tune.log" ;;
+    bench:*) read -r -a bench_args <<< "${step#bench:}"
+      python -m ropekit.cli bench "${bench_args[@]}" 2>&1 | tee "$LOGS/bench.log" | tail -60 ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,106 @@
+"""Host time per eager call on a CUDA GPU, broken into its parts, against ``x.add_(1)`` measured in the same run.
+
+Decode shape (Llama-3-8B: 32/8 heads, D 128, bf16, one token). Each row is the median over rounds of many calls
+with no synchronisation inside a round, as ``ropekit bench``'s host mode measures.
+
+    python scripts/host_time.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import timeit
+
+import torch
+
+import ropekit
+from ropekit import _eager
+from ropekit.triton.launcher import _current_raw_stream, _launch_hooks_idle
+
+
+def per_call_us(fn, number: int = 2000, rounds: int = 9) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = timeit.Timer(fn, setup=torch.cuda.synchronize).repeat(repeat=rounds, number=number)
+    return statistics.median(times) / number * 1e6
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile of the fwd+bwd call")
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    q = torch.randn(1, 1, 32, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 8, 128, device=dev, dtype=torch.bfloat16)
+    x = torch.zeros_like(q)
+    pos = torch.tensor([[4095]], device=dev)
+    cos = torch.randn(1, 1, 128, device=dev, dtype=torch.bfloat16)
+    sin = torch.randn(1, 1, 128, device=dev, dtype=torch.bfloat16)
+    ropekit.apply_rope(q, k, positions=4095)  # compile, record plans
+    ropekit.apply_rope_(q, k, positions=4095)
+    ropekit.apply_rope(q, k, positions=pos)
+    ropekit.apply_rope(q, k, cos=cos, sin=sin)
+    scalars = (False, False, None, 10000.0, "neox", "bshd", None, "front", 1.0, 1.0, 1.0)
+    optional = (4095, None, None, None, None, None)
+    key, ptrs = _eager.signature(q, k, optional, scalars)
+    plan = _eager._PLANS[key]
+    launch = plan.launch
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qp, kp, qop, kop = q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr()
+    fp = plan.const_freq_ptr
+
+    ql, kl = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+
+    def fwd_bwd():
+        outs = ropekit.apply_rope(ql, kl, positions=4095)
+        return torch.autograd.grad(outs, (ql, kl), (gq, gk))
+
+    xl = torch.randn_like(q).requires_grad_(True)
+
+    def floor_fwd_bwd():
+        return torch.autograd.grad((xl * 2,), (xl,), (gq,))
+
+    rows = [
+        ("x.add_(1) (baseline)", lambda: x.add_(1)),
+        ("apply_rope(q, k, positions=int)", lambda: ropekit.apply_rope(q, k, positions=4095)),
+        ("apply_rope_(q, k, positions=int)", lambda: ropekit.apply_rope_(q, k, positions=4095)),
+        ("apply_rope(q, k, positions=tensor)", lambda: ropekit.apply_rope(q, k, positions=pos)),
+        ("apply_rope(q, k, cos=, sin=) per-token", lambda: ropekit.apply_rope(q, k, cos=cos, sin=sin)),
+        ("apply_rope + autograd.grad (fwd+bwd)", fwd_bwd),
+        ("  floor: autograd.grad of x * 2", floor_fwd_bwd),
+        ("  forward only, inputs require grad", lambda: ropekit.apply_rope(ql, kl, positions=4095)),
+        ("  part: signature (key + pointers)", lambda: _eager.signature(q, k, optional, scalars)),
+        ("  part: plan lookup", lambda: _eager._PLANS.get(key)),
+        ("  part: torch.empty(shape, dtype, device)",
+         lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)),
+        ("  part: bound launch (Triton's launcher)", lambda: launch(qp, qop, kp, kop, qp, qp, qp, fp, qp, qp, 4095)),
+        ("  part: current raw stream", lambda: _current_raw_stream(0)),
+        ("  part: Triton launch-hook check", _launch_hooks_idle),
+        ("  part: torch.compiler.is_compiling()", torch.compiler.is_compiling),
+    ]
+    base = None
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{'call':<44} {'us/call':>8} {'x add_':>7}")
+    for name, fn in rows:
+        us = per_call_us(fn)
+        base = base or us
+        print(f"{name:<44} {us:>8.2f} {us / base:>7.2f}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            fwd_bwd()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

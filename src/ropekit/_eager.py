@@ -1,0 +1,146 @@
+"""Eager fast path: a launch plan per call signature, so a repeated call costs a dictionary lookup and a launch.
+
+A call's *signature* is everything validation and the kernel's specialisation depend on: every argument's type,
+shape, strides, dtype, device and 16-byte alignment, and every scalar argument, but not data pointers or an int
+position offset. The first call of a signature goes through the full path (:func:`ropekit.api._normalise`, the
+launcher); if it succeeds on CUDA without autograd or tracing, :func:`record` keeps a :class:`Plan` holding the
+compiled kernel bound to its grid and arguments (:class:`ropekit.triton.launcher.BoundLaunch`). Later calls of
+the same signature skip validation, normalisation and the launcher's argument building: they read the data
+pointers, allocate the outputs and launch.
+
+What a plan re-checks per call is what can change within a signature: the int position offset (negative, past a
+cos/sin table or beyond int32 sends the call back to the full path, which raises or handles it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+_INT32_MAX = 2**31 - 1
+
+# Sources of the kernel's pointer slots, indices into the per-call tuple built in Plan.__call__:
+# q, q_out, k, k_out, positions, inv_freq, cos, sin, angles, cu_seqlens, the plan's constant inv_freq.
+_Q, _QO, _K, _KO, _POS, _FREQ, _COS, _SIN, _ANGLES, _CU, _CONST_FREQ = range(11)
+
+
+def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
+    """(key, data pointers) of a call, or None when the fast path does not apply: not CUDA, tensor subclasses,
+    autograd, tracing.
+
+    ``optional`` = (positions, inv_freq, cos, sin, angles, cu_seqlens) as the user passed them; the pointers
+    are q's, k's and theirs in that order (0 where absent)."""
+    if type(q) is not Tensor or not q.is_cuda or (k is not None and type(k) is not Tensor):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    ptrs = [q.data_ptr()]
+    parts = [(q.shape, q.stride(), q.dtype, q.get_device(), ptrs[0] & 15)]
+    for t in (k, *optional):
+        if t is None:
+            ptrs.append(0)
+            parts.append(None)
+        elif type(t) is Tensor:
+            p = t.data_ptr()
+            ptrs.append(p)
+            parts.append((t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
+        else:  # an int position offset (its value is checked per call), or something the full path rejects
+            ptrs.append(0)
+            parts.append(type(t))
+    return (*parts, *scalars), ptrs
+
+
+class Plan:
+    """The bound launch of one call signature and where each of its pointer slots comes from."""
+
+    __slots__ = ("launch", "slots", "const_freq", "const_freq_ptr", "int_offset", "max_offset", "q_out", "k_out",
+                 "inplace")
+
+    def __call__(self, q: Tensor, k: Optional[Tensor], positions, ptrs: list):
+        """Launch and return the outputs as the full path would, or None to send the call down the full path."""
+        pos_offset = 0
+        if self.int_offset:
+            pos_offset = int(positions)
+            if not 0 <= pos_offset <= self.max_offset:
+                return None
+        q_ptr, k_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr = ptrs
+        if self.inplace:
+            q_out, k_out = q, k
+            qo_ptr, ko_ptr = q_ptr, k_ptr
+        else:
+            q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
+            qo_ptr = q_out.data_ptr()
+            k_out = ko_ptr = None
+            if k is not None:
+                k_out = torch.empty(self.k_out[0], dtype=self.k_out[1], device=q.device)
+                ko_ptr = k_out.data_ptr()
+        if k is None:  # the launcher passes q's pointers in k's slots
+            k_ptr, ko_ptr = q_ptr, qo_ptr
+        source = (q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr,
+                  self.const_freq_ptr)
+        s = self.slots
+        self.launch(source[s[0]], source[s[1]], source[s[2]], source[s[3]], source[s[4]], source[s[5]],
+                    source[s[6]], source[s[7]], source[s[8]], source[s[9]], pos_offset)
+        return q_out if k is None else (q_out, k_out)
+
+
+def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, outs: tuple, inplace: bool) -> None:
+    """Keep a plan for ``key`` after its first call ran the full path successfully with ``normalised`` arguments
+    (see :class:`ropekit.api._Normalised`) and produced ``outs``; skip signatures a plan cannot replay."""
+    from ropekit.ops import _ROPE_ARGS
+    from ropekit.triton.launcher import bind_rope
+
+    positions, inv_freq, cos, sin, angles, cu_seqlens = optional
+    pos_t, seq_offsets, cu_t, inv_freq_t, cos_t, sin_t = normalised.tensors
+    scalars = normalised.scalars
+    q_out, k_out = outs if k is not None else (outs[0], None)
+
+    def source(t: Optional[Tensor], candidates: tuple) -> Optional[int]:
+        """The per-call source of normalised tensor ``t``: q's slot for an absent one (the launcher's dummy),
+        else the user argument it is a view of (same data pointer), else None (a copy: no plan)."""
+        if t is None:
+            return _Q
+        for index, arg in candidates:
+            if isinstance(arg, Tensor) and arg.data_ptr() == t.data_ptr():
+                return index
+        return None
+
+    const_freq = None
+    freq_source = source(inv_freq_t, ((_FREQ, inv_freq),))
+    if freq_source is None and inv_freq is None and inv_freq_t is not None:  # the cached default frequencies
+        const_freq, freq_source = inv_freq_t, _CONST_FREQ
+    slots = (_Q, _QO, _K, _KO, source(pos_t, ((_POS, positions),)), source(seq_offsets, ((_POS, positions),)),
+             source(cu_t, ((_CU, cu_seqlens),)), freq_source, source(cos_t, ((_COS, cos), (_ANGLES, angles))),
+             source(sin_t, ((_SIN, sin),)))
+    if any(s is None for s in slots):
+        return
+    int_offset = positions is not None and not isinstance(positions, Tensor)
+    pos_offset = scalars["pos_offset"]
+    if int_offset and not 0 <= pos_offset <= _INT32_MAX:
+        return
+    kwargs = dict(zip(_ROPE_ARGS, (pos_t, seq_offsets, cu_t, inv_freq_t, cos_t, sin_t)), **scalars)
+    launch = bind_rope(q, k, q_out, k_out, **kwargs)
+    if launch is None:
+        return
+    plan = Plan()
+    plan.launch, plan.slots, plan.inplace = launch, slots, inplace
+    plan.const_freq = const_freq
+    plan.const_freq_ptr = const_freq.data_ptr() if const_freq is not None else 0
+    plan.int_offset = int_offset
+    # The full path refuses offsets that run past a position-indexed table (no cu_seqlens): replay that bound.
+    max_offset = _INT32_MAX
+    if cos_t is not None and not scalars["table_by_token"] and cu_t is None and pos_t is None and seq_offsets is None:
+        seqlen = q.shape[{"bshd": 1, "bhsd": 2, "sbhd": 0, "thd": 0}[scalars["layout"]]]
+        max_offset = min(max_offset, cos_t.shape[1] - seqlen)
+    plan.max_offset = max_offset
+    plan.q_out = (q_out.shape, q_out.dtype)
+    plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
