@@ -64,6 +64,18 @@ def main() -> None:
     def floor_fwd_bwd():
         return torch.autograd.grad((xl * 2,), (xl,), (gq,))
 
+    class Twice(torch.autograd.Function):  # the least a Python autograd Function over q and k can cost
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * 2, b * 2
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            return ga * 2, gb * 2
+
+    def floor_function():
+        return torch.autograd.grad(Twice.apply(ql, kl), (ql, kl), (gq, gk))
+
     rows = [
         ("x.add_(1) (baseline)", lambda: x.add_(1)),
         ("apply_rope(q, k, positions=int)", lambda: ropekit.apply_rope(q, k, positions=4095)),
@@ -72,6 +84,9 @@ def main() -> None:
         ("apply_rope(q, k, cos=, sin=) per-token", lambda: ropekit.apply_rope(q, k, cos=cos, sin=sin)),
         ("apply_rope + autograd.grad (fwd+bwd)", fwd_bwd),
         ("  floor: autograd.grad of x * 2", floor_fwd_bwd),
+        ("  floor: Python autograd.Function, q and k", floor_function),
+        ("  backward part: rope_backward(gq, gk, positions=int)",
+         lambda: ropekit.rope_backward(gq, gk, positions=4095)),
         ("  forward only, inputs require grad", lambda: ropekit.apply_rope(ql, kl, positions=4095)),
         ("  part: signature (key + pointers)", lambda: _eager.signature(q, k, optional, scalars)),
         ("  part: plan lookup", lambda: _eager._PLANS.get(key)),
@@ -99,7 +114,8 @@ def main() -> None:
             fwd_bwd()
         prof.disable()
         torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("ropekit", 25)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ CASES = ["default", "offset", "offset-bf16", "offset-fp16", "ids-bf16", "seqoff"
          "invfreq", "partial-bf16", "thd-bf16", "strided-bf16", "q-only-offset"]
 
 
-@pytest.mark.parametrize("mode", ["out", "inplace", "backward"])
+@pytest.mark.parametrize("mode", ["out", "inplace", "backward", "autograd"])
 @pytest.mark.parametrize("case", CASES)
 def test_plan_replays_match_reference(case, mode, plan_calls):
     calls = 5
@@ -94,13 +94,50 @@ def test_plan_replays_match_reference(case, mode, plan_calls):
             assert (got if k is None else got[0]) is q and q.data_ptr() == q_ptr
         elif mode == "backward":
             got = ropekit.rope_backward(q, k, **kw)
+        elif mode == "autograd":  # grads through the planned autograd path equal the conjugate rotation
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k) if x is not None]
+            outs = ropekit.apply_rope(*leaves, **kw) if k is not None else (ropekit.apply_rope(leaves[0], **kw),)
+            assert all(o.requires_grad for o in outs)
+            got = torch.autograd.grad(outs, leaves, [o.detach().clone() for o in outs])
+            outs_cpu = [o.detach().cpu() for o in outs]
+            want = _ref(outs_cpu[0], outs_cpu[1] if k is not None else None, conjugate=True, **cpu_kw)
+            for g, x in zip(got, leaves):
+                assert g.dtype == x.dtype and g.shape == x.shape
+            want = (want[0],) if k is None else want
+            got = got if k is not None else got[0]
         else:
             got = ropekit.apply_rope(q, k, **kw)
         got = (got,) if k is None else got
         for out, ref in zip(got, want):
             assert out.shape == ref.shape
             assert_close_to_ref(out, ref, q.dtype)
-    assert plan_calls["served"] == calls - 1
+    assert plan_calls["served"] >= calls - 1
+
+
+def test_planned_autograd_partial_grads_double_backward_and_version_check(plan_calls):
+    for _ in range(3):  # the first call records the plan, the later ones replay it
+        q, k = make_qk(B, S, HQ, HK, D, device="cuda")
+        q.requires_grad_(True)
+        k.requires_grad_(True)
+        pos = torch.randint(0, 1000, (B, S), device="cuda")
+        q_rot, k_rot = ropekit.apply_rope(q, k, positions=pos, k_scale=0.5)
+        gk = torch.randn_like(k_rot)
+        dq, dk = torch.autograd.grad((k_rot,), (q, k), (gk,), allow_unused=True)  # only k's output used
+        assert dq is None or torch.count_nonzero(dq) == 0
+        assert_close_to_ref(dk, _ref(gk.cpu(), None, positions=pos.cpu(), q_scale=0.5, conjugate=True)[0],
+                            torch.float32)
+        # double backward: d/dg of R^T g is R; the rotation is linear
+        g = torch.randn_like(q_rot, requires_grad=True)
+        q_rot, _ = ropekit.apply_rope(q, k, positions=pos)
+        (dq,) = torch.autograd.grad((q_rot,), (q,), (g,), create_graph=True)
+        v = torch.randn_like(dq)
+        (dg,) = torch.autograd.grad((dq,), (g,), (v,))
+        assert_close_to_ref(dg, _ref(v.cpu(), None, positions=pos.cpu())[0], torch.float32)
+    assert plan_calls["served"] >= 2
+    q_rot, k_rot = ropekit.apply_rope(q, k, positions=pos)
+    pos.add_(1)  # positions changed in place after the forward: the backward would use the wrong ones
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad((q_rot, k_rot), (q, k), (torch.ones_like(q_rot), torch.ones_like(k_rot)))
 
 
 def test_plan_falls_back_to_full_path_errors(plan_calls):

@@ -3,10 +3,11 @@
 A call's *signature* is everything validation and the kernel's specialisation depend on: every argument's type,
 shape, strides, dtype, device and 16-byte alignment, and every scalar argument, but not data pointers or an int
 position offset. The first call of a signature goes through the full path (:func:`ropekit.api._normalise`, the
-launcher); if it succeeds on CUDA without autograd or tracing, :func:`record` keeps a :class:`Plan` holding the
-compiled kernel bound to its grid and arguments (:class:`ropekit.triton.launcher.BoundLaunch`). Later calls of
-the same signature skip validation, normalisation and the launcher's argument building: they read the data
-pointers, allocate the outputs and launch.
+launcher); if it succeeds on CUDA outside tracing, :func:`record` keeps a :class:`Plan` holding the compiled
+kernel bound to its grid and arguments (:class:`ropekit.triton.launcher.BoundLaunch`). Later calls of the same
+signature skip validation, normalisation and the launcher's argument building: they read the data pointers,
+allocate the outputs and launch. Calls that need autograd (out of place) get plans of their own, replayed through
+:class:`ropekit.autograd.PlannedRope`, whose backward is the conjugate rotation through the public path.
 
 What a plan re-checks per call is what can change within a signature: the int position offset (negative, past a
 cos/sin table or beyond int32 sends the call back to the full path, which raises or handles it).
@@ -30,15 +31,17 @@ _Q, _QO, _K, _KO, _POS, _FREQ, _COS, _SIN, _ANGLES, _CU, _CONST_FREQ = range(11)
 
 def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
     """(key, data pointers) of a call, or None when the fast path does not apply: not CUDA, tensor subclasses,
-    autograd, tracing.
+    tracing, in-place calls that need autograd.
 
-    ``optional`` = (positions, inv_freq, cos, sin, angles, cu_seqlens) as the user passed them; the pointers
-    are q's, k's and theirs in that order (0 where absent)."""
+    ``optional`` = (positions, inv_freq, cos, sin, angles, cu_seqlens) as the user passed them; ``scalars``
+    starts with the ``inplace`` flag. The pointers are q's, k's and the optional tensors' in that order (0 where
+    absent). Calls that need autograd get keys (and plans) of their own."""
     if type(q) is not Tensor or not q.is_cuda or (k is not None and type(k) is not Tensor):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
-        return None
     if torch.compiler.is_compiling():
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+    if grad and scalars[0]:  # in place with autograd: the full path (mark_dirty and its checks)
         return None
     ptrs = [q.data_ptr()]
     parts = [(q.shape, q.stride(), q.dtype, q.get_device(), ptrs[0] & 15)]
@@ -53,16 +56,16 @@ def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
         else:  # an int position offset (its value is checked per call), or something the full path rejects
             ptrs.append(0)
             parts.append(type(t))
-    return (*parts, *scalars), ptrs
+    return (*parts, *scalars, grad), ptrs
 
 
 class Plan:
     """The bound launch of one call signature and where each of its pointer slots comes from."""
 
     __slots__ = ("launch", "slots", "const_freq", "const_freq_ptr", "int_offset", "max_offset", "q_out", "k_out",
-                 "inplace")
+                 "inplace", "grad", "call_kwargs")
 
-    def __call__(self, q: Tensor, k: Optional[Tensor], positions, ptrs: list):
+    def __call__(self, q: Tensor, k: Optional[Tensor], positions, ptrs: list, optional: tuple):
         """Launch and return the outputs as the full path would, or None to send the call down the full path."""
         pos_offset = 0
         if self.int_offset:
@@ -70,29 +73,36 @@ class Plan:
             if not 0 <= pos_offset <= self.max_offset:
                 return None
         q_ptr, k_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr = ptrs
+        source = (q_ptr, 0, k_ptr, 0, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr, self.const_freq_ptr)
+        tables = tuple(source[i] for i in self.slots[4:])  # positions .. sin slots
+        if self.grad:
+            from ropekit.autograd import PlannedRope
+
+            return PlannedRope.apply(q, k, self, tables, pos_offset, positions, optional)
         if self.inplace:
-            q_out, k_out = q, k
-            qo_ptr, ko_ptr = q_ptr, k_ptr
-        else:
-            q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
-            qo_ptr = q_out.data_ptr()
-            k_out = ko_ptr = None
-            if k is not None:
-                k_out = torch.empty(self.k_out[0], dtype=self.k_out[1], device=q.device)
-                ko_ptr = k_out.data_ptr()
+            self.launch(q_ptr, q_ptr, k_ptr if k is not None else q_ptr, k_ptr if k is not None else q_ptr,
+                        *tables, pos_offset)
+            return q if k is None else (q, k)
+        return self.rotate(self.launch, q, k, tables, pos_offset)
+
+    def rotate(self, launch, q: Tensor, k: Optional[Tensor], tables: tuple, pos_offset: int):
+        """Out-of-place rotation of ``q`` (and ``k``) with a bound launch; the outputs are fresh tensors."""
+        q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
+        q_ptr, qo_ptr = q.data_ptr(), q_out.data_ptr()
         if k is None:  # the launcher passes q's pointers in k's slots
-            k_ptr, ko_ptr = q_ptr, qo_ptr
-        source = (q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr,
-                  self.const_freq_ptr)
-        s = self.slots
-        self.launch(source[s[0]], source[s[1]], source[s[2]], source[s[3]], source[s[4]], source[s[5]],
-                    source[s[6]], source[s[7]], source[s[8]], source[s[9]], pos_offset)
-        return q_out if k is None else (q_out, k_out)
+            launch(q_ptr, qo_ptr, q_ptr, qo_ptr, *tables, pos_offset)
+            return q_out
+        k_out = torch.empty(self.k_out[0], dtype=self.k_out[1], device=q.device)
+        launch(q_ptr, qo_ptr, k.data_ptr(), k_out.data_ptr(), *tables, pos_offset)
+        return q_out, k_out
 
 
-def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, outs: tuple, inplace: bool) -> None:
+def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, outs: tuple, inplace: bool,
+           call_kwargs: dict) -> None:
     """Keep a plan for ``key`` after its first call ran the full path successfully with ``normalised`` arguments
-    (see :class:`ropekit.api._Normalised`) and produced ``outs``; skip signatures a plan cannot replay."""
+    (see :class:`ropekit.api._Normalised`) and produced ``outs``; skip signatures a plan cannot replay.
+    ``call_kwargs``: the call's non-tensor keyword arguments (``conjugate``, ``promote_dtype``, ``base``, ...), for
+    the backward of calls that need autograd."""
     from ropekit.ops import _ROPE_ARGS
     from ropekit.triton.launcher import bind_rope
 
@@ -129,7 +139,8 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     if launch is None:
         return
     plan = Plan()
-    plan.launch, plan.slots, plan.inplace = launch, slots, inplace
+    plan.launch, plan.slots, plan.inplace, plan.grad = launch, slots, inplace, key[-1]
+    plan.call_kwargs = call_kwargs
     plan.const_freq = const_freq
     plan.const_freq_ptr = const_freq.data_ptr() if const_freq is not None else 0
     plan.int_offset = int_offset

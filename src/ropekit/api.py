@@ -295,7 +295,7 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
     if sig is not None:
         plan = _eager._PLANS.get(sig[0])
         if plan is not None:
-            outs = plan(q, k, positions, sig[1])
+            outs = plan(q, k, positions, sig[1], optional)
             if outs is not None:
                 return outs
     if backend not in ("auto", "webgpu"):
@@ -325,7 +325,9 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
     else:
         outs = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
     if sig is not None:
-        _eager.record(sig[0], q, k, optional, n, outs, inplace)
+        _eager.record(sig[0], q, k, optional, n, outs, inplace, dict(
+            conjugate=conjugate, promote_dtype=promote_dtype, base=base, style=style, layout=layout,
+            rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale, rotary_scale=rotary_scale))
     return outs[0] if k is None else (outs[0], outs[1])
 
 

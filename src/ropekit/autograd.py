@@ -99,3 +99,40 @@ class InplaceRope(torch.autograd.Function):
     def backward(ctx, *grads):
         grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars, eager=True)
         return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None
+
+
+class PlannedRope(torch.autograd.Function):
+    """Eager autograd of a call replayed from a launch plan (:mod:`ropekit._eager`): the forward launches the
+    plan's bound kernel; the backward is the conjugate rotation through the public path (itself replayed from a
+    plan keyed by the gradients' layout), so gradients of any layout, a missing one, and double backward are
+    handled as for any call."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Optional[Tensor], plan, tables: tuple, pos_offset: int, positions,
+                optional: tuple):
+        ctx.plan, ctx.positions, ctx.optional = plan, positions, optional
+        ctx.save_for_backward(*[t for t in optional if isinstance(t, Tensor)])  # in-place changes raise later
+        ctx.inputs = (q.shape, q.dtype, q.device), (None if k is None else (k.shape, k.dtype))
+        return plan.rotate(plan.launch, q, k, tables, pos_offset)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from ropekit.api import _rope
+
+        ctx.saved_tensors  # noqa: B018 -- raises if positions or tables were modified in place since forward
+        (q_shape, q_dtype, device), k_info = ctx.inputs
+        gq = grads[0]
+        gk = grads[1] if k_info is not None else None
+        if gq is None:  # only k's output was used: rotate zeros for q (rare; keeps one code path)
+            gq = torch.zeros(q_shape, dtype=gk.dtype, device=device)
+        if k_info is not None and gk is None:
+            gk = torch.zeros(k_info[0], dtype=gq.dtype, device=device)
+        positions, inv_freq, cos, sin, angles, cu_seqlens = ctx.optional
+        kw = dict(ctx.plan.call_kwargs, conjugate=not ctx.plan.call_kwargs["conjugate"], promote_dtype=None)
+        outs = _rope(gq, gk, positions=ctx.positions, inv_freq=inv_freq, cos=cos, sin=sin, angles=angles,
+                     cu_seqlens=cu_seqlens, **kw)
+        dq, dk = (outs, None) if k_info is None else outs
+        dq = dq if dq.dtype == q_dtype else dq.to(q_dtype)
+        if dk is not None and dk.dtype != k_info[1]:
+            dk = dk.to(k_info[1])
+        return dq, dk, None, None, None, None, None
