@@ -66,7 +66,14 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsquee
         dim = unsqueeze_dim % (cos.dim() + 1) if -cos.dim() - 1 <= unsqueeze_dim <= cos.dim() else None
         layout = {1: "bhsd", 2: "bshd"}.get(dim) if cos.dim() == 3 or dim == 1 else None
         fast = layout is not None
-    if fast:
+    if fast and cos.dim() == 3:
+        # What models pass: [B or 1, S, D] rows per token, which ropekit takes as they are (building broadcast
+        # views per call would cost more host time than the kernel at decode sizes).
+        batch, seqlen = (q.shape[0], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[1])
+        cos_t, sin_t = cos, sin
+        fast = cos.shape[0] in (1, batch) and cos.shape[1] == seqlen and k.shape[0] == batch \
+            and k.shape[2 if layout == "bhsd" else 1] == seqlen
+    elif fast:
         c4, s4 = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         cos_t, sin_t = _per_token_table(c4, q, layout), _per_token_table(s4, q, layout)
         cos_k = _per_token_table(c4, k, layout)
