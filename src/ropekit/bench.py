@@ -1083,7 +1083,9 @@ def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         series = list(dict.fromkeys(r["series"] for r in mrows))
         ncols = min(3, len(series))
         nrows = math.ceil(len(series) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 3.8 * nrows), squeeze=False)
+        # constrained layout keeps the figure title clear of the panels' titles (tight_layout ignores it)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 3.8 * nrows), squeeze=False,
+                                 layout="constrained")
         for ax, name in zip(axes.flat, series):
             srows = [r for r in mrows if r["series"] == name]
             for impl in dict.fromkeys(r["impl"] for r in srows):
@@ -1104,7 +1106,6 @@ def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         if meta["label"] != PERF_LABEL:
             title = f"{meta['label']}\n{title}"
         fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
         path = Path(f"{stem}-{mode}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
