@@ -9,6 +9,7 @@ the ratio to a single-kernel copy of the same bytes. Used to pick ``TILE_BYTES``
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -35,6 +36,8 @@ CASES = [
     ("llama70b bf16 S2048", 1, 2048, 64, 8, 128, torch.bfloat16, {}),
     ("llama8b bf16 S8192", 1, 8192, 32, 8, 128, torch.bfloat16, {}),
     ("llama8b bf16 S16384 pos ids", 1, 16384, 32, 8, 128, torch.bfloat16, dict(ids=True)),
+    ("llama8b bf16 B32 S4096", 32, 4096, 32, 8, 128, torch.bfloat16, {}),
+    ("llama70b bf16 B32 S4096", 32, 4096, 64, 8, 128, torch.bfloat16, {}),
 ]
 
 
@@ -58,12 +61,15 @@ def main() -> None:
     parser.add_argument("--tiles", default="16384,32768,65536")
     parser.add_argument("--sweep", type=int, default=3, help="sweep explicit configs on the first N cases")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", help="regex on case names: tune only those")
     parser.add_argument("--log", default="tune_sweep.tsv", help="every variant's time, appended")
     args = parser.parse_args()
     tiles = [int(t) for t in args.tiles.split(",")]
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"DRAM {triton.testing.get_dram_gbps():.0f} GB/s")
     print(f"{'case':<38} {'variant':<14} {'us':>9} {'x copy':>7} {'GB/s':>7}")
-    for name, B, S, HQ, HK, D, dtype, extra in CASES[: 4 if args.quick else None]:
+    cases = [c for c in CASES[: 4 if args.quick else None] if not args.cases or re.search(args.cases, c[0])]
+    for name, B, S, HQ, HK, D, dtype, extra in cases:
         q, k, kwargs, tensors, scalars = _prepare(B, S, HQ, HK, D, dtype, extra)
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
@@ -74,7 +80,7 @@ def main() -> None:
         from ropekit.triton.launcher import _num_programs_wanted, block_config
 
         variants = [("tile " + str(tile), dict(tile_bytes=tile)) for tile in tiles]
-        if CASES.index((name, B, S, HQ, HK, D, dtype, extra)) < args.sweep:
+        if cases.index((name, B, S, HQ, HK, D, dtype, extra)) < args.sweep:
             d_pad = triton.next_power_of_2(D)
             for bh in (8, 16, 32):
                 for bt in (1, 2, 4, 8, 16):
@@ -84,7 +90,7 @@ def main() -> None:
                         cfg = (bt, bh, min(bh, triton.next_power_of_2(HK)), nw)
                         variants.append((f"T{bt} H{bh} w{nw}", dict(config=cfg)))
         default = block_config(B * S, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device))
-        print(f"{'':<38} default config (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) = {default}")
+        print(f"{'':<38} config before the per-card stream rule (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) = {default}")
         best = None
         for label, extra_kw in variants:
             t = do_bench(lambda: launch_rope(q, k, qo, ko, **tensors, **scalars, **extra_kw), warmup=10,

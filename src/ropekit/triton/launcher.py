@@ -23,6 +23,15 @@ _FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.F
 TILE_BYTES = 2048
 HEAD_TILE_ELEMS = 1024
 BYTES_PER_THREAD = 64
+# On the H100 (3.35 TB/s) one 16-byte vector per thread (4 warps per 2 KB program) streams faster: 0.97-1.005x
+# copy instead of 0.97-1.011x for positions 0..S-1 or per-sequence offsets with the whole head rotated. Where a
+# token's angle waits on a gathered position (ids, varlen search) or pass-through columns add traffic, it is
+# slower (THD 1.29x), and on the H200 (4.8 TB/s) it is slower everywhere (1.25-1.29x): there programs need four
+# vectors per thread in flight. So it applies to those position modes, to large grids, on cards with less DRAM
+# bandwidth than STREAM_DRAM_GBPS (BENCHMARKS.md, "Block shape per card").
+STREAM_BYTES_PER_THREAD = 16
+STREAM_DRAM_GBPS = 4000
+STREAM_MIN_PROGRAMS_FACTOR = 8
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 
@@ -41,6 +50,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _dram_gbps(device_index: int) -> float:
+    """The card's DRAM bandwidth from its memory clock and bus width (what triton.testing.get_dram_gbps
+    computes); 0 where Triton does not report them."""
+    try:
+        from triton.runtime import driver
+
+        props = driver.active.utils.get_device_properties(device_index)
+        return props["mem_clock_rate"] * props["mem_bus_width"] * 2 / 1e6 / 8  # kHz * bits, double data rate
+    except Exception:
+        return 0.0
+
+
 def _num_programs_wanted(device: torch.device) -> int:
     """Programs that keep every SM busy; the CPU interpreter wants as few as possible."""
     if device.type != "cuda":
@@ -50,12 +72,13 @@ def _num_programs_wanted(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
-                 tile_bytes: int = TILE_BYTES) -> tuple[int, int, int, int]:
+                 tile_bytes: int = TILE_BYTES, stream: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``HEAD_TILE_ELEMS``
     elements per token, about ``tile_bytes`` in all; tokens per program shrink first, then heads, until the grid
-    has ``min_programs`` programs (small decode batches)."""
+    has ``min_programs`` programs (small decode batches). ``stream``: the call qualifies for
+    ``STREAM_BYTES_PER_THREAD`` (see there), taken when the grid is large."""
     d_pad = _next_pow2(head_dim)
     heads_cap = max(1, HEAD_TILE_ELEMS // d_pad)
     block_hq = min(_next_pow2(hq), heads_cap)
@@ -72,7 +95,10 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     while block_t == 1 and block_hq > 1 and programs(1, block_hq, block_hk) < min_programs:
         block_hq //= 2
         block_hk = min(block_hk, block_hq)
-    num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // (32 * BYTES_PER_THREAD)))
+    per_thread = BYTES_PER_THREAD
+    if stream and programs(block_t, block_hq, block_hk) >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
+        per_thread = STREAM_BYTES_PER_THREAD
+    num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // (32 * per_thread)))
     return block_t, block_hq, block_hk, num_warps
 
 
@@ -154,8 +180,10 @@ def _kernel_launch(q, k, q_out, k_out, *, layout, style, freq_mode, rotary_dim, 
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
     if q.device.type != "cuda":  # the CPU interpreter pays per program: fewer, larger ones
         tile_bytes = max(tile_bytes, INTERPRETER_TILE_BYTES)
+    stream = (q.device.type == "cuda" and pos_mode in (K.POS_RANGE, K.POS_PER_SEQ) and rotary_dim == D
+              and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
     block_t, block_hq, block_hk, num_warps = config or block_config(
-        num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes)
+        num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream)
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     grid = (_cdiv(num_tokens, block_t) * n_hb, 1, 1)
     dummy = q
