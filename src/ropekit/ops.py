@@ -27,6 +27,11 @@ _ROPE_ARGS = (
 )
 
 
+def _rope_kwargs(args: dict) -> dict:
+    """The launcher's/reference's keyword arguments out of an op's arguments (its ``locals()``)."""
+    return {name: args[name] for name in _ROPE_ARGS}
+
+
 def _out_dtype(x: Tensor, promote_dtype: Optional[torch.dtype]) -> torch.dtype:
     return x.dtype if promote_dtype is None else torch.promote_types(x.dtype, promote_dtype)
 
@@ -57,9 +62,7 @@ def rope_out_of_place(
 
     Eager calls that need neither autograd nor tracing call this directly; everything else goes through the
     registered op ``ropekit::rope`` below, which runs the same body."""
-    kwargs = dict(zip(_ROPE_ARGS, (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout,
-                                   style, freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale,
-                                   rotary_scale, conjugate)))
+    kwargs = _rope_kwargs(locals())
     q_out = torch.empty(q.shape, dtype=_out_dtype(q, promote_dtype), device=q.device)
     k_out = None if k is None else torch.empty(k.shape, dtype=_out_dtype(k, promote_dtype), device=k.device)
     _run(q, k, q_out, k_out, kwargs)
@@ -85,10 +88,7 @@ def rope_in_place(
     table_by_token: bool, q_scale: float, k_scale: float, rotary_scale: float, conjugate: bool,
 ) -> None:
     """In-place rotation of ``q`` (and ``k``); registered as ``ropekit::rope_``."""
-    kwargs = dict(zip(_ROPE_ARGS, (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout,
-                                   style, freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale,
-                                   rotary_scale, conjugate)))
-    _run(q, k, q, k, kwargs)
+    _run(q, k, q, k, _rope_kwargs(locals()))
 
 
 rope_ = torch.library.custom_op("ropekit::rope_", rope_in_place, mutates_args=("q", "k"))
