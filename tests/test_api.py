@@ -221,3 +221,18 @@ def test_bad_input_raises_and_writes_nothing(case, fn):
     for a, b in zip(args, before):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()))
+
+
+def test_eager_plans_only_for_plain_cuda_tensors():
+    """The fast path of repeated eager calls (ropekit._eager) never engages on CPU, for tensor subclasses, or
+    under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_gpu_eager_plans.)"""
+    from ropekit import _eager
+
+    q, k = make_qk(1, 3, 2, 2, 8)
+    scalars = (False, False, None, 10000.0, "neox", "bshd", None, "front", 1.0, 1.0, 1.0)
+    optional = (None,) * 6
+    assert _eager.signature(q, k, optional, scalars) is None
+    assert _eager.signature(torch.nn.Parameter(q), None, optional, scalars) is None
+    before = len(_eager._PLANS)
+    ropekit.apply_rope(q, k, positions=3)
+    assert len(_eager._PLANS) == before

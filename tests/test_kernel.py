@@ -199,3 +199,25 @@ def test_launch_cache_key_covers_every_argument(monkeypatch):
     assert ints == static | set(launcher._VARYING)
     floats = {i for i, a in enumerate(args) if isinstance(a, float)}
     assert len(args) == len(ints) + len(floats) + len(launcher._POINTERS)
+
+
+def test_block_config_shapes():
+    """The heuristic's programs: one token of 8 heads at D 128 (2 KB), 64 B per thread; 16 B per thread only for
+    streaming calls on large grids; decode shrinks heads until the grid fills the card."""
+    from ropekit.triton.launcher import block_config
+
+    sms4 = 4 * 132
+    assert block_config(32768, 32, 8, 128, 2, sms4) == (1, 8, 8, 1)
+    assert block_config(32768, 32, 8, 128, 2, sms4, stream=True) == (1, 8, 8, 4)
+    assert block_config(32768, 32, 8, 128, 4, sms4, stream=True) == (1, 8, 8, 8)  # fp32: 4 KB, 16 B per thread
+    assert block_config(256, 32, 8, 128, 2, sms4, stream=True) == (1, 8, 8, 1)  # small grid: no streaming shape
+    assert block_config(1, 32, 8, 128, 2, sms4) == (1, 1, 1, 1)  # decode, one token: one head per program
+    bt, bq, bk, warps = block_config(16384, 16, 16, 64, 2, sms4)
+    assert (bt, bq, bk) == (1, 16, 16) and warps == 1
+
+
+def test_launcher_refuses_2_to_the_31_tokens_before_launching():
+    q = torch.zeros(1, 1, 1, 2).expand(2**31, 1, 1, 2)  # no memory behind the batch dimension
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        launch_rope(q, None, q, None, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=2,
+                    rotary_start=0, inv_freq=torch.ones(1))
