@@ -46,6 +46,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--commit", help="commit id to print (default: git's HEAD, which a copied tree may not match)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32,bf16,fp16")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
@@ -242,14 +243,15 @@ def generate(model, args, prompt, patched: bool):
             unpatch(model)
 
 
-def environment(device):
+def environment(device, commit=None):
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=False).stdout.strip() or None
-    except OSError:
-        commit = None
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, check=False).stdout.strip() or None
+        except OSError:
+            commit = None
     try:
         import triton
 
@@ -265,7 +267,7 @@ def environment(device):
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = build_config(args)
-    env = environment(args.device)
+    env = environment(args.device, args.commit)
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(f"model: Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.hidden // args.heads}, vocab {args.vocab}, rope {args.rope}; train batch {args.batch}x"
