@@ -16,7 +16,6 @@ import torch
 from ropekit.api import _normalise
 from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
 
-NAMES = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
 CALLS_PER_GRAPH = 50
 
 
@@ -77,7 +76,7 @@ def main() -> None:
         default = block_config(T, 32, 8, 128, 2, _num_programs_wanted(q.device))
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=emb, sin=emb))):
             n = _normalise(q, k, **kwargs)
-            launch_kw = dict(zip(NAMES, n.tensors), **n.scalars)
+            launch_kw = n.launch_kwargs()
             configs = {f"default {default}": None}
             for bt, bh, bk, nw in ((1, 32, 8, 4), (1, 32, 8, 2), (1, 16, 8, 2), (1, 8, 8, 1), (1, 4, 4, 1),
                                    (2, 32, 8, 4), (4, 32, 8, 4)):

@@ -20,7 +20,6 @@ import ropekit
 from ropekit.api import _normalise
 from ropekit.triton.launcher import launch_rope
 
-NAMES = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
 
 # (name, B, S, HQ, HK, D, dtype, api kwargs)
 CASES = [
@@ -53,7 +52,7 @@ def _prepare(B, S, HQ, HK, D, dtype, extra):
     if extra.get("ids"):
         kwargs.update(positions=torch.randint(0, S, (B, S), device="cuda"))
     n = _normalise(q, k, **kwargs)
-    return q, k, kwargs, dict(zip(NAMES, n.tensors)), n.scalars
+    return q, k, kwargs, n.launch_kwargs()
 
 
 def main() -> None:
@@ -70,7 +69,7 @@ def main() -> None:
     print(f"{'case':<38} {'variant':<14} {'us':>9} {'x copy':>7} {'GB/s':>7}")
     cases = [c for c in CASES[: 4 if args.quick else None] if not args.cases or re.search(args.cases, c[0])]
     for name, B, S, HQ, HK, D, dtype, extra in cases:
-        q, k, kwargs, tensors, scalars = _prepare(B, S, HQ, HK, D, dtype, extra)
+        q, k, kwargs, launch_kw = _prepare(B, S, HQ, HK, D, dtype, extra)
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -93,7 +92,7 @@ def main() -> None:
         print(f"{'':<38} config before the per-card stream rule (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) = {default}")
         best = None
         for label, extra_kw in variants:
-            t = do_bench(lambda: launch_rope(q, k, qo, ko, **tensors, **scalars, **extra_kw), warmup=10,
+            t = do_bench(lambda: launch_rope(q, k, qo, ko, **launch_kw, **extra_kw), warmup=10,
                          rep=60, return_mode="median")
             best = min(best or (t, label), (t, label))
             with open(args.log, "a") as log:
@@ -151,11 +150,11 @@ def main() -> None:
               f"{t_r / t_c:>7.3f} (copy {t_c * 1e3:.2f} us)")
         x = torch.randn(16, device="cuda")
         n = _normalise(q, k, positions=pos)
-        tensors, scalars = dict(zip(NAMES, n.tensors)), n.scalars
+        launch_kw = n.launch_kwargs()
         for fn, label in ((lambda: ropekit.apply_rope_(q, k, positions=pos), "apply_rope_"),
                           (lambda: ropekit.apply_rope(q, k, positions=pos), "apply_rope"),
                           (lambda: _normalise(q, k, positions=pos), "validate only"),
-                          (lambda: launch_rope(q, k, q, k, **tensors, **scalars), "launch only"),
+                          (lambda: launch_rope(q, k, q, k, **launch_kw), "launch only"),
                           (lambda: x.add_(1), "x.add_(1)")):
             for _ in range(100):
                 fn()

@@ -12,8 +12,7 @@ from ropekit.reference import rope_reference
 
 def _ref(q, k, **kwargs):
     n = _normalise(q, k, **kwargs)
-    tensors = dict(zip(("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin"), n.tensors))
-    return rope_reference(q, k, **tensors, **n.scalars, out_dtype=torch.float64)
+    return rope_reference(q, k, **n.launch_kwargs(), out_dtype=torch.float64)
 
 
 

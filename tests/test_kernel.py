@@ -13,22 +13,21 @@ from ropekit.triton.launcher import launch_rope
 from helpers import TOLERANCES, assert_close_to_ref, make_qk, poisoned_like
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_TENSOR_NAMES = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
 
 
 def run_kernel(q, k, *, inplace=False, **kwargs):
     """(kernel outputs, float64 reference outputs) for one call."""
     n = _normalise(q, k, **kwargs)
-    tensors = dict(zip(_TENSOR_NAMES, n.tensors))
+    launch_kw = n.launch_kwargs()
     ref = rope_reference(q.cpu(), None if k is None else k.cpu(),
-                         **{name: (t.cpu() if t is not None else None) for name, t in tensors.items()},
-                         **n.scalars, out_dtype=torch.float64)
+                         **{name: (v.cpu() if isinstance(v, torch.Tensor) else v) for name, v in launch_kw.items()},
+                         out_dtype=torch.float64)
     if inplace:
         q_out, k_out = q, k
     else:
         q_out = poisoned_like(q)
         k_out = None if k is None else poisoned_like(k)
-    launch_rope(q, k, q_out, k_out, **tensors, **n.scalars)
+    launch_rope(q, k, q_out, k_out, **launch_kw)
     return ([q_out] if k is None else [q_out, k_out]), ref
 
 
@@ -158,7 +157,7 @@ def test_invalid_positions_become_nan_not_out_of_bounds():
         n = _normalise(q, k, positions=_dev(torch.tensor([[0, 5, 5, 1]])), cos=cos, sin=sin)
         n.tensors[0].copy_(pos)
     q_out, k_out = poisoned_like(q), poisoned_like(k)
-    launch_rope(q, k, q_out, k_out, **dict(zip(_TENSOR_NAMES, n.tensors)), **n.scalars)
+    launch_rope(q, k, q_out, k_out, **n.launch_kwargs())
     assert torch.isnan(q_out[0, 2]).all() and torch.isnan(k_out[0, 2]).all()
     assert not torch.isnan(q_out[0, [0, 1, 3]]).any()
 

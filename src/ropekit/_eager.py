@@ -20,13 +20,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ropekit._layout import to_canonical
+
 _PLANS: dict = {}
 _MAX_PLANS = 1024
 _INT32_MAX = 2**31 - 1
 
-# Sources of the kernel's pointer slots, indices into the per-call tuple built in Plan.__call__:
-# q, q_out, k, k_out, positions, inv_freq, cos, sin, angles, cu_seqlens, the plan's constant inv_freq.
-_Q, _QO, _K, _KO, _POS, _FREQ, _COS, _SIN, _ANGLES, _CU, _CONST_FREQ = range(11)
+# Sources of the kernel's positions .. sin pointer slots, indices into the per-call tuple built in Plan.__call__:
+# q (the launcher's dummy for an absent tensor), positions, inv_freq, cos, sin, angles, cu_seqlens, the plan's
+# constant inv_freq.
+_Q, _POS, _FREQ, _COS, _SIN, _ANGLES, _CU, _CONST_FREQ = range(8)
 
 
 def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
@@ -60,7 +63,8 @@ def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
 
 
 class Plan:
-    """The bound launch of one call signature and where each of its pointer slots comes from."""
+    """The bound launch of one call signature and where each of its positions .. sin pointer slots comes from
+    (q's and k's slots are always the call's own tensors)."""
 
     __slots__ = ("launch", "slots", "const_freq", "const_freq_ptr", "int_offset", "max_offset", "q_out", "k_out",
                  "inplace", "grad", "call_kwargs")
@@ -73,15 +77,15 @@ class Plan:
             if not 0 <= pos_offset <= self.max_offset:
                 return None
         q_ptr, k_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr = ptrs
-        source = (q_ptr, 0, k_ptr, 0, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr, self.const_freq_ptr)
-        tables = tuple(source[i] for i in self.slots[4:])  # positions .. sin slots
+        source = (q_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr, self.const_freq_ptr)
+        tables = tuple(source[i] for i in self.slots)
         if self.grad:
             from ropekit.autograd import PlannedRope
 
             return PlannedRope.apply(q, k, self, tables, pos_offset, positions, optional)
         if self.inplace:
-            self.launch(q_ptr, q_ptr, k_ptr if k is not None else q_ptr, k_ptr if k is not None else q_ptr,
-                        *tables, pos_offset)
+            k_ptr = k_ptr if k is not None else q_ptr  # the launcher passes q's pointers in k's slots
+            self.launch(q_ptr, q_ptr, k_ptr, k_ptr, *tables, pos_offset)
             return q if k is None else (q, k)
         return self.rotate(self.launch, q, k, tables, pos_offset)
 
@@ -103,7 +107,6 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     (see :class:`ropekit.api._Normalised`) and produced ``outs``; skip signatures a plan cannot replay.
     ``call_kwargs``: the call's non-tensor keyword arguments (``conjugate``, ``promote_dtype``, ``base``, ...), for
     the backward of calls that need autograd."""
-    from ropekit.ops import _ROPE_ARGS
     from ropekit.triton.launcher import bind_rope
 
     positions, inv_freq, cos, sin, angles, cu_seqlens = optional
@@ -125,7 +128,7 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     freq_source = source(inv_freq_t, ((_FREQ, inv_freq),))
     if freq_source is None and inv_freq is None and inv_freq_t is not None:  # the cached default frequencies
         const_freq, freq_source = inv_freq_t, _CONST_FREQ
-    slots = (_Q, _QO, _K, _KO, source(pos_t, ((_POS, positions),)), source(seq_offsets, ((_POS, positions),)),
+    slots = (source(pos_t, ((_POS, positions),)), source(seq_offsets, ((_POS, positions),)),
              source(cu_t, ((_CU, cu_seqlens),)), freq_source, source(cos_t, ((_COS, cos), (_ANGLES, angles))),
              source(sin_t, ((_SIN, sin),)))
     if any(s is None for s in slots):
@@ -134,8 +137,7 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     pos_offset = scalars["pos_offset"]
     if int_offset and not 0 <= pos_offset <= _INT32_MAX:
         return
-    kwargs = dict(zip(_ROPE_ARGS, (pos_t, seq_offsets, cu_t, inv_freq_t, cos_t, sin_t)), **scalars)
-    launch = bind_rope(q, k, q_out, k_out, **kwargs)
+    launch = bind_rope(q, k, q_out, k_out, **normalised.launch_kwargs())
     if launch is None:
         return
     plan = Plan()
@@ -147,7 +149,7 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     # The full path refuses offsets that run past a position-indexed table (no cu_seqlens): replay that bound.
     max_offset = _INT32_MAX
     if cos_t is not None and not scalars["table_by_token"] and cu_t is None and pos_t is None and seq_offsets is None:
-        seqlen = q.shape[{"bshd": 1, "bhsd": 2, "sbhd": 0, "thd": 0}[scalars["layout"]]]
+        seqlen = to_canonical(q, scalars["layout"]).shape[1]
         max_offset = min(max_offset, cos_t.shape[1] - seqlen)
     plan.max_offset = max_offset
     plan.q_out = (q_out.shape, q_out.dtype)

@@ -27,6 +27,10 @@ class _Normalised(NamedTuple):
     tensors: tuple  # positions, seq_offsets, cu_seqlens, inv_freq, cos, sin (see ropekit.ops)
     scalars: dict  # pos_offset, layout, style, freq_mode, rotary_dim, rotary_start, table_by_token, scales, conjugate
 
+    def launch_kwargs(self) -> dict:
+        """Everything as keyword arguments of the launcher (``launch_rope``/``bind_rope``) and the reference."""
+        return dict(zip(ops._TENSOR_ARGS, self.tensors), **self.scalars)
+
 
 _INV_FREQ_CACHE: dict = {}
 

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from ropekit import ops
+from ropekit.ops import _TENSOR_ARGS
 
-# Tensor arguments of ropekit::rope after q and k, then the non-tensor ones, in schema order.
-_TENSOR_ARGS = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
+# The non-tensor arguments of ropekit::rope, in schema order (the tensor ones: ops._TENSOR_ARGS).
 _SCALAR_ARGS = ("pos_offset", "layout", "style", "freq_mode", "rotary_dim", "rotary_start", "table_by_token",
                 "q_scale", "k_scale", "rotary_scale", "conjugate")
 

@@ -116,9 +116,7 @@ def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwa
 
         n = _normalise(qd, kd, **kwargs, conjugate=backward)
         out_q, out_k = (qd, kd) if inplace else (torch.full_like(qd, float("nan")), torch.full_like(kd, float("nan")))
-        launch_rope(qd, kd, out_q, out_k,
-                    **dict(zip(("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin"), n.tensors)),
-                    **n.scalars)
+        launch_rope(qd, kd, out_q, out_k, **n.launch_kwargs())
     elif inplace:
         out_q, out_k = ropekit.apply_rope_(qd, kd, **kwargs)
     else:

@@ -21,9 +21,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+# Tensor arguments after q and k, then all of the launcher's/reference's arguments, in schema order.
+_TENSOR_ARGS = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
 _ROPE_ARGS = (
-    "positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin", "pos_offset", "layout", "style",
-    "freq_mode", "rotary_dim", "rotary_start", "table_by_token", "q_scale", "k_scale", "rotary_scale", "conjugate",
+    *_TENSOR_ARGS, "pos_offset", "layout", "style", "freq_mode", "rotary_dim", "rotary_start", "table_by_token",
+    "q_scale", "k_scale", "rotary_scale", "conjugate",
 )
 
 
