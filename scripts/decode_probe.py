@@ -2,9 +2,10 @@
 configurations, against a copy of q replayed the same way; plus each kernel's own duration from the profiler.
 
 Separates what a decode call costs into the kernel's execution (profiler duration) and the per-node cost of a
-graph replay, for the Llama-3-8B shape (32/8 heads, D 128, bf16, one token per sequence, per-sequence offsets).
+graph replay, for the Llama-3-8B shape by default (32/8 heads, D 128, bf16, one token per sequence, per-sequence
+offsets). ``--sweep`` times every block shape instead.
 
-    python scripts/decode_probe.py [--tokens 1,16,64]
+    python scripts/decode_probe.py [--tokens 1,16,64] [--heads 32:8] [--sweep]
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_r
 CALLS_PER_GRAPH = 50
 
 
-def graph_us(fn, replays: int = 200) -> float:
-    """Median microseconds per call of ``fn`` captured CALLS_PER_GRAPH times in one graph."""
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    """A graph of CALLS_PER_GRAPH calls of ``fn`` (warmed up on a side stream first)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -31,16 +32,31 @@ def graph_us(fn, replays: int = 200) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             fn()
-    times = []
-    for _ in range(21):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays // 20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays // 20) / CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
+    return graph
+
+
+def graph_us_interleaved(fns: dict, rounds: int = 31, replays: int = 10) -> dict:
+    """Median microseconds per call of each ``fns`` entry, each captured CALLS_PER_GRAPH times in one graph.
+
+    The graphs are replayed in turn, round after round, so that clock or cache drift over the run spreads over
+    every variant instead of favouring the ones timed first."""
+    graphs = {name: _capture(fn) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / replays / CALLS_PER_GRAPH)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def graph_us(fn) -> float:
+    """Median microseconds per call of ``fn`` captured CALLS_PER_GRAPH times in one graph."""
+    return graph_us_interleaved({"fn": fn})["fn"]
 
 
 def kernel_us(fn) -> dict[str, float]:
@@ -62,36 +78,44 @@ def kernel_us(fn) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,16,64")
+    parser.add_argument("--heads", default="32:8", help="HQ:HK (head_dim 128)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every block shape (heads per program x warps), graph replay only, and print "
+                             "the fastest per token count")
     parser.add_argument("--dump", help="write the PTX of every compiled rope_kernel specialisation into this folder")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'tokens':>6} {'variant':<34} {'graph us':>9} {'x copy-q':>8} {'kernel us':>10}")
+    HQ, HK = (int(h) for h in args.heads.split(":"))
     for T in (int(t) for t in args.tokens.split(",")):
-        q = torch.randn(T, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(T, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(T, 1, HQ, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(T, 1, HK, 128, device="cuda", dtype=torch.bfloat16)
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         offsets = torch.randint(0, 8192, (T,), device="cuda")
         emb = torch.randn(T, 1, 128, device="cuda", dtype=torch.bfloat16)
         variants = {"copy-q": lambda: qo.copy_(q)}
-        default = block_config(T, 32, 8, 128, 2, _num_programs_wanted(q.device))
+        default = block_config(T, HQ, HK, 128, 2, _num_programs_wanted(q.device))
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=emb, sin=emb))):
             n = _normalise(q, k, **kwargs)
             launch_kw = n.launch_kwargs()
             configs = {f"default {default}": None}
-            for bt, bh, bk, nw in ((1, 32, 8, 4), (1, 32, 8, 2), (1, 16, 8, 2), (1, 8, 8, 1), (1, 4, 4, 1),
-                                   (2, 32, 8, 4), (4, 32, 8, 4)):
-                if bt <= max(T, 1):
-                    configs[f"T{bt} H{bh}/{bk} w{nw}"] = (bt, bh, bk, nw)
+            hq2, hk2 = 1 << (HQ - 1).bit_length(), 1 << (HK - 1).bit_length()
+            shapes = [(1, bh, min(bh, hk2), nw) for bh in (1, 2, 4, 8, 16, 32, 64) for nw in (1, 2, 4, 8)
+                      if bh <= hq2 and bh * 64 >= 32 * nw] if args.sweep else [(1, 8, 8, 1), (1, 4, 4, 1)]
+            for cfg in shapes:
+                configs[f"H{cfg[1]}/{cfg[2]} w{cfg[3]}"] = cfg
             for label_cfg, cfg in configs.items():
                 variants[f"{label} {label_cfg}"] = (lambda kw=launch_kw, c=cfg: launch_rope(q, k, qo, ko, **kw,
                                                                                            config=c))
-        base = None
-        for name, fn in variants.items():
-            g = graph_us(fn)
-            base = base or g
-            kern = kernel_us(fn)
-            kern_s = ", ".join(f"{v:.2f}" for v in kern.values())
+        timed = graph_us_interleaved(variants)
+        base = timed["copy-q"]
+        for name, g in timed.items():
+            kern_s = "" if args.sweep else ", ".join(f"{v:.2f}" for v in kernel_us(variants[name]).values())
             print(f"{T:>6} {name:<34} {g:>9.2f} {g / base:>8.2f} {kern_s:>10}")
+        for label in ("exact", "hf table"):
+            mine = {n: g for n, g in timed.items() if n.startswith(label)}
+            best = min(mine, key=mine.get)
+            print(f"{T:>6} fastest {label}: {best} {mine[best]:.2f} us ({mine[best] / base:.2f}x copy-q)")
     if args.dump:
         import os
 

@@ -106,7 +106,7 @@ def main() -> None:
         print(f"{'':<38} {'apply_rope_':<14} {t * 1e3:>9.1f} {t / t_copy:>7.3f} {nbytes / t / 1e6:>7.0f}")
         del q, k, qo, ko, src, dst
     # fwd+bwd through autograd, against the ideal 4 passes (read+write forward, read+write backward)
-    q, k, kwargs, _, _ = _prepare(4, 4096, 32, 8, 128, torch.bfloat16, {})
+    q, k, kwargs, _ = _prepare(4, 4096, 32, 8, 128, torch.bfloat16, {})
     q.requires_grad_(True)
     k.requires_grad_(True)
     gq, gk = torch.randn_like(q), torch.randn_like(k)

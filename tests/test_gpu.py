@@ -155,3 +155,22 @@ def test_check_positions_on_cuda_raises():
                            check_positions=True)
     out = ropekit.apply_rope(q, k, positions=bad, cos=table, sin=table)[0]  # default: the bad token is NaN
     assert torch.isnan(out[0, 3]).all() and not torch.isnan(out[1]).any()
+
+
+def test_token_blocks_over_two_grid_axes_on_cuda():
+    # One token per program and more tokens than grid axis 1 holds: programs on axis 2 rotate the right tokens,
+    # and the ones past the end write nothing.
+    from ropekit.reference import rope_reference
+    from ropekit.triton.launcher import launch_rope
+
+    T = 3 * 65535 + 7
+    q = torch.randn(T, 1, 1, 8, device="cuda")
+    pos = torch.randint(0, 1 << 16, (T, 1), device="cuda")
+    n = _normalise(q, None, positions=pos)
+    kw = n.launch_kwargs()
+    out = torch.full((T + 64, 1, 1, 8), float("nan"), device="cuda")
+    launch_rope(q, None, out[:T], None, **kw, config=(1, 1, 1, 1))
+    ref = rope_reference(q.cpu(), None, **{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
+                         out_dtype=torch.float64)[0]
+    assert_close_to_ref(out[:T], ref, torch.float32)
+    assert torch.isnan(out[T:]).all()

@@ -15,8 +15,9 @@ from helpers import TOLERANCES, assert_close_to_ref, make_qk, poisoned_like
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_kernel(q, k, *, inplace=False, **kwargs):
-    """(kernel outputs, float64 reference outputs) for one call."""
+def run_kernel(q, k, *, inplace=False, config=None, **kwargs):
+    """(kernel outputs, float64 reference outputs) for one call; ``config`` overrides the launcher's block
+    shape."""
     n = _normalise(q, k, **kwargs)
     launch_kw = n.launch_kwargs()
     ref = rope_reference(q.cpu(), None if k is None else k.cpu(),
@@ -27,7 +28,7 @@ def run_kernel(q, k, *, inplace=False, **kwargs):
     else:
         q_out = poisoned_like(q)
         k_out = None if k is None else poisoned_like(k)
-    launch_rope(q, k, q_out, k_out, **launch_kw)
+    launch_rope(q, k, q_out, k_out, **launch_kw, config=config)
     return ([q_out] if k is None else [q_out, k_out]), ref
 
 
@@ -201,8 +202,8 @@ def test_launch_cache_key_covers_every_argument(monkeypatch):
 
 
 def test_block_config_shapes():
-    """The heuristic's programs: one token of 8 heads at D 128 (2 KB), 64 B per thread; 16 B per thread only for
-    streaming calls on large grids; decode shrinks heads until the grid fills the card."""
+    """The heuristic's programs: one token of 8 heads at D 128 (2 KB), 64 B per thread; 16 B per thread for
+    streaming calls on large grids and for decode grids."""
     from ropekit.triton.launcher import block_config
 
     sms4 = 4 * 132
@@ -210,7 +211,8 @@ def test_block_config_shapes():
     assert block_config(32768, 32, 8, 128, 2, sms4, stream=True) == (1, 8, 8, 4)
     assert block_config(32768, 32, 8, 128, 4, sms4, stream=True) == (1, 8, 8, 8)  # fp32: 4 KB, 16 B per thread
     assert block_config(256, 32, 8, 128, 2, sms4, stream=True) == (1, 8, 8, 1)  # small grid: no streaming shape
-    assert block_config(1, 32, 8, 128, 2, sms4) == (1, 1, 1, 1)  # decode, one token: one head per program
+    assert block_config(1, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # decode, one token: 16 B per thread
+    assert block_config(64, 64, 8, 128, 2, sms4) == (1, 8, 8, 4)  # 576 programs: still latency-bound
     bt, bq, bk, warps = block_config(16384, 16, 16, 64, 2, sms4)
     assert (bt, bq, bk) == (1, 16, 16) and warps == 1
 
@@ -220,3 +222,18 @@ def test_launcher_refuses_2_to_the_31_tokens_before_launching():
     with pytest.raises(ValueError, match="2\\*\\*31"):
         launch_rope(q, None, q, None, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=2,
                     rotary_start=0, inv_freq=torch.ones(1))
+
+
+def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
+    # More token blocks than CUDA's second grid axis holds: they go over axes 1 and 2, wasting at most n_z - 1.
+    from ropekit.triton import launcher
+
+    seen = {}
+    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev: seen.update(grid=grid))
+    for tokens in (65535, 65536, 131071, 200003):
+        q = torch.zeros(1, 1, 1, 2).expand(tokens, 1, 1, 2)  # no memory behind the batch dimension
+        launch_rope(q, None, q, None, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=2,
+                    rotary_start=0, inv_freq=torch.ones(1), config=(1, 1, 1, 1))
+        n_heads, n_y, n_z = seen["grid"]
+        assert n_heads == 1 and n_y <= launcher.MAX_GRID_Y
+        assert tokens <= n_y * n_z < tokens + n_z

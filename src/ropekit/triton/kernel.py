@@ -1,8 +1,8 @@
 """The RoPE Triton kernel: one launch rotates Q and K, forward or conjugate (backward).
 
-Work decomposition: a 1-D grid of programs, each owning ``BLOCK_T`` consecutive tokens of the canonical
-[B, S, H, D] view and one block of heads, Q head blocks first, then K head blocks, token-major so that the
-programs sharing a token's cos/sin run together. A program's tile is [BLOCK_T, BLOCK_H, R/2]: tokens are a tensor
+Work decomposition: a grid of programs, each owning ``BLOCK_T`` consecutive tokens of the canonical [B, S, H, D]
+view and one block of heads (grid axis 0: Q head blocks first, then K head blocks; axes 1 and 2: token blocks),
+token-major so that the programs sharing a token's cos/sin run together. A program's tile is [BLOCK_T, BLOCK_H, R/2]: tokens are a tensor
 dimension (not a loop) so that every load is issued before the first store -- the compiler cannot move a load above
 a store that might alias it, and in-place calls do alias. cos/sin are formed once per token ([BLOCK_T, R/2]) and
 reused for every head of the block.
@@ -35,7 +35,9 @@ FREQ_ANGLES = 2  # raw angle rows (cuDNN's freqs)
 _TWO_PI = tl.constexpr(6.283185307179586)
 _TWO_PI_LO = tl.constexpr(2.4492935982947064e-16)  # 2*pi - float64(2*pi)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
-_NAN = tl.constexpr(float("nan"))
+# NaN as its bit pattern: a float NaN global never equals itself, and Triton >= 3.8 refuses a global whose value
+# differs between the kernels that use it.
+_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -63,17 +65,18 @@ def _sincos_reduced(angle, FAST_TRIG: tl.constexpr):
 
 @triton.jit
 def _token_positions(
-    t, b, s, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr,
 ):
-    """(pos, valid) of canonical token indices ``t`` = ``b * S + s`` (``b``, ``s`` int64)."""
+    """(pos, valid) of canonical token indices ``t`` = ``b * S + s`` (``b``, ``s`` int64). Tokens outside
+    ``mask_t`` (past the last token) read nothing."""
     valid = t == t
     if POS_MODE == 0:
         pos = s + pos_offset
     elif POS_MODE == 1:
-        pos = s + tl.load(seq_off_ptr + b).to(tl.int64)
+        pos = s + tl.load(seq_off_ptr + b, mask=mask_t, other=0).to(tl.int64)
     elif POS_MODE == 2:
-        pos = tl.load(pos_ptr + b * pos_sb + s * pos_ss).to(tl.int64)
+        pos = tl.load(pos_ptr + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
     else:
         # Largest seq with cu[seq] <= t, by a branch-free binary search over the B + 1 boundaries.
         t = t.to(tl.int64)
@@ -155,14 +158,115 @@ def _rotation(
                 c_hi = c_lo
                 s_hi = s_lo
     ok = valid[:, None]
-    c_lo = tl.where(ok, c_lo * rotary_scale, _NAN)
-    c_hi = tl.where(ok, c_hi * rotary_scale, _NAN)
-    s_lo = tl.where(ok, s_lo * rotary_scale, _NAN)
-    s_hi = tl.where(ok, s_hi * rotary_scale, _NAN)
+    nan = tl.full([], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    c_lo = tl.where(ok, c_lo * rotary_scale, nan)
+    c_hi = tl.where(ok, c_hi * rotary_scale, nan)
+    s_lo = tl.where(ok, s_lo * rotary_scale, nan)
+    s_hi = tl.where(ok, s_hi * rotary_scale, nan)
     if CONJUGATE:  # transpose of the forward matrix: rotation by -theta
         return c_lo, c_hi, -s_hi, -s_lo
     else:
         return c_lo, c_hi, s_lo, s_hi
+
+
+@triton.jit
+def _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H: tl.constexpr):
+    """Element offsets of the start of each row [BLOCK_T, BLOCK_H, 1] of a block of heads, and its row mask."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    m = (mask_t[:, None] & (h < H)[None, :])[:, :, None]
+    base = (b * x_sb + s * x_ss)[:, None, None] + (h.to(tl.int64) * x_sh)[None, :, None]
+    return base, m
+
+
+@triton.jit
+def _within(m, idx, limit: tl.constexpr, BLOCK: tl.constexpr):
+    """``m`` restricted to ``idx < limit``; the extra term only where the block is padded, so that an unpadded
+    mask stays constant along the columns and the accesses stay vectorised."""
+    if BLOCK != limit:
+        m = m & (idx < limit)
+    return m
+
+
+@triton.jit
+def _pass_columns(HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr,
+                  PASS_BLOCK: tl.constexpr):
+    """Columns of the pass-through span (the head's columns outside the rotated span)."""
+    p = tl.arange(0, PASS_BLOCK)[None, None, :]
+    if ROT_START == 0:
+        p = p + ROT_DIM
+    return p
+
+
+@triton.jit
+def _load_heads(
+    x_ptr, base, m, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
+):
+    """fp32 (x_lo, x_hi, x_pass) of a block of heads: the pairs' two elements, and the pass-through columns when
+    ``COPY_PASS`` (else ``x_lo`` again, unused)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    if NEOX:
+        i = tl.arange(0, HALF_BLOCK)[None, None, :]
+        mi = _within(m, i, HALF, HALF_BLOCK)
+        x_lo = tl.load(x_ptr + base + ROT_START + i, mask=mi).to(tl.float32)
+        x_hi = tl.load(x_ptr + base + (ROT_START + HALF) + i, mask=mi).to(tl.float32)
+    else:
+        # Load the rotated span contiguously and de-interleave in registers (no stride-2 accesses).
+        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
+        x = tl.load(x_ptr + base + ROT_START + j, mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK)).to(tl.float32)
+        x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
+    if COPY_PASS:
+        x_p = tl.load(x_ptr + base + _pass_columns(HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK),
+                      mask=m & (tl.arange(0, PASS_BLOCK)[None, None, :] < HEAD_DIM - ROT_DIM)).to(tl.float32)
+    else:
+        x_p = x_lo
+    return x_lo, x_hi, x_p
+
+
+@triton.jit
+def _store_heads(
+    o_ptr, base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
+):
+    """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each), scale, store."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    c_lo = (c_lo * scale)[:, None, :]
+    c_hi = (c_hi * scale)[:, None, :]
+    s_a = (s_a * scale)[:, None, :]
+    s_b = (s_b * scale)[:, None, :]
+    y_lo = x_lo * c_lo - x_hi * s_a
+    y_hi = x_hi * c_hi + x_lo * s_b
+    if NEOX:
+        i = tl.arange(0, HALF_BLOCK)[None, None, :]
+        mi = _within(m, i, HALF, HALF_BLOCK)
+        tl.store(o_ptr + base + ROT_START + i, y_lo.to(o_ptr.dtype.element_ty), mask=mi)
+        tl.store(o_ptr + base + (ROT_START + HALF) + i, y_hi.to(o_ptr.dtype.element_ty), mask=mi)
+    else:
+        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
+        y = tl.reshape(tl.join(y_lo, y_hi), [y_lo.shape[0], y_lo.shape[1], 2 * HALF_BLOCK])
+        tl.store(o_ptr + base + ROT_START + j, y.to(o_ptr.dtype.element_ty),
+                 mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK))
+    if COPY_PASS:
+        tl.store(o_ptr + base + _pass_columns(HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK),
+                 (x_p * scale).to(o_ptr.dtype.element_ty),
+                 mask=m & (tl.arange(0, PASS_BLOCK)[None, None, :] < HEAD_DIM - ROT_DIM))
+
+
+@triton.jit
+def _token_rotation(
+    t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+    ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, NEOX: tl.constexpr, POS_MODE: tl.constexpr,
+    HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr,
+    TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, FAST_TRIG: tl.constexpr,
+):
+    """The rotation (see :func:`_rotation`) of tokens ``t``, from their positions."""
+    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+    return _rotation(b, s, pos, valid & mask_t, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+                     rotary_scale, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE,
+                     FAST_TRIG)
 
 
 @triton.jit
@@ -181,53 +285,16 @@ def _rope_head_block(
     The block's loads come first, before the position load and the angle math they do not depend on: a decode
     call is one round trip to memory plus the sin/cos latency, not a position round trip, then the angles, then
     the data round trip."""
-    HALF: tl.constexpr = ROT_DIM // 2
-    h = h0 + tl.arange(0, BLOCK_H)
-    m = (mask_t[:, None] & (h < H)[None, :])[:, :, None]
-    x_base = (b * x_sb + s * x_ss)[:, None, None] + (h.to(tl.int64) * x_sh)[None, :, None]
-    o_base = (b * o_sb + s * o_ss)[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
-    if NEOX:
-        i = tl.arange(0, HALF_BLOCK)[None, None, :]
-        mi = m
-        if HALF_BLOCK != HALF:
-            mi = m & (i < HALF)
-        x_lo = tl.load(x_ptr + x_base + ROT_START + i, mask=mi).to(tl.float32)
-        x_hi = tl.load(x_ptr + x_base + (ROT_START + HALF) + i, mask=mi).to(tl.float32)
-    else:
-        # Load the rotated span contiguously and de-interleave in registers (no stride-2 accesses).
-        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
-        mj = m
-        if HALF_BLOCK != HALF:
-            mj = m & (j < ROT_DIM)
-        x = tl.load(x_ptr + x_base + ROT_START + j, mask=mj).to(tl.float32)
-        x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
-    if COPY_PASS:
-        p = tl.arange(0, PASS_BLOCK)[None, None, :]
-        mp = m & (p < HEAD_DIM - ROT_DIM)
-        if ROT_START == 0:
-            p = p + ROT_DIM
-        x_p = tl.load(x_ptr + x_base + p, mask=mp).to(tl.float32)
-
-    pos, valid = _token_positions(t, b, s, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs,
-                                  n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
-    valid = valid & mask_t
-    c_lo, c_hi, s_a, s_b = _rotation(
-        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-        ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG)
-    c_lo = (c_lo * scale)[:, None, :]
-    c_hi = (c_hi * scale)[:, None, :]
-    s_a = (s_a * scale)[:, None, :]
-    s_b = (s_b * scale)[:, None, :]
-    y_lo = x_lo * c_lo - x_hi * s_a
-    y_hi = x_hi * c_hi + x_lo * s_b
-    if NEOX:
-        tl.store(o_ptr + o_base + ROT_START + i, y_lo.to(o_ptr.dtype.element_ty), mask=mi)
-        tl.store(o_ptr + o_base + (ROT_START + HALF) + i, y_hi.to(o_ptr.dtype.element_ty), mask=mi)
-    else:
-        y = tl.reshape(tl.join(y_lo, y_hi), [x.shape[0], x.shape[1], 2 * HALF_BLOCK])
-        tl.store(o_ptr + o_base + ROT_START + j, y.to(o_ptr.dtype.element_ty), mask=mj)
-    if COPY_PASS:
-        tl.store(o_ptr + o_base + p, (x_p * scale).to(o_ptr.dtype.element_ty), mask=mp)
+    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  COPY_PASS)
+    c_lo, c_hi, s_a, s_b = _token_rotation(
+        t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+        freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, ROT_DIM, HALF_BLOCK, NEOX,
+        POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG)
+    o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
+    _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
+                 NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS)
 
 
 # pos_offset changes on every decode step: specialising on its value (== 1, divisible by 16) would compile new
@@ -248,16 +315,14 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
-    # Program and token indices in int32 (the launcher refuses 2**31 tokens): int64 division is a long
-    # instruction sequence on the path to the first load. Addresses are formed in int64.
-    pid = tl.program_id(0)
+    """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens."""
+    # Grid: (head blocks, token blocks) with the token blocks over axes 1 and 2 (axis 1 holds at most 65535), so
+    # that no program index is divided -- a division is ~40 dependent instructions before the first address -- and
+    # the programs of one token run together. Token indices are int32 (the launcher refuses 2**31 tokens);
+    # addresses are formed in int64.
+    hb = tl.program_id(0)
+    tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
-    if HAS_K:
-        n_hb = n_qb + tl.cdiv(HK, BLOCK_HK)
-    else:
-        n_hb = n_qb
-    tb = pid // n_hb
-    hb = pid - tb * n_hb
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < num_tokens
     b32 = t // S

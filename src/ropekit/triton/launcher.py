@@ -32,8 +32,15 @@ BYTES_PER_THREAD = 64
 STREAM_BYTES_PER_THREAD = 16
 STREAM_DRAM_GBPS = 4000
 STREAM_MIN_PROGRAMS_FACTOR = 8
+# Decode grids (fewer programs than the card runs at once) are latency-bound: a thread's instruction path grows
+# with the elements it handles, and more, smaller programs cost launch time. One token's 8 heads per program with
+# one 16-byte vector per thread was within 0.05 us of the fastest shape at 1-256 tokens on the H100, where fewer
+# heads per program or one program per token over every head were slower (scripts/decode_probe.py --sweep).
+LATENCY_BYTES_PER_THREAD = 16
+LATENCY_BOUND_FACTOR = 2
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,10 +82,10 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
                  tile_bytes: int = TILE_BYTES, stream: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
 
-    A program rotates ``BLOCK_T`` tokens of one head block of at most ``HEAD_TILE_ELEMS``
-    elements per token, about ``tile_bytes`` in all; tokens per program shrink first, then heads, until the grid
-    has ``min_programs`` programs (small decode batches). ``stream``: the call qualifies for
-    ``STREAM_BYTES_PER_THREAD`` (see there), taken when the grid is large."""
+    A program rotates ``BLOCK_T`` tokens of one head block of at most ``HEAD_TILE_ELEMS`` elements per token, about
+    ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
+    under ``LATENCY_BOUND_FACTOR * min_programs`` (decode) gives each thread ``LATENCY_BYTES_PER_THREAD``; a large
+    one ``BYTES_PER_THREAD``, or ``STREAM_BYTES_PER_THREAD`` where ``stream`` (the call qualifies, see there)."""
     d_pad = _next_pow2(head_dim)
     heads_cap = max(1, HEAD_TILE_ELEMS // d_pad)
     block_hq = min(_next_pow2(hq), heads_cap)
@@ -86,18 +93,17 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     per_token_bytes = block_hq * d_pad * elem_size
     block_t = max(1, min(MAX_UNROLL, tile_bytes // per_token_bytes, _next_pow2(num_tokens)))
 
-    def programs(bt: int, bq: int, bk: int) -> int:
-        return _cdiv(num_tokens, bt) * (_cdiv(hq, bq) + (_cdiv(hk, bk) if hk else 0))
+    def programs(bt: int) -> int:
+        return _cdiv(num_tokens, bt) * (_cdiv(hq, block_hq) + (_cdiv(hk, block_hk) if hk else 0))
 
-    while block_t > 1 and programs(block_t, block_hq, block_hk) < min_programs:
+    while block_t > 1 and programs(block_t) < min_programs:
         block_t //= 2
-    # Decode: down to one head per program, as the fewer elements a thread handles, the shorter its latency.
-    while block_t == 1 and block_hq > 1 and programs(1, block_hq, block_hk) < min_programs:
-        block_hq //= 2
-        block_hk = min(block_hk, block_hq)
-    per_thread = BYTES_PER_THREAD
-    if stream and programs(block_t, block_hq, block_hk) >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
+    if programs(block_t) < LATENCY_BOUND_FACTOR * min_programs:
+        per_thread = LATENCY_BYTES_PER_THREAD
+    elif stream and programs(block_t) >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
         per_thread = STREAM_BYTES_PER_THREAD
+    else:
+        per_thread = BYTES_PER_THREAD
     num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // (32 * per_thread)))
     return block_t, block_hq, block_hk, num_warps
 
@@ -185,7 +191,10 @@ def _kernel_launch(q, k, q_out, k_out, *, layout, style, freq_mode, rotary_dim, 
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream)
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
-    grid = (_cdiv(num_tokens, block_t) * n_hb, 1, 1)
+    # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
+    n_tb = _cdiv(num_tokens, block_t)
+    n_z = _cdiv(n_tb, MAX_GRID_Y)
+    grid = (n_hb, _cdiv(n_tb, n_z), n_z)
     dummy = q
     args = (
         qc, qoc, kc, koc,
@@ -293,7 +302,7 @@ class BoundLaunch:
     def _launch(self, args: tuple) -> None:
         if _launch_hooks_idle():
             stream = _current_raw_stream(self._device_index)
-            self._run(self._grid[0], 1, 1, stream, self._function, self._packed, None, None, None, *args)
+            self._run(*self._grid, stream, self._function, self._packed, None, None, None, *args)
         else:  # a profiler hooked Triton's launches: go through Triton's own launch path
             self._compiled[self._grid](*args)
 
