@@ -1,11 +1,11 @@
 """The RoPE Triton kernel: one launch rotates Q and K, forward or conjugate (backward).
 
 Work decomposition: a grid of programs, each owning ``BLOCK_T`` consecutive tokens of the canonical [B, S, H, D]
-view and one block of heads (grid axis 0: Q head blocks first, then K head blocks; axes 1 and 2: token blocks),
-token-major so that the programs sharing a token's cos/sin run together. A program's tile is [BLOCK_T, BLOCK_H, R/2]: tokens are a tensor
-dimension (not a loop) so that every load is issued before the first store -- the compiler cannot move a load above
-a store that might alias it, and in-place calls do alias. cos/sin are formed once per token ([BLOCK_T, R/2]) and
-reused for every head of the block.
+view and one block of heads (grid axis 0: Q head blocks first, then K head blocks; axes 1 and 2: token
+blocks), token-major so that the programs sharing a token's cos/sin run together. A program's tile is
+[BLOCK_T, BLOCK_H, R/2]: tokens are a tensor dimension (not a loop) so that every load is issued before the first
+store -- the compiler cannot move a load above a store that might alias it, and in-place calls do alias. cos/sin
+are formed once per token ([BLOCK_T, R/2]) and reused for every head of the block.
 
 Precision: fp32 math on every element, one rounding at the store. In-kernel angles are formed in float64
 (``pos * inv_freq`` is exact there for positions below 2**29 with fp32 ``inv_freq``), reduced modulo 2*pi in
@@ -229,12 +229,13 @@ def _store_heads(
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
 ):
-    """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each), scale, store."""
+    """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each, which carries the output
+    scale already), store; the pass-through columns are multiplied by ``scale``."""
     HALF: tl.constexpr = ROT_DIM // 2
-    c_lo = (c_lo * scale)[:, None, :]
-    c_hi = (c_hi * scale)[:, None, :]
-    s_a = (s_a * scale)[:, None, :]
-    s_b = (s_b * scale)[:, None, :]
+    c_lo = c_lo[:, None, :]
+    c_hi = c_hi[:, None, :]
+    s_a = s_a[:, None, :]
+    s_b = s_b[:, None, :]
     y_lo = x_lo * c_lo - x_hi * s_a
     y_hi = x_hi * c_hi + x_lo * s_b
     if NEOX:
@@ -288,9 +289,10 @@ def _rope_head_block(
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
                                   COPY_PASS)
+    # The output scale goes into cos/sin with the rotary scale (one scalar product): per column, not per element.
     c_lo, c_hi, s_a, s_b = _token_rotation(
         t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-        freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, ROT_DIM, HALF_BLOCK, NEOX,
+        freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale, ROT_DIM, HALF_BLOCK, NEOX,
         POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG)
     o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
     _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
