@@ -100,10 +100,11 @@ def main() -> None:
             launch_kw = n.launch_kwargs()
             configs = {f"default {default}": None}
             hq2, hk2 = 1 << (HQ - 1).bit_length(), 1 << (HK - 1).bit_length()
-            shapes = [(1, bh, min(bh, hk2), nw) for bh in (1, 2, 4, 8, 16, 32, 64) for nw in (1, 2, 4, 8)
-                      if bh <= hq2 and bh * 64 >= 32 * nw] if args.sweep else [(1, 8, 8, 1), (1, 4, 4, 1)]
+            shapes = [(bt, bh, min(bh, hk2), nw) for bt in (1, 2, 4) for bh in (1, 2, 4, 8, 16, 32, 64)
+                      for nw in (1, 2, 4, 8) if bh <= hq2 and bt * bh * 64 >= 32 * nw and bt <= T
+                      and (bt == 1 or bh == 8)] if args.sweep else [(1, 8, 8, 1), (1, 4, 4, 1)]
             for cfg in shapes:
-                configs[f"H{cfg[1]}/{cfg[2]} w{cfg[3]}"] = cfg
+                configs[f"T{cfg[0]} H{cfg[1]}/{cfg[2]} w{cfg[3]}"] = cfg
             for label_cfg, cfg in configs.items():
                 variants[f"{label} {label_cfg}"] = (lambda kw=launch_kw, c=cfg: launch_rope(q, k, qo, ko, **kw,
                                                                                            config=c))
