@@ -13,6 +13,7 @@ non-PDL neighbours, the marginal time of the call when each is preceded by a cop
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 
@@ -81,7 +82,7 @@ def main() -> None:
                         help="extra ropekit block shapes, ';'-separated (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps); "
                              "a head block of 0 means every head")
     args = parser.parse_args()
-    extra_configs = [tuple(eval(c)) for c in args.configs.split(";") if c.strip()]  # noqa: S307 - a CLI for tuning
+    extra_configs = [tuple(ast.literal_eval(c)) for c in args.configs.split(";") if c.strip()]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     try:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
