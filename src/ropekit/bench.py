@@ -3,8 +3,9 @@
 For every case of a preset (model shape x dtype x pairing style x positions x size, see ``benchmarks/registry.py``)
 and every mode it asks for, one run times:
 
-* a baseline: ``copy`` (one ``copy_`` kernel moving the case's bytes), ``copy-4pass`` (fwd+bwd: one copy of twice
-  the bytes), ``copy-q`` (decode: one copy of q only), ``add_`` (host: one ``x.add_(1)`` call);
+* a baseline: ``copy`` (one ``copy_`` moving the case's bytes, a device-to-device memcpy), ``copy-4pass``
+  (fwd+bwd: one copy of twice the bytes), ``copy-q`` (decode: one copy of q only), ``add_`` (host: one
+  ``x.add_(1)`` call);
 * ropekit: ``apply_rope`` with exact in-kernel angles (``ropekit``), with fp32 cos/sin tables (``ropekit-table``),
   in place (``ropekit_``), the raw launcher with preallocated outputs (``ropekit-launcher``) and the transformers
   drop-in (``ropekit-hf``);
@@ -552,7 +553,8 @@ class Bench:
 
 
 def _flat_copy(inp: Inputs, nbytes: int) -> Bench:
-    """One ``copy_`` kernel moving ``nbytes`` (half read, half written) between preallocated buffers."""
+    """One ``copy_`` moving ``nbytes`` (half read, half written) between preallocated contiguous buffers: torch
+    issues it as a device-to-device memcpy."""
     elem = inp.q.element_size()
     n = max(1, math.ceil(nbytes / (2 * elem)))
     src = torch.empty(n, dtype=inp.dtype, device=inp.device).normal_()
@@ -570,7 +572,7 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
     if name == "copy-q":
         q_out = torch.empty_like(inp.q)
         return Bench(run=lambda: q_out.copy_(inp.q), bytes=2 * inp.q.numel() * inp.q.element_size(),
-                     note="one copy kernel of q alone")
+                     note="one copy_ of q alone (a device-to-device memcpy)")
     if name == "add_":
         x = torch.zeros_like(inp.q)
         return Bench(run=lambda: x.add_(1), note="x.add_(1), x shaped like q")
