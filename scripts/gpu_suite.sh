@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU side of a change, in one command on a CUDA machine: tests, `ropekit check`, host-time breakdown, kernel
-# timings, and optionally `ropekit bench`. Logs go to $LOGS (default out/gpu-suite).
+# The GPU side of a change, in one command on a CUDA machine: tests, a memory-checker run of the kernel tests,
+# `ropekit check`, host-time breakdown, kernel timings, and optionally `ropekit bench`. Logs go to $LOGS (default out/gpu-suite).
 #
-#   bash scripts/gpu_suite.sh [tests] [check] [host] [tune] [bench:<ropekit bench args>]   (default: all but bench)
+#   bash scripts/gpu_suite.sh [tests] [memcheck] [check] [host] [tune] [bench:<ropekit bench args>]
+#   (default: tests check host tune)
 #
 # Peers for the benchmark (Liger, flash-attn's rotary file) are optional; see benchmarks/README.md.
 set -uo pipefail
@@ -19,6 +20,12 @@ for step in "${steps[@]}"; do
     tests)
       python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_gpu_eager_plans.py tests/test_kernel.py \
         tests/test_api.py tests/test_transformers_dropin.py tests/test_modules.py 2>&1 | tee "$LOGS/tests.log" | tail -4
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    memcheck)  # kernel and eager-plan tests under compute-sanitizer, one allocation per tensor so that a read or
+      # write past any tensor is reported
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
+        python -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_gpu_eager_plans.py 2>&1 \
+        | tee "$LOGS/memcheck.log" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     check) python -m ropekit.cli check 2>&1 | tee "$LOGS/check.log" | tail -4 ;;
     host) python scripts/host_time.py 2>&1 | tee "$LOGS/host.log" ;;
