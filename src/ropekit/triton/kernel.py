@@ -188,13 +188,15 @@ def _within(m, idx, limit: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _pass_columns(HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr,
+def _pass_columns(m, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr,
                   PASS_BLOCK: tl.constexpr):
-    """Columns of the pass-through span (the head's columns outside the rotated span)."""
+    """Columns of the pass-through span (the head's columns outside the rotated span), and ``m`` restricted to
+    them."""
     p = tl.arange(0, PASS_BLOCK)[None, None, :]
+    mp = m & (p < HEAD_DIM - ROT_DIM)
     if ROT_START == 0:
         p = p + ROT_DIM
-    return p
+    return p, mp
 
 
 @triton.jit
@@ -216,8 +218,8 @@ def _load_heads(
         x = tl.load(x_ptr + base + ROT_START + j, mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK)).to(tl.float32)
         x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
     if COPY_PASS:
-        x_p = tl.load(x_ptr + base + _pass_columns(HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK),
-                      mask=m & (tl.arange(0, PASS_BLOCK)[None, None, :] < HEAD_DIM - ROT_DIM)).to(tl.float32)
+        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        x_p = tl.load(x_ptr + base + p, mask=mp).to(tl.float32)
     else:
         x_p = x_lo
     return x_lo, x_hi, x_p
@@ -249,25 +251,8 @@ def _store_heads(
         tl.store(o_ptr + base + ROT_START + j, y.to(o_ptr.dtype.element_ty),
                  mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK))
     if COPY_PASS:
-        tl.store(o_ptr + base + _pass_columns(HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK),
-                 (x_p * scale).to(o_ptr.dtype.element_ty),
-                 mask=m & (tl.arange(0, PASS_BLOCK)[None, None, :] < HEAD_DIM - ROT_DIM))
-
-
-@triton.jit
-def _token_rotation(
-    t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-    ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, NEOX: tl.constexpr, POS_MODE: tl.constexpr,
-    HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr,
-    TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, FAST_TRIG: tl.constexpr,
-):
-    """The rotation (see :func:`_rotation`) of tokens ``t``, from their positions."""
-    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
-                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
-    return _rotation(b, s, pos, valid & mask_t, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
-                     rotary_scale, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE,
-                     FAST_TRIG)
+        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        tl.store(o_ptr + base + p, (x_p * scale).to(o_ptr.dtype.element_ty), mask=mp)
 
 
 @triton.jit
@@ -289,11 +274,13 @@ def _rope_head_block(
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
                                   COPY_PASS)
+    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     # The output scale goes into cos/sin with the rotary scale (one scalar product): per column, not per element.
-    c_lo, c_hi, s_a, s_b = _token_rotation(
-        t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-        freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale, ROT_DIM, HALF_BLOCK, NEOX,
-        POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG)
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid & mask_t, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+        rotary_scale * scale, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE,
+        FAST_TRIG)
     o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
     _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
                  NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS)

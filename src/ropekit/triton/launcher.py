@@ -98,9 +98,10 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
 
     while block_t > 1 and programs(block_t) < min_programs:
         block_t //= 2
-    if programs(block_t) < LATENCY_BOUND_FACTOR * min_programs:
+    n_programs = programs(block_t)
+    if n_programs < LATENCY_BOUND_FACTOR * min_programs:
         per_thread = LATENCY_BYTES_PER_THREAD
-    elif stream and programs(block_t) >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
+    elif stream and n_programs >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
         per_thread = STREAM_BYTES_PER_THREAD
     else:
         per_thread = BYTES_PER_THREAD
@@ -226,7 +227,6 @@ _COMPILED: dict = {}
 
 _VARYING = (18, 19, 24, 26, 27, 34)  # S, num_tokens, pos_offset, n_seqs, n_search_steps, table_rows: per call
 _POINTERS = (0, 1, 2, 3, 20, 23, 25, 28, 29, 30)
-_POS_OFFSET = 24
 
 
 def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
