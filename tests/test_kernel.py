@@ -185,7 +185,7 @@ def test_conjugate_undoes_forward_in_kernel():
 
 
 def test_launch_cache_key_covers_every_argument(monkeypatch):
-    # The cached-launch key classifies arguments by position; keep it in step with the kernel's signature.
+    # The cached-launch key classifies the kernel's arguments by name; every runtime argument has one class.
     from ropekit.triton import launcher
 
     seen = {}
@@ -194,11 +194,27 @@ def test_launch_cache_key_covers_every_argument(monkeypatch):
     run_kernel(q, k, positions=torch.tensor([[3, 4]]))
     args = seen["args"]
     assert all(isinstance(args[i], torch.Tensor) for i in launcher._POINTERS)
-    static = set(range(4, 18)) | {21, 22, 31, 32, 33}
     ints = {i for i, a in enumerate(args) if isinstance(a, int)}
-    assert ints == static | set(launcher._VARYING)
+    assert ints == set(launcher._INT_ARGS) | {launcher._POS_OFFSET}
     floats = {i for i, a in enumerate(args) if isinstance(a, float)}
     assert len(args) == len(ints) + len(floats) + len(launcher._POINTERS)
+
+
+def test_launch_cache_holds_one_entry_per_compiled_variant():
+    # Keyed on what Triton specialises on, not on values: 100 sequence lengths of one class share one entry.
+    from ropekit.triton import launcher
+
+    def key(S):
+        q, k = make_qk(1, S, 2, 1, 8)
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        grid, args, constexprs, nw = launcher._kernel_launch(
+            q, k, qo, ko, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=8, rotary_start=0,
+            positions=None, seq_offsets=None, pos_offset=0, cu_seqlens=None, inv_freq=torch.ones(4),
+            cos=None, sin=None, table_by_token=False, q_scale=1.0, k_scale=1.0, rotary_scale=1.0, conjugate=False)
+        return launcher._cache_key(args, constexprs, nw, None)
+
+    assert len({key(S) for S in range(17, 400, 4)}) == 1  # odd lengths: no stride or count divisible by 16
+    assert key(16) != key(17)
 
 
 def test_block_config_shapes():

@@ -11,7 +11,9 @@ Both take the *normalised* arguments produced by :mod:`ropekit.api` (which valid
 * ``rotary_dim`` R columns starting at ``rotary_start`` are rotated; ``conjugate`` rotates by -theta (backward).
 * outputs have dtype ``promote_types(x.dtype, promote_dtype)`` (``promote_dtype`` None: the input dtype).
 
-CUDA tensors run the Triton kernel; every other device runs the float64 reference.
+CUDA tensors run the Triton kernel (float64 ones the reference, which keeps float64 math); every other device
+runs the float64 reference, except CPU tensors under :func:`ropekit.testing.kernels_on_cpu` (the Triton
+interpreter).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ropekit import _config
 
 # Tensor arguments after q and k, then all of the launcher's/reference's arguments, in schema order.
 _TENSOR_ARGS = ("positions", "seq_offsets", "cu_seqlens", "inv_freq", "cos", "sin")
@@ -38,12 +42,23 @@ def _out_dtype(x: Tensor, promote_dtype: Optional[torch.dtype]) -> torch.dtype:
     return x.dtype if promote_dtype is None else torch.promote_types(x.dtype, promote_dtype)
 
 
+def uses_kernels(x: Tensor) -> bool:
+    """Whether ``x`` is rotated by the Triton kernels (fp32 math) rather than the float64 reference."""
+    if x.dtype == torch.float64:
+        return False
+    return x.device.type == "cuda" or (_config.kernels_on_cpu and x.device.type == "cpu")
+
+
 def _run(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor], kwargs: dict) -> None:
     """Rotate into the given outputs on q's device (outputs may be the inputs)."""
-    if q.device.type == "cuda":
+    if uses_kernels(q):
         from ropekit.triton.launcher import launch_rope
 
         launch_rope(q, k, q_out, k_out, **kwargs)
+        if q_out is q:  # a kernel's write is invisible to autograd: declare it (torch's own ops do the same)
+            torch.autograd.graph.increment_version(q)
+            if k is not None:
+                torch.autograd.graph.increment_version(k)
         return
     from ropekit.reference import rope_reference
 

@@ -26,9 +26,9 @@ import torch
 from ropekit._layout import to_canonical
 
 
-def default_positions(batch: int, seqlen: int, pos_offset: int = 0) -> torch.Tensor:
-    """Positions 0..S-1 plus an offset, as an int64 [B, S] tensor."""
-    return (torch.arange(seqlen, dtype=torch.int64) + pos_offset).expand(batch, seqlen)
+MAX_POSITION = 2**31 - 1
+"""The largest position ropekit rotates: in-kernel angles are within ~5e-7 rad of exact up to here (about 1e-7
+below 2**24). Larger positions raise on the host where their values are known; elsewhere the tokens come out NaN."""
 
 
 def token_positions(
@@ -39,28 +39,27 @@ def token_positions(
     seq_offsets: torch.Tensor | None = None,
     pos_offset: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """The position of every token of the canonical [B, S] grid, int64 (on CPU).
+    """The position of every token of the canonical [B, S] grid, int64 on ``device``.
 
     ``positions`` [B, S] per-token ids win; else ``cu_seqlens`` (varlen, B == 1, S == total tokens): the position
     is the token's index inside its sequence plus ``seq_offsets[seq]`` or ``pos_offset``; else ``s`` plus
     ``seq_offsets[b]`` or ``pos_offset``. Tokens outside every sequence of ``cu_seqlens`` get -1 (invalid).
     """
     if positions is not None:
-        return positions.to(torch.int64).cpu().reshape(batch, seqlen)
+        return positions.to(device=device, dtype=torch.int64).reshape(batch, seqlen)
+    base = torch.arange(seqlen, dtype=torch.int64, device=device)
     if cu_seqlens is not None:
-        cu = cu_seqlens.to(torch.int64).cpu()
-        t = torch.arange(seqlen, dtype=torch.int64)
-        seq = torch.searchsorted(cu[1:], t, right=True)  # sequence index of every token
-        inside = (t >= cu[0]) & (t < cu[-1])
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        seq = torch.searchsorted(cu[1:], base, right=True)  # sequence index of every token
+        inside = (base >= cu[0]) & (base < cu[-1])
         seq = seq.clamp(max=cu.numel() - 2)
-        start = cu[seq]
-        offset = seq_offsets.to(torch.int64).cpu()[seq] if seq_offsets is not None else pos_offset
-        pos = t - start + offset
+        offset = seq_offsets.to(device=device, dtype=torch.int64)[seq] if seq_offsets is not None else pos_offset
+        pos = base - cu[seq] + offset
         return torch.where(inside, pos, torch.full_like(pos, -1)).reshape(1, seqlen)
-    base = torch.arange(seqlen, dtype=torch.int64)
     if seq_offsets is not None:
-        return base[None, :] + seq_offsets.to(torch.int64).cpu()[:, None]
+        return base[None, :] + seq_offsets.to(device=device, dtype=torch.int64)[:, None]
     return (base + pos_offset).expand(batch, seqlen)
 
 
@@ -88,16 +87,16 @@ def rotation_tables(
     """
     B, S = pos.shape
     if freq_mode == "inv_freq":
-        angle = pos.to(torch.float64)[..., None] * inv_freq.to(torch.float64).cpu()
+        angle = pos.to(torch.float64)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float64)
         angle = reduced_angle(angle)
         c, s = torch.cos(angle), torch.sin(angle)
         return c, c, s, s
 
     def rows(table: torch.Tensor) -> torch.Tensor:  # [B, S, W] gathered per token
-        table = table.to(torch.float64).cpu().expand(B, -1, -1)
+        table = table.to(device=pos.device, dtype=torch.float64).expand(B, -1, -1)
         if table_by_token:
             return table[:, :S]
-        return torch.gather(table, 1, pos.clamp(min=0)[..., None].expand(B, S, table.shape[-1]))
+        return torch.gather(table, 1, pos.clamp(0, table.shape[1] - 1)[..., None].expand(B, S, table.shape[-1]))
 
     def halves(full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if full.shape[-1] == half:
@@ -176,8 +175,8 @@ def rope_reference(
     qc = to_canonical(q, layout)
     B, S = qc.shape[:2]
     pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
-                          cu_seqlens=cu_seqlens)
-    valid = pos >= 0
+                          cu_seqlens=cu_seqlens, device=q.device)
+    valid = (pos >= 0) & (pos <= MAX_POSITION)
     if freq_mode != "inv_freq" and not table_by_token:
         valid &= pos < cos.shape[1]
     neox = style == "neox"

@@ -11,9 +11,9 @@ Precision: fp32 math on every element, one rounding at the store. In-kernel angl
 (``pos * inv_freq`` is exact there for positions below 2**29 with fp32 ``inv_freq``), reduced modulo 2*pi in
 float64 and only then handed to fp32 sin/cos, so the angle error does not grow with the position.
 
-Tokens whose position is invalid (negative, past the table, outside every ``cu_seqlens`` sequence) get NaN
-outputs instead of an out-of-bounds read: loud on the device without a host sync. The launcher's callers raise
-earlier where the check is cheap.
+Tokens whose position is invalid (negative, past 2**31 - 1 or the table, outside every ``cu_seqlens`` sequence)
+get NaN outputs instead of an out-of-bounds read: loud on the device without a host sync. The launcher's callers
+raise earlier where the check is cheap.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 # NaN as its bit pattern: a float NaN global never equals itself, and Triton >= 3.8 refuses a global whose value
 # differs between the kernels that use it.
 _NAN_BITS = tl.constexpr(0x7FC00000)
+# Positions past this are invalid (NaN): the angle accuracy is documented up to here (ropekit.reference).
+_MAX_POSITION = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def _token_positions(
             pos = t - start + tl.load(seq_off_ptr + lo).to(tl.int64)
         else:
             pos = t - start + pos_offset
-    valid = valid & (pos >= 0)
+    valid = valid & (pos >= 0) & (pos <= _MAX_POSITION)
     return pos, valid
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -222,21 +223,32 @@ def _kernel_launch(q, k, q_out, k_out, *, layout, style, freq_mode, rotary_dim, 
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG")
-_COMPILED: dict = {}
+# Runtime arguments by role, as positions in the kernel's signature (derived from its parameter names, so that a
+# new argument cannot shift a hard-coded index).
+_ARG_INDEX = {name: i for i, name in enumerate(K.rope_kernel.arg_names)}
+POINTER_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "ko_ptr", "pos_ptr", "seq_off_ptr", "cu_ptr", "freq_ptr", "cos_ptr",
+                "sin_ptr")
+_POINTERS = tuple(_ARG_INDEX[n] for n in POINTER_ARGS)
+_POS_OFFSET = _ARG_INDEX["pos_offset"]
+_FLOAT_ARGS = ("q_scale", "k_scale", "rotary_scale")
+_INT_ARGS = tuple(i for i, n in enumerate(K.rope_kernel.arg_names)
+                  if i not in _POINTERS and i != _POS_OFFSET and n not in _CONSTEXPR_NAMES and n not in _FLOAT_ARGS)
+_MAX_COMPILED = 256
+_COMPILED: OrderedDict = OrderedDict()
 
 
-_VARYING = (18, 19, 24, 26, 27, 34)  # S, num_tokens, pos_offset, n_seqs, n_search_steps, table_rows: per call
-_POINTERS = (0, 1, 2, 3, 20, 23, 25, 28, 29, 30)
+def _int_class(v: int) -> int:
+    """What Triton specialises an int argument on: == 1, divisible by 16, and whether it needs 64 bits."""
+    return (v == 1) + 2 * (v & 15 == 0) + 4 * (not -(2**31) <= v < 2**31)
 
 
 def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
-    """Everything Triton specialises the kernel on. Pointers: dtype and 16-byte alignment; ints that vary from
-    call to call (positions offsets, token counts): == 1, divisible by 16, 32-bit; the other ints (strides, head
-    counts): their values, which pins every specialisation and is cheaper to build."""
+    """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
+    compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
+    (:func:`_int_class`), the constexprs, the warp count and the device."""
     ptrs = [args[i] for i in _POINTERS]
-    return (*[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
-            *[(v == 1) + 2 * (v & 15 == 0) + 4 * (not -(2**31) <= v < 2**31) for v in (args[i] for i in _VARYING)],
-            args[4:18], args[21:23], args[31:34], constexprs, num_warps, device_index)
+    return (*[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs], *[_int_class(args[i]) for i in _INT_ARGS],
+            constexprs, num_warps, device_index)
 
 
 def _launch(grid, args, constexprs, num_warps, device) -> None:
@@ -244,7 +256,7 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
 
     ``kernel[grid](...)`` re-binds and re-hashes ~50 arguments on every call (tens of microseconds of host
     time); the cached handle skips that. The first call for a specialisation goes through Triton (compiling if
-    needed), so behaviour is Triton's own."""
+    needed), so behaviour is Triton's own. The cache is bounded (least recently used out)."""
     if device.type != "cuda":
         K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
         return
@@ -256,11 +268,14 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
     key = _cache_key(args, constexprs, num_warps, device.index)
     compiled = _COMPILED.get(key)
     if compiled is not None:
+        _COMPILED.move_to_end(key)
         compiled[grid](*args, *constexprs)
         return
     compiled = K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
     if compiled is not None and hasattr(compiled, "__getitem__"):
         _COMPILED[key] = compiled
+        if len(_COMPILED) > _MAX_COMPILED:
+            _COMPILED.popitem(last=False)
 
 
 class BoundLaunch:
@@ -282,7 +297,7 @@ class BoundLaunch:
         self._grid = grid
         self._function = compiled.function
         self._packed = compiled.packed_metadata
-        # args between the pointer slots (see _POINTERS): 4..19, 21..22, 26..27, 31.. + constexprs
+        # The fixed arguments between the variable slots (checked below the class), so that a call is one tuple build.
         self._head = tuple(args[4:20])
         self._mid1 = tuple(args[21:23])
         self._mid2 = tuple(args[26:28])
@@ -307,6 +322,33 @@ class BoundLaunch:
             self._compiled[self._grid](*args)
 
 
+# BoundLaunch.__call__ interleaves its fixed argument runs with the variable slots in this order; a change of the
+# kernel's signature that moves them must change both.
+if (*_POINTERS, _POS_OFFSET) != (0, 1, 2, 3, 20, 23, 25, 28, 29, 30, 24):
+    raise ImportError("rope_kernel's pointer/offset arguments moved: update BoundLaunch to the new signature")
+
+
+class InterpretedLaunch:
+    """:class:`BoundLaunch`'s twin for CPU tensors under the Triton interpreter (the fast path's CPU-testable
+    form): the same call, with tensors instead of integer addresses in the pointer slots, through
+    ``rope_kernel[grid]`` (the interpreter needs tensors)."""
+
+    __slots__ = ("_grid", "_args", "_kwargs")
+
+    def __init__(self, grid, args, constexprs, num_warps: int):
+        self._grid = grid
+        self._args = [None if i in _POINTERS else a for i, a in enumerate(args)]  # hold no tensor of the first call
+        self._kwargs = dict(zip(_CONSTEXPR_NAMES, constexprs), num_warps=num_warps)
+
+    def __call__(self, q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin,
+                 pos_offset: int) -> None:
+        args = list(self._args)
+        for i, t in zip(_POINTERS, (q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin)):
+            args[i] = t
+        args[_POS_OFFSET] = pos_offset
+        K.rope_kernel[self._grid](*args, **self._kwargs)
+
+
 def _launch_hooks_idle() -> bool:
     """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
     enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
@@ -325,16 +367,18 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
-def bind_rope(q, k, q_out, k_out, **kwargs) -> BoundLaunch | None:
-    """A :class:`BoundLaunch` for :func:`launch_rope`'s arguments, or None where there is none to bind: nothing
-    to rotate, a device other than CUDA, a specialisation not compiled yet (the first call goes through
-    :func:`launch_rope`), or a Triton without the launcher attributes this relies on."""
-    if q.device.type != "cuda" or _current_raw_stream is None:
-        return None
+def bind_rope(q, k, q_out, k_out, **kwargs) -> BoundLaunch | InterpretedLaunch | None:
+    """A :class:`BoundLaunch` for :func:`launch_rope`'s arguments (an :class:`InterpretedLaunch` for CPU
+    tensors), or None where there is none to bind: nothing to rotate, a specialisation not compiled yet (the
+    first call goes through :func:`launch_rope`), or a Triton without the launcher attributes this relies on."""
     launch = _kernel_launch(q, k, q_out, k_out, **kwargs)
     if launch is None:
         return None
     grid, args, constexprs, num_warps = launch
+    if q.device.type == "cpu":
+        return InterpretedLaunch(grid, args, constexprs, num_warps)
+    if q.device.type != "cuda" or _current_raw_stream is None:
+        return None
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     compiled = _COMPILED.get(_cache_key(args, constexprs, num_warps, q.device.index))
     if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
