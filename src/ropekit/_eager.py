@@ -10,21 +10,29 @@ allocate the outputs and launch. Calls that need autograd (out of place) get pla
 :class:`ropekit.autograd.PlannedRope`, whose backward is the conjugate rotation through the public path.
 
 What a plan re-checks per call is what can change within a signature: the int position offset (negative, past a
-cos/sin table or beyond int32 sends the call back to the full path, which raises or handles it).
+cos/sin table or past the largest position sends the call back to the full path, which raises or handles it), and
+for in-place calls whether q and k share memory in a way the full path has not checked. In-place replays declare
+their writes to autograd (version counters), as the full path does.
+
+The same code runs on CPU tensors under :func:`ropekit.testing.kernels_on_cpu` (the Triton interpreter), with
+tensors instead of integer addresses as the kernel's pointer arguments, so CPU-only CI tests the fast path
+against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fast_path` turns plans off.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ropekit import _config
 from ropekit._layout import to_canonical
+from ropekit.reference import MAX_POSITION
 
-_PLANS: dict = {}
+_PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 1024
-_INT32_MAX = 2**31 - 1
 
 # Sources of the kernel's positions .. sin pointer slots, indices into the per-call tuple built in Plan.__call__:
 # q (the launcher's dummy for an absent tensor), positions, inv_freq, cos, sin, angles, cu_seqlens, the plan's
@@ -33,71 +41,111 @@ _Q, _POS, _FREQ, _COS, _SIN, _ANGLES, _CU, _CONST_FREQ = range(8)
 
 
 def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
-    """(key, data pointers) of a call, or None when the fast path does not apply: not CUDA, tensor subclasses,
-    tracing, in-place calls that need autograd.
+    """(key, handles) of a call, or None when the fast path does not apply: not a kernel call (CUDA, or CPU under
+    ``kernels_on_cpu``; float64 runs the reference), tensor subclasses, tracing, in-place calls that need autograd.
 
     ``optional`` = (positions, inv_freq, cos, sin, angles, cu_seqlens) as the user passed them; ``scalars``
-    starts with the ``inplace`` flag. The pointers are q's, k's and the optional tensors' in that order (0 where
-    absent). Calls that need autograd get keys (and plans) of their own."""
-    if type(q) is not Tensor or not q.is_cuda or (k is not None and type(k) is not Tensor):
+    starts with the ``inplace`` flag. The handles are q's, k's and the optional tensors' data pointers in that
+    order (0 where absent) -- the tensors themselves on CPU, where the interpreter needs them. Calls that need
+    autograd get keys (and plans) of their own."""
+    if type(q) is not Tensor or (k is not None and type(k) is not Tensor) or q.dtype is torch.float64:
+        return None
+    if q.is_cuda:
+        raw = True
+    elif _config.kernels_on_cpu and q.device.type == "cpu":
+        raw = False
+    else:
         return None
     if torch.compiler.is_compiling():
         return None
+    inplace = scalars[0]
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
-    if grad and scalars[0]:  # in place with autograd: the full path (mark_dirty and its checks)
+    if grad and inplace:  # in place with autograd: the full path (mark_dirty and its checks)
         return None
-    ptrs = [q.data_ptr()]
-    parts = [(q.shape, q.stride(), q.dtype, q.get_device(), ptrs[0] & 15)]
+    p = q.data_ptr()
+    handles = [p if raw else q]
+    parts = [(q.shape, q.stride(), q.dtype, q.get_device(), p & 15)]
     for t in (k, *optional):
         if t is None:
-            ptrs.append(0)
+            handles.append(0)
             parts.append(None)
         elif type(t) is Tensor:
             p = t.data_ptr()
-            ptrs.append(p)
+            handles.append(p if raw else t)
             parts.append((t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
         else:  # an int position offset (its value is checked per call), or something the full path rejects
-            ptrs.append(0)
+            handles.append(0)
             parts.append(type(t))
-    return (*parts, *scalars, grad), ptrs
+    if inplace:  # torch refuses in-place writes to inference tensors outside inference mode: so does the full path
+        parts.append((q.is_inference(), k is not None and k.is_inference(), torch.is_inference_mode_enabled()))
+    return (*parts, *scalars, grad), handles
+
+
+def lookup(key) -> Optional["Plan"]:
+    """The plan of a signature, or None; raises TypeError for an unhashable key (an argument of a wrong type)."""
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def clear() -> None:
+    """Forget every plan (tests; the plans hold no tensors of the calls that made them)."""
+    _PLANS.clear()
 
 
 class Plan:
     """The bound launch of one call signature and where each of its positions .. sin pointer slots comes from
     (q's and k's slots are always the call's own tensors)."""
 
-    __slots__ = ("launch", "slots", "const_freq", "const_freq_ptr", "int_offset", "max_offset", "q_out", "k_out",
-                 "inplace", "grad", "call_kwargs")
+    __slots__ = ("launch", "slots", "const_freq", "const_freq_handle", "int_offset", "max_offset", "q_out", "k_out",
+                 "inplace", "grad", "call_kwargs", "raw", "q_span", "k_span", "qk_delta")
 
-    def __call__(self, q: Tensor, k: Optional[Tensor], positions, ptrs: list, optional: tuple):
+    def __call__(self, q: Tensor, k: Optional[Tensor], positions, handles: list, optional: tuple):
         """Launch and return the outputs as the full path would, or None to send the call down the full path."""
         pos_offset = 0
         if self.int_offset:
             pos_offset = int(positions)
             if not 0 <= pos_offset <= self.max_offset:
                 return None
-        q_ptr, k_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr = ptrs
-        source = (q_ptr, pos_ptr, freq_ptr, cos_ptr, sin_ptr, angles_ptr, cu_ptr, self.const_freq_ptr)
+        q_h, k_h, pos_h, freq_h, cos_h, sin_h, angles_h, cu_h = handles
+        source = (q_h, pos_h, freq_h, cos_h, sin_h, angles_h, cu_h, self.const_freq_handle)
         tables = tuple(source[i] for i in self.slots)
         if self.grad:
             from ropekit.autograd import PlannedRope
 
             return PlannedRope.apply(q, k, self, tables, pos_offset, positions, optional)
         if self.inplace:
-            k_ptr = k_ptr if k is not None else q_ptr  # the launcher passes q's pointers in k's slots
-            self.launch(q_ptr, q_ptr, k_ptr, k_ptr, *tables, pos_offset)
-            return q if k is None else (q, k)
+            if k is None:  # the launcher passes q's pointers in k's slots
+                self.launch(q_h, q_h, q_h, q_h, *tables, pos_offset)
+                torch.autograd.graph.increment_version(q)
+                return q
+            if not self._disjoint(q, k):
+                return None
+            self.launch(q_h, q_h, k_h, k_h, *tables, pos_offset)
+            torch.autograd.graph.increment_version(q)
+            torch.autograd.graph.increment_version(k)
+            return q, k
         return self.rotate(self.launch, q, k, tables, pos_offset)
+
+    def _disjoint(self, q: Tensor, k: Tensor) -> bool:
+        """q and k of an in-place call occupy disjoint address ranges, or sit at the relative offset the full
+        path proved safe when it recorded this plan (interleaved views of one packed buffer)."""
+        qp, kp = q.data_ptr(), k.data_ptr()
+        return kp >= qp + self.q_span or qp >= kp + self.k_span or kp - qp == self.qk_delta
+
+    def handle(self, t: Tensor):
+        return t.data_ptr() if self.raw else t
 
     def rotate(self, launch, q: Tensor, k: Optional[Tensor], tables: tuple, pos_offset: int):
         """Out-of-place rotation of ``q`` (and ``k``) with a bound launch; the outputs are fresh tensors."""
         q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
-        q_ptr, qo_ptr = q.data_ptr(), q_out.data_ptr()
+        q_h, qo_h = self.handle(q), self.handle(q_out)
         if k is None:  # the launcher passes q's pointers in k's slots
-            launch(q_ptr, qo_ptr, q_ptr, qo_ptr, *tables, pos_offset)
+            launch(q_h, qo_h, q_h, qo_h, *tables, pos_offset)
             return q_out
         k_out = torch.empty(self.k_out[0], dtype=self.k_out[1], device=q.device)
-        launch(q_ptr, qo_ptr, k.data_ptr(), k_out.data_ptr(), *tables, pos_offset)
+        launch(q_h, qo_h, self.handle(k), self.handle(k_out), *tables, pos_offset)
         return q_out, k_out
 
 
@@ -134,26 +182,34 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     if any(s is None for s in slots):
         return
     int_offset = positions is not None and not isinstance(positions, Tensor)
-    pos_offset = scalars["pos_offset"]
-    if int_offset and not 0 <= pos_offset <= _INT32_MAX:
-        return
+    seqlen = to_canonical(q, scalars["layout"]).shape[1]
     launch = bind_rope(q, k, q_out, k_out, **normalised.launch_kwargs())
     if launch is None:
         return
     plan = Plan()
     plan.launch, plan.slots, plan.inplace, plan.grad = launch, slots, inplace, key[-1]
     plan.call_kwargs = call_kwargs
+    plan.raw = q.is_cuda
     plan.const_freq = const_freq
-    plan.const_freq_ptr = const_freq.data_ptr() if const_freq is not None else 0
+    plan.const_freq_handle = plan.handle(const_freq) if const_freq is not None else 0
     plan.int_offset = int_offset
-    # The full path refuses offsets that run past a position-indexed table (no cu_seqlens): replay that bound.
-    max_offset = _INT32_MAX
-    if cos_t is not None and not scalars["table_by_token"] and cu_t is None and pos_t is None and seq_offsets is None:
-        seqlen = to_canonical(q, scalars["layout"]).shape[1]
+    # The full path refuses offsets whose positions run past MAX_POSITION or a position-indexed table: replay
+    # those bounds (with packed sequences, conservatively: S is at least the longest sequence).
+    max_offset = MAX_POSITION - max(seqlen, 1) + 1
+    if cos_t is not None and not scalars["table_by_token"] and pos_t is None and seq_offsets is None:
         max_offset = min(max_offset, cos_t.shape[1] - seqlen)
     plan.max_offset = max_offset
+    plan.q_span = plan.k_span = plan.qk_delta = 0
+    if inplace and k is not None:  # the full path checked that q and k do not overlap at this relative offset
+        plan.q_span, plan.k_span = _span(q), _span(k)
+        plan.qk_delta = k.data_ptr() - q.data_ptr()
     plan.q_out = (q_out.shape, q_out.dtype)
     plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
     _PLANS[key] = plan
+    if len(_PLANS) > _MAX_PLANS:  # least recently used out
+        _PLANS.popitem(last=False)
+
+
+def _span(x: Tensor) -> int:
+    """Bytes from ``x``'s first element to the end of its last."""
+    return x.element_size() * (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1)

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import OrderedDict
 from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ropekit import _eager
+from ropekit import _config, _eager
 from ropekit import autograd as _autograd
 from ropekit import ops
 from ropekit._layout import LAYOUTS, layout_ndim, to_canonical
+from ropekit._memory import has_internal_overlap, overlap
+from ropekit.reference import MAX_POSITION
 
 Positions = Union[None, int, Tensor]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -32,7 +35,8 @@ class _Normalised(NamedTuple):
         return dict(zip(ops._TENSOR_ARGS, self.tensors), **self.scalars)
 
 
-_INV_FREQ_CACHE: dict = {}
+_INV_FREQ_CACHE: OrderedDict = OrderedDict()
+_INV_FREQ_CACHE_SIZE = 64
 
 
 def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> Tensor:
@@ -40,16 +44,19 @@ def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> Tens
 
     Rounded once, the values are the same whether computed eagerly or inside a ``torch.compile`` graph (they agree
     with transformers' fp32 formula except where that formula is itself an ulp off; ``ropekit.from_hf_config``
-    reproduces transformers bit for bit). Cached per (base, R, device) in eager mode, so calls stay free of host
-    work and allocations."""
+    reproduces transformers bit for bit). Cached per (base, R, device) in eager mode (the 64 most recently used),
+    so calls stay free of host work and allocations."""
     key = (base, rotary_dim, device)
     cached = _INV_FREQ_CACHE.get(key)
     if cached is not None:
+        _INV_FREQ_CACHE.move_to_end(key)
         return cached
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
     inv_freq = torch.pow(base, -exponent).to(torch.float32).to(device)
     if not torch.compiler.is_compiling():
         _INV_FREQ_CACHE[key] = inv_freq
+        if len(_INV_FREQ_CACHE) > _INV_FREQ_CACHE_SIZE:
+            _INV_FREQ_CACHE.popitem(last=False)
     return inv_freq
 
 
@@ -59,13 +66,19 @@ def _is_real(value) -> bool:
     return t is float or t is int or (isinstance(value, numbers.Real) and t is not bool)
 
 
-def _check_tensor(name: str, x: Tensor, ref: Tensor, dtypes: tuple, what: str) -> None:
+def _host_readable(t: Tensor) -> bool:
+    """Whether the values of ``t`` can be checked on the host without a device sync. CPU tensors that run the
+    kernels (:func:`ropekit.testing.kernels_on_cpu`) stand in for device tensors, so they are not read either."""
+    return t.device.type == "cpu" and not _config.kernels_on_cpu
+
+
+def _check_tensor(name: str, x: Tensor, ref: Tensor, dtypes: tuple, what: str, ref_name: str = "q") -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
         raise TypeError(f"{name} must be {what}, got {x.dtype}")
     if x.device != ref.device:
-        raise ValueError(f"{name} must be on q's device {ref.device}, got {x.device}")
+        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {x.device}")
 
 
 def _resolve_table(name: str, table: Tensor, q: Tensor, batch: int, seqlen: int, rotary_dim: Optional[int],
@@ -97,39 +110,41 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, i
                angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd",
                rotary_dim: Optional[int] = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
                rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
-               conjugate: bool = False) -> _Normalised:
-    """Validate a call's arguments (the public API's defaults) and normalise them for ``ropekit::rope``."""
+               conjugate: bool = False, names: tuple[str, str] = ("q", "k")) -> _Normalised:
+    """Validate a call's arguments (the public API's defaults) and normalise them for ``ropekit::rope``.
+    ``names``: what errors call the two rotated tensors (``rope_backward`` takes gradients)."""
+    qn, kn = names
     # --- q and k ---------------------------------------------------------------------------------------------
     if not isinstance(q, Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        raise TypeError(f"{qn} must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"q must be a floating tensor (float16, bfloat16, float32 or float64), got {q.dtype}")
-    if layout not in LAYOUTS:
+        raise TypeError(f"{qn} must be a floating tensor (float16, bfloat16, float32 or float64), got {q.dtype}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     ndim = layout_ndim(layout)
     if q.dim() != ndim:
-        raise ValueError(f"q must have {ndim} dims for layout {layout!r} ({_layout_shape(layout)}), "
+        raise ValueError(f"{qn} must have {ndim} dims for layout {layout!r} ({_layout_shape(layout)}), "
                          f"got shape {tuple(q.shape)}")
     qc = to_canonical(q, layout)
     B, S, HQ, D = qc.shape
     if k is not None:
-        _check_tensor("k", k, q, (q.dtype,), f"of q's dtype {q.dtype}")
+        _check_tensor(kn, k, q, (q.dtype,), f"of {qn}'s dtype {q.dtype}", qn)
         if k.dim() != ndim:
-            raise ValueError(f"k must have {ndim} dims for layout {layout!r}, got shape {tuple(k.shape)}")
+            raise ValueError(f"{kn} must have {ndim} dims for layout {layout!r}, got shape {tuple(k.shape)}")
         kc = to_canonical(k, layout)
         if kc.shape[0] != B or kc.shape[1] != S:
-            raise ValueError(f"k must have q's batch and sequence sizes ({B}, {S}) in layout {layout!r}, got "
-                             f"{tuple(kc.shape[:2])}")
+            raise ValueError(f"{kn} must have {qn}'s batch and sequence sizes ({B}, {S}) in layout {layout!r}, "
+                             f"got {tuple(kc.shape[:2])}")
         if kc.shape[3] != D:
-            raise ValueError(f"k head_dim {kc.shape[3]} must equal q head_dim {D}")
-    for name, x in (("q", q), ("k", k)):
+            raise ValueError(f"{kn} head_dim {kc.shape[3]} must equal {qn} head_dim {D}")
+    for name, x in ((qn, q), (kn, k)):
         if x is not None and x.numel() > 0 and x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
     if D % 2:
         raise ValueError(f"head_dim must be even, got {D}")
-    if style not in _STYLES:
+    if not isinstance(style, str) or style not in _STYLES:
         raise ValueError(f"style must be one of {_STYLES}, got {style!r}")
-    if rotary_at not in ("front", "back"):
+    if not isinstance(rotary_at, str) or rotary_at not in ("front", "back"):
         raise ValueError(f"rotary_at must be 'front' or 'back', got {rotary_at!r}")
     for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("rotary_scale", rotary_scale)):
         if not _is_real(value) or not math.isfinite(value):
@@ -166,8 +181,8 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, i
         cos, table_by_token, rotary_dim = _resolve_table("angles", angles, q, B, S, rotary_dim, D)
         freq_mode, table_rows = "angles", cos.shape[1]
     else:
-        if not _is_real(base) or not base > 1.0:
-            raise ValueError(f"base must be a real number > 1, got {base!r}")
+        if not _is_real(base) or not 1.0 < base < math.inf:
+            raise ValueError(f"base must be a finite real number > 1, got {base!r}")
         rotary_dim = D if rotary_dim is None else rotary_dim
         freq_mode = "inv_freq"
     if rotary_dim % 2 or not 2 <= rotary_dim <= D:
@@ -185,7 +200,7 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, i
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1] with at least 2 entries, got shape "
                              f"{tuple(cu_seqlens.shape)}")
-        if (cu_seqlens.device.type == "cpu" or check_positions) and not torch.compiler.is_compiling():
+        if (_host_readable(cu_seqlens) or check_positions) and not torch.compiler.is_compiling():
             cu = cu_seqlens.cpu()
             if cu[0] != 0 or cu[-1] != S or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
@@ -197,6 +212,9 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, i
         pos_offset = int(positions)
         if pos_offset < 0:
             raise ValueError(f"positions (an offset) must be >= 0, got {pos_offset}")
+        if table_by_token:
+            raise ValueError("positions cannot be combined with per-token cos/sin/angles rows (3-D tables are already "
+                             "gathered per token); pass [P, W] tables to index them by position")
     elif isinstance(positions, Tensor):
         _check_tensor("positions", positions, q, _INT_DTYPES, "an int32 or int64 tensor")
         if table_by_token:
@@ -217,8 +235,8 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, i
     else:
         raise TypeError(f"positions must be None, an int offset or an integer tensor, got "
                         f"{type(positions).__name__}")
-    _check_position_values(q, S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token,
-                           check_positions, num_seqs, cu_seqlens)
+    _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,
+                           cu_seqlens)
 
     tensors = (pos_tensor, seq_offsets, cu_seqlens, inv_freq,
                cos if freq_mode != "inv_freq" else None, sin if freq_mode == "table" else None)
@@ -229,36 +247,52 @@ def _normalise(q: Tensor, k: Optional[Tensor], *, positions: Positions = None, i
     return _Normalised(tensors, scalars)
 
 
-def _check_position_values(q, S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,
-                           num_seqs, cu_seqlens) -> None:
-    """Raise for positions < 0 or past the table. Device tensors are read only with ``check_positions`` (a host
-    sync); otherwise the kernel writes NaN for the offending tokens."""
+def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,
+                           cu_seqlens) -> None:
+    """Raise for a position < 0, past a position-indexed table or past ``MAX_POSITION``, wherever the values are
+    known on the host (an int offset, CPU tensors, or ``check_positions``: one sync). Otherwise the kernel writes
+    NaN for the offending tokens. Empty sequences have no positions to check."""
     if torch.compiler.is_compiling():  # values are unknown while tracing; the kernel marks bad tokens NaN
         return
     limit = None if table_by_token else table_rows
-    if limit is not None:
-        if cu_seqlens is None and pos_tensor is None and seq_offsets is None and pos_offset + S > limit:
-            raise IndexError(f"positions reach {pos_offset + S - 1} but the cos/sin table has {limit} rows")
-        if cu_seqlens is not None and pos_tensor is None and seq_offsets is None and pos_offset + S > limit \
-                and (q.device.type == "cpu" or check_positions):
-            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            if pos_offset + longest > limit:
-                raise IndexError(f"positions reach {pos_offset + longest - 1} but the cos/sin table has {limit} "
-                                 "rows")
-    for name, t, extent in (("positions", pos_tensor, 0), ("positions (per-sequence offsets)", seq_offsets, None)):
-        if t is None or not (t.device.type == "cpu" or check_positions) or t.numel() == 0:
-            continue
-        lo = int(t.min())
-        if lo < 0:
-            raise IndexError(f"{name} must be >= 0, got {lo}")
-        if limit is not None:
-            if extent is None:  # offsets: the last position of a sequence is offset + length - 1
-                lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(t.device) if cu_seqlens is not None else S
-                hi = int((t.to(torch.int64) + lengths).max()) - 1
-            else:
-                hi = int(t.max())
-            if hi >= limit:
-                raise IndexError(f"{name} reach {hi} but the cos/sin table has {limit} rows")
+
+    def readable(t: Tensor) -> bool:
+        return check_positions or _host_readable(t)
+
+    lengths = None  # [num_seqs] int64 on the host, for packed sequences whose boundaries can be read
+    if cu_seqlens is not None and readable(cu_seqlens):
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to("cpu", torch.int64)
+    if pos_tensor is not None:
+        if not readable(pos_tensor) or pos_tensor.numel() == 0:
+            return
+        name, lo, hi = "positions", int(pos_tensor.min()), int(pos_tensor.max())
+    elif seq_offsets is not None:
+        if not readable(seq_offsets) or (cu_seqlens is not None and lengths is None):
+            return
+        offsets = seq_offsets.to("cpu", torch.int64)
+        lens = lengths if cu_seqlens is not None else torch.full_like(offsets, S)
+        used = lens > 0
+        if not bool(used.any()):
+            return
+        name = "positions (per-sequence offsets)"
+        lo, hi = int(offsets[used].min()), int((offsets + lens - 1)[used].max())
+    else:
+        if cu_seqlens is None:
+            longest = S
+        elif lengths is None:
+            return
+        else:
+            longest = int(lengths.max()) if lengths.numel() else 0
+        if longest == 0:
+            return
+        name, lo, hi = "positions", pos_offset, pos_offset + longest - 1
+    if lo < 0:
+        raise IndexError(f"{name} must be >= 0, got {lo}")
+    if limit is not None and hi >= limit:
+        raise IndexError(f"{name} reach {hi} but the cos/sin table has {limit} rows")
+    if hi > MAX_POSITION:
+        raise ValueError(f"{name} reach {hi}, past the largest supported position 2**31 - 1 = {MAX_POSITION} "
+                         "(ropekit's angles are exact to ~5e-7 rad up to there)")
 
 
 def _layout_shape(layout: str) -> str:
@@ -269,18 +303,53 @@ def _needs_grad(q: Tensor, k: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
 
 
-def _check_inplace_allowed(q: Tensor, k: Optional[Tensor]) -> None:
-    """Refuse in-place rotation of leaves that require grad before anything is written (autograd itself would
-    only notice after the kernel ran)."""
+def _check_inplace_targets(q: Tensor, k: Optional[Tensor], names: tuple[str, str]) -> None:
+    """Refuse, before anything is written, what an in-place rotation cannot do correctly: tensors whose own
+    elements overlap (one element would be rotated twice), q and k sharing memory (their stores would race),
+    inference tensors outside inference mode, and leaves that require grad (autograd would notice only after
+    the kernel ran)."""
+    pairs = ((names[0], q),) if k is None else ((names[0], q), (names[1], k))
+    for name, x in pairs:
+        if has_internal_overlap(x):
+            raise ValueError(f"{name} cannot be rotated in place: its strides {tuple(x.stride())} for shape "
+                             f"{tuple(x.shape)} reach some elements more than once (an expand()ed or overlapping "
+                             "as_strided view); rotate a .clone() or use apply_rope")
+    if torch.compiler.is_compiling():  # no addresses while tracing; autograd and torch raise at trace time
+        return
+    for name, x in pairs:
+        if x.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name} is an inference tensor: it can be rotated in place only inside "
+                               "torch.inference_mode(); use apply_rope, or rotate a .clone()")
+    if k is not None and overlap(q, k):
+        raise ValueError(f"{names[0]} and {names[1]} share memory; an in-place rotation would write some elements "
+                         "twice. Pass non-overlapping views (e.g. the q and k parts of a packed QKV buffer)")
     if not torch.is_grad_enabled():
         return
-    for name, x in (("q", q), ("k", k)):
-        if x is None or not x.requires_grad:
+    for name, x in pairs:
+        if not x.requires_grad:
             continue
         base = x._base if x._base is not None else x
         if base.is_leaf:
             raise RuntimeError(f"apply_rope_ cannot rotate {name} in place: it is a leaf tensor that requires grad "
                                "(or a view of one); use apply_rope, or rotate a non-leaf tensor")
+
+
+def _rope_in_place_with_grad(q: Tensor, k: Optional[Tensor], n: _Normalised) -> tuple:
+    """In-place rotation recorded by autograd. Compiled: the functional op (which has the autograd formula)
+    and a copy back, which functionalization turns into the same in-place write. Eager: one autograd Function
+    per tensor where either is a view (autograd allows only one output for a Function that writes into a view,
+    e.g. q and k of one packed QKV buffer), else one Function and one launch for both."""
+    if torch.compiler.is_compiling():
+        rotated = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=None)
+        q.copy_(rotated[0])
+        if k is not None:
+            k.copy_(rotated[1])
+        return (q, k)
+    if k is not None and (q._is_view() or k._is_view()):
+        (q,) = _autograd.InplaceRope.apply(q, None, n.tensors, n.scalars)
+        (k,) = _autograd.InplaceRope.apply(k, None, n.tensors, dict(n.scalars, q_scale=n.scalars["k_scale"]))
+        return (q, k)
+    return _autograd.InplaceRope.apply(q, k, n.tensors, n.scalars)
 
 
 def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: bool = False,
@@ -289,15 +358,19 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
           angles: Optional[Tensor] = None, style: str = "neox", layout: str = "bshd",
           rotary_dim: Optional[int] = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
           rotary_scale: float = 1.0, cu_seqlens: Optional[Tensor] = None, check_positions: bool = False,
-          backend: str = "auto"):
+          backend: str = "auto", names: tuple[str, str] = ("q", "k")):
     """Shared body of the public functions; ``promote_dtype`` sets out dtype = promote(input, promote_dtype)."""
-    # Eager CUDA calls without autograd: replay the launch plan of an earlier call with the same signature.
+    # Eager calls: replay the launch plan of an earlier call with the same signature (ropekit._eager).
     optional = (positions, inv_freq, cos, sin, angles, cu_seqlens)
-    sig = None if backend != "auto" or check_positions else _eager.signature(
-        q, k, optional, (inplace, conjugate, promote_dtype, base, style, layout, rotary_dim, rotary_at, q_scale,
-                         k_scale, rotary_scale))
+    sig = None
+    if _config.fast_path and backend == "auto" and not check_positions:
+        sig = _eager.signature(q, k, optional, (inplace, conjugate, promote_dtype, base, style, layout, rotary_dim,
+                                                rotary_at, q_scale, k_scale, rotary_scale))
     if sig is not None:
-        plan = _eager._PLANS.get(sig[0])
+        try:
+            plan = _eager.lookup(sig[0])
+        except TypeError:  # an unhashable argument: the full path names it
+            plan = sig = None
         if plan is not None:
             outs = plan(q, k, positions, sig[1], optional)
             if outs is not None:
@@ -307,24 +380,26 @@ def _rope(q: Tensor, k: Optional[Tensor], *, inplace: bool = False, conjugate: b
     n = _normalise(q, k, positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
-                   check_positions=check_positions, conjugate=conjugate)
+                   check_positions=check_positions, conjugate=conjugate, names=names)
+    if inplace:
+        _check_inplace_targets(q, k, names)
     if backend == "webgpu":
         return _rope_webgpu(q, k, n, inplace)
     # Eager calls without autograd skip the dispatcher (host time); tracing and autograd use the registered ops.
-    direct = not torch.compiler.is_compiling() and not _needs_grad(q, k)
+    compiling = torch.compiler.is_compiling()
+    grad = _needs_grad(q, k)
     if inplace:
-        _check_inplace_allowed(q, k)
-        if direct:
-            ops.rope_in_place(q, k, *n.tensors, **n.scalars)
-            outs = (q, k)
-        elif _needs_grad(q, k):
-            outs = _autograd.InplaceRope.apply(q, k, n.tensors, n.scalars)
-        else:
+        if grad:
+            outs = _rope_in_place_with_grad(q, k, n)
+        elif compiling:
             ops.rope_(q, k, *n.tensors, **n.scalars)
             outs = (q, k)
-    elif direct:
+        else:
+            ops.rope_in_place(q, k, *n.tensors, **n.scalars)
+            outs = (q, k)
+    elif not compiling and not grad:
         outs = ops.rope_out_of_place(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
-    elif not torch.compiler.is_compiling():
+    elif not compiling:
         outs = _autograd.Rope.apply(q, k, n.tensors, n.scalars, promote_dtype)
     else:
         outs = ops.rope(q, k, *n.tensors, **n.scalars, promote_dtype=promote_dtype)
@@ -473,4 +548,5 @@ def rope_backward(
     return _rope(dq_rot, dk_rot, inplace=False, conjugate=True, positions=positions, inv_freq=inv_freq, base=base,
                  cos=cos, sin=sin, angles=angles, style=style, layout=layout, rotary_dim=rotary_dim,
                  rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale, rotary_scale=rotary_scale,
-                 cu_seqlens=cu_seqlens, check_positions=check_positions, backend=backend)
+                 cu_seqlens=cu_seqlens, check_positions=check_positions, backend=backend,
+                 names=("dq_rot", "dk_rot"))

@@ -104,8 +104,9 @@ class InplaceRope(torch.autograd.Function):
 class PlannedRope(torch.autograd.Function):
     """Eager autograd of a call replayed from a launch plan (:mod:`ropekit._eager`): the forward launches the
     plan's bound kernel; the backward is the conjugate rotation through the public path (itself replayed from a
-    plan keyed by the gradients' layout), so gradients of any layout, a missing one, and double backward are
-    handled as for any call."""
+    plan keyed by the gradients' layout). Gradients arrive in whatever layout autograd produced (transposed,
+    expanded with zero strides, sliced): the kernel takes any strides but the last, so only a gradient whose
+    last dimension is not contiguous is copied, exactly as for :class:`Rope`."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Optional[Tensor], plan, tables: tuple, pos_offset: int, positions,
@@ -127,10 +128,13 @@ class PlannedRope(torch.autograd.Function):
             gq = torch.zeros(q_shape, dtype=gk.dtype, device=device)
         if k_info is not None and gk is None:
             gk = torch.zeros(k_info[0], dtype=gq.dtype, device=device)
+        gq = gq if gq.stride(-1) == 1 else gq.contiguous()
+        if gk is not None and gk.stride(-1) != 1:
+            gk = gk.contiguous()
         positions, inv_freq, cos, sin, angles, cu_seqlens = ctx.optional
         kw = dict(ctx.plan.call_kwargs, conjugate=not ctx.plan.call_kwargs["conjugate"], promote_dtype=None)
         outs = _rope(gq, gk, positions=ctx.positions, inv_freq=inv_freq, cos=cos, sin=sin, angles=angles,
-                     cu_seqlens=cu_seqlens, **kw)
+                     cu_seqlens=cu_seqlens, names=("grad of q_rot", "grad of k_rot"), **kw)
         dq, dk = (outs, None) if k_info is None else outs
         dq = dq if dq.dtype == q_dtype else dq.to(q_dtype)
         if dk is not None and dk.dtype != k_info[1]:

@@ -1,0 +1,29 @@
+"""Process-wide switches, read at call time by the dispatch layers (no imports from the rest of ropekit).
+
+* ``fast_path``: eager launch plans (:mod:`ropekit._eager`). On by default; ``ROPEKIT_DISABLE_FAST_PATH=1`` in the
+  environment when ropekit is imported, or :func:`ropekit.set_fast_path`, turns them off to rule them out when
+  debugging -- every call then takes the validated full path.
+* ``kernels_on_cpu``: CPU tensors run the Triton kernels under the Triton interpreter (``TRITON_INTERPRET=1``)
+  instead of the float64 reference, plans included, with device-resident semantics (position values are not
+  read on the host). It exists so that CPU-only CI exercises the CUDA dispatch and the fast path; see
+  :func:`ropekit.testing.kernels_on_cpu`.
+"""
+
+from __future__ import annotations
+
+import os
+
+fast_path: bool = os.environ.get("ROPEKIT_DISABLE_FAST_PATH", "0").strip().lower() in ("", "0", "false", "no")
+kernels_on_cpu: bool = False
+
+
+def set_fast_path(enabled: bool) -> bool:
+    """Turn the eager fast path (cached launch plans) on or off; returns the previous setting.
+
+    With it off, every call is validated and launched through the full path (a few microseconds more host time
+    per call). Results are the same either way; turn it off to rule it out when debugging."""
+    global fast_path
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, fast_path = fast_path, enabled
+    return previous

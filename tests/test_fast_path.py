@@ -1,0 +1,284 @@
+"""Differential test: the eager fast path (cached launch plans, ``ropekit._eager``) is the same function as the
+full path, and both equal the float64 reference.
+
+A seeded random grid over the options -- layouts, pairings, position modes, frequency sources, partial rotary,
+scales, dtypes, packed-QKV views, in and out of place, with and without autograd, gradients in any layout, and
+the explicit backward. Every configuration is called three times with fresh data and fresh argument tensors (a
+plan is recorded by the first call and serves the second and third), each result compared with the float64
+reference of the same call. On CPU (CI) the kernels and plans run under the Triton interpreter
+(``ropekit.testing.kernels_on_cpu``) at small shapes; on a GPU (``-m gpu`` or the ``cuda`` ids) at real shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import _eager
+from ropekit.testing import kernels_on_cpu
+from helpers import TOLERANCES
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", id="cpu-kernels",
+                 marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+SHAPES = {"cpu": (2, 5, 3, 1, 16), "cuda": (2, 300, 32, 8, 128)}  # B, S, HQ, HK, D
+NUM_CASES = {"cpu": 40, "cuda": 120}
+GRAD_LAYOUTS = ("contiguous", "permuted", "transposed", "expanded", "sliced")
+
+
+@contextlib.contextmanager
+def device_mode(device: str):
+    """Kernels and plans on ``device``: the interpreter on CPU, CUDA as is; plans start empty."""
+    _eager.clear()
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        yield
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Counts calls that a plan served (returned outputs rather than handing back to the full path)."""
+    counter = {"n": 0}
+    original = _eager.Plan.__call__
+
+    def counting(self, *args):
+        out = original(self, *args)
+        counter["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(_eager.Plan, "__call__", counting)
+    return counter
+
+
+def random_case(rng: random.Random, device: str) -> dict:
+    """One configuration: the options that stay fixed over the three calls."""
+    layout = rng.choice(["bshd", "bhsd", "sbhd", "thd"])
+    pos_modes = ["none", "offset", "ids"] + (["varlen", "varlen-offset", "varlen-seqoff"] if layout == "thd"
+                                             else ["seqoff", "ids-row"])
+    case = dict(
+        layout=layout,
+        style=rng.choice(["neox", "interleaved"]),
+        pos=rng.choice(pos_modes),
+        freq=rng.choice(["base", "inv_freq", "table-half", "table-full", "table-bf16", "angles", "token-table"]),
+        partial=rng.choice(["full", "full", "front", "back"]),
+        scales=rng.choice([(1.0, 1.0, 1.0), (0.125, 2.0, 1.0), (1.0, 1.0, 1.3), (0.5, 0.75, 0.9)]),
+        dtype=rng.choice([torch.float32, torch.bfloat16, torch.float16]),
+        with_k=rng.random() < 0.85,
+        packed=rng.random() < 0.5,
+        mode=rng.choice(["out", "out", "grad", "grad", "inplace", "inplace-grad", "backward"]),
+        grad_layout=rng.choice(GRAD_LAYOUTS),
+    )
+    if case["freq"] == "token-table":
+        case["pos"] = "none"  # per-token rows are already gathered: no positions
+    if case["mode"] == "inplace-grad" and device == "cpu" and rng.random() < 0.5:
+        case["packed"] = True  # views of one buffer: one autograd Function per tensor
+    return case
+
+
+def _qk(case: dict, shape: tuple, device: str, requires_grad: bool):
+    """q and k in the case's layout: separate tensors, or views of one packed QKV buffer."""
+    B, S, HQ, HK, D = shape
+    layout, dtype = case["layout"], case["dtype"]
+    dims = {"bshd": (B, S, None, D), "bhsd": (B, None, S, D), "sbhd": (S, B, None, D), "thd": (B * S, None, D)}
+    head_axis = dims[layout].index(None)
+
+    def sized(h):
+        return tuple(h if d is None else d for d in dims[layout])
+
+    hk = HK if case["with_k"] else 0
+    if case["packed"]:
+        buf = torch.randn(sized(HQ + 2 * hk), dtype=torch.float64).to(device=device, dtype=dtype)
+        leaf = buf.requires_grad_(requires_grad)
+        if case["mode"] == "inplace-grad":
+            buf = buf * 1  # in place needs a non-leaf
+        q = buf.narrow(head_axis, 0, HQ)
+        k = buf.narrow(head_axis, HQ, hk) if hk else None
+        return q, k, [leaf]
+    q = torch.randn(sized(HQ), dtype=torch.float64).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+    k = torch.randn(sized(HK), dtype=torch.float64).to(device=device, dtype=dtype).requires_grad_(requires_grad) \
+        if hk else None
+    leaves = [q] + ([k] if k is not None else [])
+    if case["mode"] == "inplace-grad":
+        q, k = q * 1, (k * 1 if k is not None else None)
+    return q, k, leaves
+
+
+def _kwargs(case: dict, shape: tuple, device: str, call: int) -> dict:
+    """The call's keyword arguments, fresh tensors each call."""
+    B, S, HQ, HK, D = shape
+    T = B * S
+    R = {"full": D, "front": D // 2, "back": D // 2}[case["partial"]]
+    rows = S + T + 64  # tables cover every position the cases produce
+    q_scale, k_scale, rotary_scale = case["scales"]
+    kw: dict = dict(style=case["style"], layout=case["layout"], q_scale=q_scale, k_scale=k_scale,
+                    rotary_scale=rotary_scale)
+    if case["partial"] != "full":
+        kw.update(rotary_dim=R, rotary_at=case["partial"])
+    thd = case["layout"] == "thd"
+    pos, g = case["pos"], torch.Generator().manual_seed(call)
+    if pos == "offset":
+        kw["positions"] = [0, 17, 63][call]
+    elif pos == "seqoff":
+        kw["positions"] = torch.randint(0, 64, (B,), generator=g).to(device)
+    elif pos in ("ids", "ids-row"):
+        n = T if thd else S
+        ids = torch.randint(0, rows, (1 if pos == "ids-row" or thd else B, n), generator=g)
+        kw["positions"] = (ids[0] if thd else ids).to(device)
+    elif pos.startswith("varlen"):
+        cuts = sorted(torch.randint(0, T + 1, (3,), generator=g).tolist())
+        cu = torch.tensor([0, *cuts, T], dtype=torch.int32)  # may hold empty sequences
+        kw["cu_seqlens"] = cu.to(device)
+        if pos == "varlen-offset":
+            kw["positions"] = [5, 0, 40][call]
+        elif pos == "varlen-seqoff":
+            kw["positions"] = torch.randint(0, 64, (cu.numel() - 1,), generator=g).to(device)
+    freq = case["freq"]
+    if freq == "base":
+        kw["base"] = 500000.0
+    elif freq == "inv_freq":
+        kw["inv_freq"] = torch.rand(R // 2, generator=g).to(device)
+    elif freq.startswith("table") or freq == "token-table":
+        width = R if freq == "table-full" else R // 2
+        shape_t = (1 if thd else B, T if thd else S, width) if freq == "token-table" else (rows, width)
+        table_dtype = torch.bfloat16 if freq == "table-bf16" else torch.float32
+        kw["cos"] = torch.randn(shape_t, generator=g).to(device=device, dtype=table_dtype)
+        kw["sin"] = torch.randn(shape_t, generator=g).to(device=device, dtype=table_dtype)
+    elif freq == "angles":
+        kw["angles"] = (torch.rand(rows, R // 2, generator=g) * 100).to(device)
+    return kw
+
+
+def _grad_like(out: torch.Tensor, how: str, g: torch.Generator) -> torch.Tensor:
+    """An upstream gradient for ``out`` in the layout autograd might hand over."""
+    shape, dtype, device = out.shape, out.dtype, out.device
+    if how == "contiguous":
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
+    if how == "permuted":  # other dims permuted, last dim contiguous: no copy needed
+        perm = list(range(out.dim() - 1))[::-1] + [out.dim() - 1]
+        return torch.randn([shape[p] for p in perm], generator=g, dtype=torch.float64).to(device, dtype).permute(
+            *perm)
+    if how == "transposed":  # last two dims swapped, as from q @ k.transpose(-2, -1)
+        return torch.randn(*shape[:-2], shape[-1], shape[-2], generator=g, dtype=torch.float64).to(
+            device, dtype).transpose(-1, -2)
+    if how == "expanded":  # out.sum().backward()
+        return torch.randn((), generator=g, dtype=torch.float64).to(device, dtype).expand(shape)
+    return torch.randn(*shape[:-1], 2 * shape[-1], generator=g, dtype=torch.float64).to(device, dtype)[..., ::2]
+
+
+def _to_ref(x):
+    return x.detach().to("cpu", torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _ref_kwargs(kw: dict) -> dict:
+    return {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+
+
+def _check(out, ref, dtype, what):
+    tol = TOLERANCES[dtype]
+    assert out.dtype == dtype, (what, out.dtype)
+    assert not torch.isnan(out).any(), f"{what}: NaN"
+    torch.testing.assert_close(out.detach().cpu().double(), ref, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def run_case(case: dict, shape: tuple, device: str, call: int) -> None:
+    """One call of ``case`` through the public API, checked against the float64 reference on CPU."""
+    mode = case["mode"]
+    grad = mode in ("grad", "inplace-grad")
+    q, k, leaves = _qk(case, shape, device, requires_grad=grad)
+    kw = _kwargs(case, shape, device, call)
+    q_ref, k_ref = _to_ref(q), _to_ref(k)
+    if grad:
+        q_ref.requires_grad_(True)
+        if k_ref is not None:
+            k_ref.requires_grad_(True)
+    ref_fn = ropekit.rope_backward if mode == "backward" else ropekit.apply_rope
+    refs = ref_fn(q_ref, k_ref, **_ref_kwargs(kw))
+    refs = (refs,) if k is None else refs
+
+    if mode == "backward":
+        outs = ropekit.rope_backward(q, k, **kw)
+    elif mode.startswith("inplace"):
+        outs = ropekit.apply_rope_(q, k, **kw)
+        if mode == "inplace":  # the same tensors come back (with autograd: the same memory, new autograd views)
+            assert (outs if k is None else outs[0]) is q and (k is None or outs[1] is k)
+    else:
+        outs = ropekit.apply_rope(q, k, **kw)
+    outs = (outs,) if k is None else outs
+    for name, out, ref in zip("qk", outs, refs):
+        _check(out, ref.detach(), case["dtype"], f"{name} call {call}")
+    if not grad:
+        return
+    g = torch.Generator().manual_seed(100 + call)
+    grads = [_grad_like(o, case["grad_layout"], g) for o in outs]
+    torch.autograd.backward(list(outs), grads)
+    torch.autograd.backward(list(refs), [gr.detach().cpu().double() for gr in grads])
+    if case["packed"]:  # one leaf: the packed buffer, whose q and k parts hold the gradients
+        (leaf,) = leaves
+        head_axis = {"bshd": 2, "bhsd": 1, "sbhd": 2, "thd": 1}[case["layout"]]
+        HQ = q.shape[head_axis]
+        got = [leaf.grad.narrow(head_axis, 0, HQ)]
+        if k is not None:
+            got.append(leaf.grad.narrow(head_axis, HQ, k.shape[head_axis]))
+    else:
+        got = [leaf.grad for leaf in leaves]
+    for name, gr, ref_leaf in zip("qk", got, (q_ref, k_ref)):
+        _check(gr, ref_leaf.grad, case["dtype"], f"d{name} call {call} ({case['grad_layout']} gradient)")
+
+
+def _plannable(case: dict) -> bool:
+    return case["mode"] != "inplace-grad"  # in place with autograd always takes the full path (mark_dirty)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_equals_full_path_and_reference(device, served):
+    rng = random.Random(20261126)
+    shape = SHAPES[device]
+    failures, expected_served = [], 0
+    for index in range(NUM_CASES[device]):
+        case = random_case(rng, device)
+        served["n"] = 0
+        with device_mode(device):
+            try:
+                for call in range(3):
+                    run_case(case, shape, device, call)
+            except AssertionError as e:
+                failures.append(f"case {index} {case}: {e}")
+                continue
+        if _plannable(case):
+            expected_served += 2
+            if served["n"] < 2:  # calls 2 and 3 (and, with autograd, backward calls from the third on)
+                failures.append(f"case {index} {case}: plans served only {served['n']} calls")
+    assert not failures, "\n".join(failures[:5]) + f"\n({len(failures)} failing cases)"
+    assert expected_served > NUM_CASES[device]  # the grid exercised the fast path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_disabled_fast_path_serves_nothing_and_agrees(device, served):
+    case = dict(layout="bshd", style="neox", pos="offset", freq="base", partial="full", scales=(1.0, 1.0, 1.0),
+                dtype=torch.float32, with_k=True, packed=False, mode="out", grad_layout="contiguous")
+    previous = ropekit.set_fast_path(False)
+    try:
+        with device_mode(device):
+            for call in range(3):
+                run_case(case, SHAPES[device], device, call)
+    finally:
+        ropekit.set_fast_path(previous)
+    assert served["n"] == 0 and not _eager._PLANS
+
+
+def test_fast_path_switch_from_environment():
+    import subprocess
+    import sys
+
+    code = "import ropekit._config as c; print(c.fast_path)"
+    for value, expected in (("1", "False"), ("0", "True"), ("", "True")):
+        env = dict(os.environ, ROPEKIT_DISABLE_FAST_PATH=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)
