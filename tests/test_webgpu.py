@@ -5,8 +5,13 @@ without wgpu or an adapter. Inputs are fresh N(0, 1) values; kernels rotate in p
 rotations that move every element (a quarter turn) and a sentinel tail past the data.
 """
 
+import importlib.util
 import math
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -167,12 +172,12 @@ def test_matches_reference_with_gqa(runner, style, angles, base):
 
 @pytest.mark.parametrize("angles", ["shader", "host"])
 def test_long_context_positions_stay_exact(runner, angles):
-    # Tokens straddling 2**k for k up to 20 (and far beyond for in-shader angles, which are exact below 2**32).
+    # Tokens straddling 2**k for k up to 20 (and far beyond for in-shader angles), up to ropekit's last position.
     D, S = 128, 16
     inv_freq = default_inv_freq(500000.0, D, torch.device("cpu"))
-    powers = (4, 8, 12, 16, 20) + ((24, 28, 31) if angles == "shader" else ())
-    for power in powers:
-        offset = 2**power - S // 2
+    powers = (4, 8, 12, 16, 20) + ((24, 28, 30) if angles == "shader" else ())
+    offsets = [2**power - S // 2 for power in powers] + ([2**31 - S] if angles == "shader" else [])
+    for offset in offsets:
         x = torch.randn(S, 2, D)
         out = webgpu.apply_rope(x, pos_offset=offset, base=500000.0, style="neox", angles=angles)
         assert_close_to_ref(out, reference(x, style="neox", inv_freq=inv_freq, pos_offset=offset), torch.float32,
@@ -264,7 +269,9 @@ def test_every_element_is_written_on_a_2d_grid_and_in_slices(runner, entry):
     assert webgpu.workgroup_grid(math.ceil(units / 256), square)[1] >= 2
     saved = runner.max_workgroups_per_dimension, runner.max_binding_bytes
     try:
-        for per_dim, binding_bytes in ((saved[0], saved[1]), (square, saved[1]), (saved[0], 5 * H * D * x.itemsize)):
+        # Whole tokens in slices of 5; then bindings smaller than one token: blocks of 2 heads (and 1 token).
+        for per_dim, binding_bytes in ((saved[0], saved[1]), (square, saved[1]), (saved[0], 5 * H * D * x.itemsize),
+                                       (saved[0], 2 * D * x.itemsize)):
             runner.max_workgroups_per_dimension, runner.max_binding_bytes = per_dim, binding_bytes
             assert np.array_equal(runner.dispatch(entry, x, cos_sin=table), expected), (per_dim, binding_bytes)
     finally:
@@ -295,6 +302,9 @@ def test_kernels_poison_what_they_cannot_rotate(runner):
     assert np.isnan(out[2:]).all() and not np.isnan(out[:2]).any()
     out = runner.dispatch("rope_freq", x, inv_freq=np.ones(2, np.float32))
     assert np.isnan(out[..., 4:]).all() and not np.isnan(out[..., :4]).any()
+    # Empty tables (a binding cannot be empty): every pair is poisoned, none rotated by a stand-in 0.
+    assert np.isnan(runner.dispatch("rope_freq", x, inv_freq=np.zeros(0, np.float32))).all()
+    assert np.isnan(runner.dispatch("rope_table", x, cos_sin=np.zeros((0, 4, 2), np.float32))).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,3 +403,189 @@ def test_public_api_backend_webgpu_refuses_what_it_cannot_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ropekit.apply_rope_(q, **{"backend": "webgpu", **kwargs})
     assert torch.equal(q, before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Frequency range, autograd, inputs above one storage binding
+
+
+@pytest.mark.parametrize("angles", ["shader", "host"])
+def test_frequencies_the_kernels_cannot_rotate_raise(runner, angles):
+    # The shader refuses |inv_freq| >= 2**24 (and NaN/inf) by writing NaN; the host must say so instead.
+    q = torch.randn(1, 4, 2, 8)
+    for bad in (2.0**24, -(2.0**25), 1e30, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"inv_freq\[2\] = .*\|inv_freq\| < 2\*\*24"):
+            webgpu.apply_rope(q, inv_freq=torch.tensor([1.0, 0.5, bad, 0.25]), angles=angles)
+    # Rounded to float32 it reaches 2**24: refused where the shader uses float32, fine in float64 host tables.
+    near = torch.tensor([1.0, 0.5, 16777215.9, 0.25], dtype=torch.float64)
+    if angles == "shader":
+        with pytest.raises(ValueError, match="as float32"):
+            webgpu.apply_rope(q, inv_freq=near, angles=angles)
+    # The largest accepted float32 frequency rotates exactly (positions kept small: float64 reference angles).
+    largest = torch.tensor([16777215.0, -16777215.0, 3.0, 2.0**-100])
+    out = webgpu.apply_rope(q, inv_freq=largest, angles=angles)
+    assert_close_to_ref(out, reference(q, inv_freq=largest), torch.float32, TOL)
+
+
+def test_bases_whose_frequencies_the_kernels_cannot_rotate_raise(runner):
+    q = torch.randn(4, 2, 64)
+    with pytest.raises(ValueError, match=r"base=1e-30 gives inv_freq\[\d+\]"):
+        webgpu.apply_rope(q, base=1e-30)  # frequencies base ** (-2i/D) above 2**24
+    for base in (2e-8, 1e-39, 1e39):  # the shader's own frequencies: too large, or base not a normal f32
+        with pytest.raises(ValueError, match="base"):
+            webgpu.apply_rope(q, base=base, angles="shader_base")
+    out = webgpu.apply_rope(q, base=5e-8, angles="shader_base")  # largest frequency ~1.2e7: fine
+    assert not torch.isnan(out).any()
+
+
+def test_public_api_refuses_an_out_of_range_inv_freq_and_leaves_q_untouched(runner):
+    import ropekit
+
+    q = torch.randn(1, 4, 2, 8)
+    before = q.clone()
+    with pytest.raises(ValueError, match="inv_freq"):
+        ropekit.apply_rope_(q, positions=3, inv_freq=torch.tensor([2.0**24, 1.0, 1.0, 1.0]), backend="webgpu")
+    assert torch.equal(q, before)
+
+
+def test_inputs_that_require_grad_raise_instead_of_detaching(runner):
+    D = 8
+    q, k = torch.randn(1, 4, 2, D), torch.randn(1, 4, 1, D)
+    inv_freq = default_inv_freq(10000.0, D, torch.device("cpu"))
+    theta = torch.arange(4, dtype=torch.float32)[:, None] * inv_freq
+    calls = {
+        "q": lambda t: webgpu.apply_rope(t, k),
+        "k": lambda t: webgpu.apply_rope(q, t),
+        "inv_freq": lambda t: webgpu.apply_rope(q, inv_freq=t),
+        "cos": lambda t: webgpu.apply_rope(q, cos=t, sin=theta.sin()),
+        "x": lambda t: webgpu.dispatch("rope_q", t),
+        "cos_sin": lambda t: runner.kernel_seconds("rope_table", q[0].numpy(), cos_sin=t, repeats=2),
+    }
+    inputs = {"q": q, "k": k, "inv_freq": inv_freq, "cos": theta.cos(), "x": q[0],
+              "cos_sin": torch.stack([theta.cos(), theta.sin()], -1)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name} requires grad.*does not support autograd"):
+            call(inputs[name].clone().requires_grad_())
+    # Without grad mode nothing can be expected to flow back: the tensor is simply read.
+    with torch.no_grad():
+        assert torch.equal(webgpu.apply_rope(q.clone().requires_grad_()), webgpu.apply_rope(q))
+        assert np.array_equal(webgpu.dispatch("rope_q", q[0].clone().requires_grad_()),
+                              webgpu.dispatch("rope_q", q[0].numpy()))
+
+
+@pytest.mark.parametrize("style, dtype, angles", [
+    ("interleaved", torch.float32, "shader"), ("neox", torch.float32, "host"), ("neox", torch.float16, "shader"),
+    ("interleaved", torch.float32, "shader_base"),
+])
+def test_inputs_above_the_binding_limit_run_in_blocks(runner, style, dtype, angles):
+    # q and k are stacked as [S, B*HQ + B*HK = 18 rows, D]. A binding smaller than one token forces blocks of rows
+    # (heads of batch rows) and of tokens; each block's positions (and host-table rows) must follow.
+    B, S, HQ, HK, D, offset = 3, 7, 4, 2, 16, 100  # positions below 128: shader_base stays within its tolerance
+    q, k = (torch.randn(B, S, h, D).to(dtype) for h in (HQ, HK))
+    head_bytes = D * q.element_size()
+    blocked = []
+    saved = runner.max_binding_bytes
+    try:
+        for limit in (3 * head_bytes, 40 * head_bytes):  # 3 rows of 1 token; 2 whole tokens (36 rows)
+            runner.max_binding_bytes = limit
+            blocked.append(webgpu.apply_rope(q, k, pos_offset=offset, style=style, angles=angles))
+    finally:
+        runner.max_binding_bytes = saved
+    q_whole, k_whole = webgpu.apply_rope(q, k, pos_offset=offset, style=style, angles=angles)
+    for q_out, k_out in blocked:
+        assert torch.equal(q_out, q_whole) and torch.equal(k_out, k_whole)
+    import ropekit
+
+    want_q, want_k = ropekit.apply_rope(q.double(), k.double(), positions=offset, style=style)
+    tol = BASE_KERNEL_TOL if angles == "shader_base" else TOL
+    assert_close_to_ref(blocked[0][0], want_q, dtype, tol)
+    assert_close_to_ref(blocked[0][1], want_k, dtype, tol)
+
+
+def test_one_token_larger_than_the_default_binding_limit(runner):
+    # [B, 1, H, D] decode step of 128 MiB + 32 KiB: more than wgpu's default 128 MiB storage binding in one token.
+    heads = runner.max_binding_bytes // (1024 * 4) + 8
+    x = torch.randn(1, 1, heads, 1024)
+    out = webgpu.apply_rope(x, pos_offset=5)
+    assert torch.isfinite(out).all()
+    for first in (0, runner.max_binding_bytes // (1024 * 4) - 4, heads - 4):  # both sides of the block boundary
+        part = x[:, :, first:first + 8]
+        assert torch.equal(out[:, :, first:first + 8], webgpu.apply_rope(part, pos_offset=5))
+    assert_close_to_ref(out[:, :, -8:], reference(x[:, :, -8:], inv_freq=default_inv_freq(10000.0, 1024,
+                                                                                           torch.device("cpu")),
+                                                  pos_offset=5), torch.float32, TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Native libraries: Mesa's LLVM (loaded when wgpu creates an adapter) and triton's LLVM in one process
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
+ADD_ONE_KERNEL = """
+import triton, triton.language as tl
+
+@triton.jit
+def add_one(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
+
+ones = torch.zeros(8)
+add_one[(1,)](ones, 8, BLOCK=8)
+assert ones.tolist() == [1.0] * 8
+"""
+WEBGPU_CALL = """
+import ropekit
+assert ropekit.apply_rope(torch.randn(1, 4, 2, 8), positions=3, backend="webgpu").isfinite().all()
+"""
+ORDERS = {
+    "webgpu, then import triton and run a kernel": WEBGPU_CALL + ADD_ONE_KERNEL,
+    "import wgpu, then webgpu, then triton": "import wgpu\n" + WEBGPU_CALL + ADD_ONE_KERNEL,
+    "a triton kernel, then webgpu": ADD_ONE_KERNEL + WEBGPU_CALL,
+    "webgpu, then transformers' LlamaForCausalLM": WEBGPU_CALL + "from transformers import LlamaForCausalLM\n",
+}
+
+
+def run_fresh(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, after ``import torch``; Triton kernels run in its CPU interpreter."""
+    return subprocess.run([sys.executable, "-c", "import torch\n" + code], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@needs_triton
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_webgpu_and_triton_load_in_any_order(runner, order):
+    # The crash was a SIGSEGV (exit -11 here, 139 in a shell) in libtriton.so's static constructors.
+    if "transformers" in order and importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    result = run_fresh(ORDERS[order])
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+
+
+@needs_triton
+def test_an_adapter_created_before_ropekit_warns_instead_of_crashing(runner):
+    # Mesa's LLVM is global before ropekit can load triton's: ropekit must not load it then (that crashes at once).
+    result = run_fresh(textwrap.dedent("""
+        import warnings, wgpu
+        adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+        from ropekit import webgpu
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            webgpu.WebGPURunner(adapter)
+        assert any("import triton" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    """))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_webgpu_runs_without_triton(runner):
+    # triton unavailable (as if not installed): nothing of it is loaded, and WebGPU works.
+    block_triton = 'import sys\nsys.modules["triton"] = None  # import raises ImportError, find_spec finds nothing\n'
+    result = run_fresh(block_triton + WEBGPU_CALL + textwrap.dedent("""
+        assert "libtriton" not in open("/proc/self/maps").read()
+        try:
+            import triton
+        except ImportError:
+            pass
+        else:
+            raise AssertionError("triton was importable")
+    """))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-3000:]}"

@@ -142,6 +142,19 @@ def run_adapter(runner: webgpu.WebGPURunner, report: Report) -> None:
         report.row(f"{entry} on a {groups[0]}x{groups[1]} grid ({elapsed:.2f} s): elements wrong", float(wrong),
                    0.0)
 
+    # Inputs above one storage binding run in blocks, of heads (batch rows) when one token is too big: the same
+    # bits as one dispatch. A lowered limit makes blocks of 7 of the 20 rows (2 x 8 q + 2 x 2 k heads) per token.
+    q, k = randn(2, 64, 8, 128), randn(2, 64, 2, 128)
+    whole = runner.apply_rope(q, k, pos_offset=4321)
+    saved = runner.max_binding_bytes
+    try:
+        runner.max_binding_bytes = 7 * 128 * 4
+        blocked = runner.apply_rope(q, k, pos_offset=4321)
+    finally:
+        runner.max_binding_bytes = saved
+    report.row("blocks of 7 heads x 1 token == one dispatch",
+               max(max_error(a, b) for a, b in zip(blocked, whole)), 0.0)
+
     # The kernels' own checks: odd head_dim is poisoned, not silently left unrotated.
     odd = runner.dispatch("rope_q", randn(4, 2, 7).numpy())
     report.row("odd head_dim: pairs written as NaN (count not NaN)",
@@ -184,6 +197,9 @@ def main(argv=None) -> int:
     print(f"wgpu {wgpu.__version__}, torch {torch.__version__}, numpy {np.__version__}")
     try:
         if args.all_adapters:
+            # The shared runner first: ropekit loads triton's native library before wgpu loads Mesa's LLVM
+            # (the other order crashes a later `import triton`; see ropekit.webgpu._load_triton_native_first).
+            webgpu.default_runner()
             runners = [webgpu.WebGPURunner(a) for a in wgpu.gpu.enumerate_adapters_sync()]
         else:
             runners = [webgpu.default_runner()]

@@ -18,7 +18,7 @@ Angles, three ways (``angles=``):
 
 * ``"shader"`` (default): the shader forms ``position * inv_freq[i]`` exactly (integer arithmetic, a 64-bit fraction
   of a turn) from a float32 frequency table -- ``inv_freq``, or transformers' default ``base ** (-2i/D)`` computed on
-  the host -- and evaluates sin/cos of the reduced angle in f32: ~1e-7 at any position below 2**32.
+  the host -- and evaluates sin/cos of the reduced angle in f32: ~1e-7 at any position ropekit takes (below 2**31).
 * ``"host"``: cos/sin are computed on the host in float64 for the positions used and uploaded as float32: the f32
   rounding of the exact value, at any position.
 * ``"shader_base"``: the frequencies too are computed in the shader, in f32, from ``base`` (the ``rope_q`` /
@@ -29,14 +29,22 @@ Angles, three ways (``angles=``):
 
 from __future__ import annotations
 
+import ctypes
+import importlib.machinery
 import importlib.resources
+import importlib.util
 import math
+import os
+import sys
 import threading
 import time
+import warnings
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+
+from ropekit.reference import MAX_POSITION
 
 __all__ = [
     "ANGLE_MODES",
@@ -58,8 +66,14 @@ STYLES = ("interleaved", "neox")
 ANGLE_MODES = ("shader", "host", "shader_base")
 # Where a kernel gets its rotation -> the binding that carries it.
 _SOURCE_BINDING = {"base": 2, "freq": 3, "table": 4}
-_MAX_POSITION = 2**32  # positions are u32 in the shader
+_MAX_POSITION = MAX_POSITION + 1  # ropekit's range (the shader's u32 positions would reach 2**32)
+# angle_rotation() in rope.wgsl refuses (writes NaN for) a float32 frequency with a biased exponent above 150, i.e.
+# |freq| >= 2**24, or one that is not finite; below that the angle is exact for every u32 position.
+_MAX_FREQ = 2.0**24
 _MAX_BINDING_BYTES = 2**31  # keeps every element index of a binding inside u32
+# Bound in place of an empty frequency or cos/sin table (a binding cannot be empty): one vec2 of NaN, so every
+# entry a kernel looks up is missing or NaN and it writes NaN, as documented, instead of rotating by 0.
+_MISSING_ENTRIES = np.full(2, np.nan, np.float32)
 _NO_ADAPTER_HINT = ("on Linux without a GPU, wgpu uses llvmpipe through OpenGL (Mesa) or lavapipe through Vulkan: "
                     "apt-get install mesa-vulkan-drivers libvulkan1")
 
@@ -97,6 +111,65 @@ _KERNELS = {entry_point(style=style, source=source, packed_f16=f16, conjugate=co
 _KERNELS.update({"rope_k": _KERNELS["rope_q"], "rope_k_backward": _KERNELS["rope_q_backward"]})
 
 
+_TRITON_NATIVE: Any = None  # triton's native library, loaded before the first adapter (see below)
+
+
+def _load_triton_native_first() -> None:
+    """Load triton's native library, when triton is installed, before wgpu looks for adapters.
+
+    Why: on Linux, wgpu starts its OpenGL backend whichever adapter it picks; libEGL then dlopens Mesa's
+    ``swrast_dri.so`` (llvmpipe) with RTLD_GLOBAL, which puts Mesa's libLLVM into the process's global symbol
+    scope. ``libtriton.so`` exports its own LLVM; loaded after that, its relocations bind to Mesa's LLVM (the global
+    scope is searched first) and its static constructors crash the process (SIGSEGV on ``import triton``).
+    Loaded first, RTLD_LOCAL and RTLD_NOW, every symbol binds to triton's own copy once and for all; a later
+    ``import triton`` reuses the loaded library. Only the shared object is loaded: no triton Python code runs."""
+    global _TRITON_NATIVE
+    if _TRITON_NATIVE is not None or not sys.platform.startswith("linux") or "triton._C.libtriton" in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec("triton")  # a top-level name: finds it without importing it
+    except (ImportError, ValueError):
+        return
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    paths = [os.path.join(folder, "_C", "libtriton" + suffix) for folder in folders
+             for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    path = next((p for p in paths if os.path.isfile(p)), None)
+    if path is None:
+        return
+    try:
+        llvm_is_global = hasattr(ctypes.CDLL(None), "LLVMContextCreate")
+    except OSError:
+        llvm_is_global = False
+    if llvm_is_global:
+        # Someone (a wgpu adapter created outside ropekit, most likely) already made an LLVM global: loading
+        # triton now would crash at once, and so will a later `import triton`. Say so rather than crash here.
+        warnings.warn("an LLVM library (Mesa's llvmpipe, loaded when a wgpu adapter was created) is already in the "
+                      "process's global symbol scope, so `import triton` will crash this process; import triton (or "
+                      "create ropekit's runner) before creating wgpu adapters", RuntimeWarning, stacklevel=3)
+        return
+    try:
+        _TRITON_NATIVE = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    except OSError:
+        pass  # a broken triton install fails on `import triton` anyway; WebGPU does not need it
+
+
+def _no_autograd(name: str, value):
+    """``value``, detached if it is a tensor; raises if autograd would expect a gradient through it."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but ropekit.webgpu does not support autograd (its result would "
+                             f"come back silently detached): pass {name}.detach(), run under torch.no_grad(), or "
+                             "use ropekit.apply_rope without backend='webgpu' (the CPU/CUDA backends)")
+        return value.detach()
+    return value
+
+
+def _host_array(name: str, value):
+    """An argument of :meth:`WebGPURunner.dispatch`: numpy arrays (and None) as given, tensors as numpy views."""
+    value = _no_autograd(name, value)
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
 def _import_wgpu():
     try:
         import wgpu
@@ -121,12 +194,14 @@ class WebGPURunner:
 
     ``adapter``: a ``wgpu.GPUAdapter``; default: the adapter wgpu prefers (``power_preference="high-performance"``).
     Raises RuntimeError when there is none. The device asks for the adapter's largest storage-buffer binding;
-    larger inputs are cut along the sequence. ``max_workgroups_per_dimension`` may be lowered (tests force the
-    2-D grid with it).
+    larger inputs run in blocks of tokens, and of heads (batch rows) when one token is too big: any size that
+    fits in memory works. ``max_binding_bytes`` may be lowered to force the blocks, ``max_workgroups_per_dimension``
+    to force the 2-D grid (tests do both).
     """
 
     def __init__(self, adapter: Any = None):
         wgpu = _import_wgpu()
+        _load_triton_native_first()  # before any adapter exists: see the function
         self._wgpu = wgpu
         if adapter is None:
             try:
@@ -176,8 +251,11 @@ class WebGPURunner:
         ``x``: [seq_len, n_heads, head_dim], float32 (float16 for ``*_f16`` kernels). Token ``s`` sits at position
         ``s + pos_offset``. ``base`` feeds binding 2 (base kernels); ``inv_freq`` float32 [head_dim/2] binding 3
         (``*_freq``); ``cos_sin`` float32 [rows, head_dim/2, 2] binding 4 (``*_table``; row ``s + pos_offset``).
-        Inputs larger than one storage binding run in slices of tokens.
+        Inputs larger than one storage binding run in blocks of tokens (and of heads when one token is too big).
+        No autograd: a tensor that requires grad raises ValueError while grad mode is on.
         """
+        x, inv_freq, cos_sin = (_host_array(name, value) for name, value in
+                                (("x", x), ("inv_freq", inv_freq), ("cos_sin", cos_sin)))
         out = np.array(x, copy=True, order="C")
         self._rotate(entry, out, pos_offset, base, inv_freq, cos_sin)
         return out
@@ -198,6 +276,8 @@ class WebGPURunner:
         """Device time of one dispatch of ``entry`` on ``x`` (arguments as :meth:`dispatch`), in seconds: the
         wall time of ``repeats`` back-to-back dispatches minus that of one, divided by ``repeats - 1``. Data is
         uploaded before the clock starts; ``x`` must fit one storage binding."""
+        x, inv_freq, cos_sin = (_host_array(name, value) for name, value in
+                                (("x", x), ("inv_freq", inv_freq), ("cos_sin", cos_sin)))
         with self._lock:
             slices = list(self._slices(entry, np.array(x, copy=True, order="C"), pos_offset, base, inv_freq,
                                        cos_sin))
@@ -220,8 +300,10 @@ class WebGPURunner:
             return max((min(run(repeats) for _ in range(3)) - min(run(1) for _ in range(3))) / (repeats - 1), 0.0)
 
     def _slices(self, entry, out, pos_offset, base, inv_freq, cos_sin):
-        """Upload ``out`` ([seq_len, n_heads, head_dim]) in slices of whole tokens that fit one storage binding.
-        Yields ``(view of out, data buffer, encode)``; ``encode(encoder, n)`` records n dispatches of the slice."""
+        """Upload ``out`` ([seq_len, n_heads, head_dim]) in blocks that each fit one storage binding: every head of
+        as many tokens as fit or, when one token alone is too big (apply_rope stacks the batch rows of q and k
+        along the heads), as many heads as fit of as many tokens as fit. Yields ``(view of out, data buffer,
+        encode)``; ``encode(encoder, n)`` records n dispatches of the block."""
         wgpu = self._wgpu
         if entry not in _KERNELS:
             raise ValueError(f"entry must name a kernel of {SHADER_FILE}, got {entry!r}")
@@ -232,50 +314,65 @@ class WebGPURunner:
                              f"got shape {out.shape} and dtype {out.dtype}")
         seq_len, n_heads, head_dim = out.shape
         if pos_offset < 0 or pos_offset + seq_len > _MAX_POSITION:
-            raise ValueError(f"pos_offset must keep positions in [0, 2**32), got {pos_offset} with {seq_len} tokens")
-        side = {}
+            raise ValueError(f"pos_offset must keep positions in [0, 2**31), got {pos_offset} with {seq_len} tokens")
+        side, table = {}, None
         if source == "base":
             side[2] = self._buffer(np.array([base, 0.0, 0.0, 0.0], np.float32), wgpu.BufferUsage.UNIFORM)
         else:
-            name, table, shape = (("inv_freq", inv_freq, "[head_dim/2]") if source == "freq"
+            name, given, shape = (("inv_freq", inv_freq, "[head_dim/2]") if source == "freq"
                                   else ("cos_sin", cos_sin, "[rows, head_dim/2, 2]"))
-            if table is None:
+            if given is None:
                 raise ValueError(f"{name} (float32 {shape}) is required by {entry}")
-            table = np.ascontiguousarray(table, dtype=np.float32)
-            # An empty table still needs a buffer; the kernel then finds no entry and writes NaN.
-            side[_SOURCE_BINDING[source]] = self._buffer(table if table.size else np.zeros(1, np.float32),
-                                                         wgpu.BufferUsage.STORAGE)
+            given = np.ascontiguousarray(given, dtype=np.float32).reshape(-1)
+            if source == "freq":
+                side[3] = self._buffer(given if given.size else _MISSING_ENTRIES, wgpu.BufferUsage.STORAGE)
+            else:
+                table = given[:given.size // 2 * 2]  # whole vec2 entries; bound per block below
         if out.size == 0:
             return
-        token_bytes = n_heads * head_dim * out.itemsize
-        if token_bytes > self.max_binding_bytes:
-            raise ValueError(f"one token of x ({token_bytes} bytes) exceeds the adapter's storage binding limit "
-                             f"({self.max_binding_bytes} bytes)")
-        units_per_token = n_heads * (head_dim // 4 if packed_f16 and neox else head_dim // 2)
-        tokens_per_slice = max(1, min(seq_len, self.max_binding_bytes // token_bytes,
-                                      (2**32 - 1) // max(units_per_token, 1)))
+        head_bytes = head_dim * out.itemsize
+        if head_bytes > self.max_binding_bytes:
+            raise ValueError(f"one head of one token of x ({head_bytes} bytes) exceeds the adapter's storage "
+                             f"binding limit ({self.max_binding_bytes} bytes)")
+        units_per_head = max(head_dim // 4 if packed_f16 and neox else head_dim // 2, 1)
+        max_units = 2**32 - 1  # the kernels number their invocations with a u32
+        heads_per_block = min(n_heads, self.max_binding_bytes // head_bytes, max_units // units_per_head)
+        tokens_per_block = max(1, min(seq_len, self.max_binding_bytes // (heads_per_block * head_bytes),
+                                      max_units // (heads_per_block * units_per_head)))
+        half = head_dim // 2
         pipe = self.pipeline(entry)
         layout = pipe.get_bind_group_layout(0)
-        for start in range(0, seq_len, tokens_per_slice):
-            part = out[start:start + tokens_per_slice]
-            rows = part.shape[0]
-            data = self._buffer(part, wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
-            dims = self._buffer(np.array([rows, n_heads, head_dim, pos_offset + start], np.uint32),
-                                wgpu.BufferUsage.UNIFORM)
-            entries = [{"binding": 0, "resource": {"buffer": data}}, {"binding": 1, "resource": {"buffer": dims}}]
-            entries += [{"binding": b, "resource": {"buffer": buf}} for b, buf in side.items()]
-            group = self.device.create_bind_group(layout=layout, entries=entries)
-            grid = workgroup_grid(-(-rows * units_per_token // WORKGROUP_SIZE), self.max_workgroups_per_dimension)
+        for first_head in range(0, n_heads, heads_per_block):
+            for start in range(0, seq_len, tokens_per_block):
+                part = out[start:start + tokens_per_block, first_head:first_head + heads_per_block]
+                rows, heads = part.shape[:2]
+                data = self._buffer(part, wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+                position = pos_offset + start
+                bindings = dict(side)
+                if table is not None:
+                    # Only this block's rows: the whole table may exceed a binding. Row 0 is then the block's
+                    # first position; rows past the table's end stay missing, so the kernel still writes NaN.
+                    rows_of_table = table[position * half * 2:(position + rows) * half * 2]
+                    bindings[4] = self._buffer(rows_of_table if rows_of_table.size else _MISSING_ENTRIES,
+                                               wgpu.BufferUsage.STORAGE)
+                    position = 0
+                dims = self._buffer(np.array([rows, heads, head_dim, position], np.uint32), wgpu.BufferUsage.UNIFORM)
+                entries = [{"binding": 0, "resource": {"buffer": data}},
+                           {"binding": 1, "resource": {"buffer": dims}}]
+                entries += [{"binding": b, "resource": {"buffer": buf}} for b, buf in bindings.items()]
+                group = self.device.create_bind_group(layout=layout, entries=entries)
+                grid = workgroup_grid(-(-rows * heads * units_per_head // WORKGROUP_SIZE),
+                                      self.max_workgroups_per_dimension)
 
-            def encode(encoder, n, group=group, grid=grid):
-                compute = encoder.begin_compute_pass()
-                compute.set_pipeline(pipe)
-                compute.set_bind_group(0, group)
-                for _ in range(n):
-                    compute.dispatch_workgroups(grid[0], grid[1], 1)
-                compute.end()
+                def encode(encoder, n, group=group, grid=grid):
+                    compute = encoder.begin_compute_pass()
+                    compute.set_pipeline(pipe)
+                    compute.set_bind_group(0, group)
+                    for _ in range(n):
+                        compute.dispatch_workgroups(grid[0], grid[1], 1)
+                    compute.end()
 
-            yield part, data, encode
+                yield part, data, encode
 
     def apply_rope(self, q: Array, k: Optional[Array] = None, *, pos_offset: int = 0, base: float = 10000.0,
                    inv_freq: Optional[Array] = None, cos: Optional[Array] = None, sin: Optional[Array] = None,
@@ -303,7 +400,7 @@ class WebGPURunner:
         batched = [x.unsqueeze(0) if x.ndim == 3 else x for x in (qt, kt) if x is not None]  # [B, S, H, D]
         B, S, _, D = batched[0].shape
         if pos_offset < 0 or pos_offset + S > _MAX_POSITION:
-            raise ValueError(f"pos_offset must keep positions in [0, 2**32), got {pos_offset} with {S} tokens")
+            raise ValueError(f"pos_offset must keep positions in [0, 2**31), got {pos_offset} with {S} tokens")
 
         half = D // 2
         inv_freq_t = None
@@ -324,11 +421,13 @@ class WebGPURunner:
                 raise ValueError("angles='shader_base' computes the frequencies from base: leave inv_freq unset "
                                  "(angles='shader' uses it)")
             _check_base(base)
+            _check_shader_base(base, D)
             source, cos_sin, kernel_offset = "base", None, pos_offset
         else:
             if inv_freq_t is None:
                 _check_base(base)
                 inv_freq_t = _default_inv_freq(base, D).to(torch.float64)
+            _check_frequencies(inv_freq_t, angles, base=None if inv_freq is not None else base)
             if angles == "host":
                 positions = torch.arange(pos_offset, pos_offset + S, dtype=torch.float64)
                 theta = positions[:, None] * inv_freq_t[None, :]  # float64: exact enough below 2**40
@@ -366,6 +465,7 @@ def _as_tensor(name: str, x: Array, *, ndim: tuple = (3, 4)) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(x))
     elif not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    x = _no_autograd(name, x)
     if x.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor (the WebGPU backend copies through host memory), "
                          f"got device {x.device}")
@@ -386,6 +486,33 @@ def _as_tensor(name: str, x: Array, *, ndim: tuple = (3, 4)) -> torch.Tensor:
 def _check_base(base: float) -> None:
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
         raise ValueError(f"base must be a finite number > 0, got {base!r}")
+
+
+def _check_frequencies(inv_freq: torch.Tensor, angles: str, base: Optional[float] = None) -> None:
+    """Refuse frequencies the kernels would turn into NaN: finite and |inv_freq| < 2**24, as the shader sees them
+    (float32) for ``angles="shader"``, in float64 for ``"host"`` (the same bound, so both modes accept the same
+    tables). ``base``: the frequencies were derived from it, so the message names it."""
+    seen = inv_freq.to(torch.float32) if angles == "shader" else inv_freq
+    bad = ~(seen.abs() < _MAX_FREQ)  # NaN compares False: caught too
+    if bool(bad.any()):
+        where = int(bad.nonzero()[0, 0])
+        value = f"inv_freq[{where}] = {seen[where].item()!r}" + (" (as float32)" if angles == "shader" else "")
+        what = value if base is None else f"base={base!r} gives {value} (base ** (-2i/head_dim))"
+        raise ValueError(f"{what}: the WebGPU kernels need finite frequencies with |inv_freq| < 2**24")
+
+
+def _check_shader_base(base: float, head_dim: int) -> None:
+    """angles="shader_base": the shader forms ``exp2(-2p/D * log2(base))`` in f32, NaN unless base is a normal
+    finite float32, and above 2**24 it refuses the frequency (only possible for base < 1)."""
+    tiny, largest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if not tiny <= base <= largest:
+        raise ValueError(f"base must be within float32's normal range [{tiny!r}, {largest!r}] for "
+                         f"angles='shader_base' (it is used as f32 in the shader), got {base!r}")
+    # The largest frequency is that of the last pair when base < 1; the margin covers the shader's f32
+    # exp2/log2 (a few ulps).
+    if base < 1 and base ** -((head_dim - 2) / head_dim) >= _MAX_FREQ * (1 - 2**-12):
+        raise ValueError(f"base={base!r} gives frequencies up to {base ** -((head_dim - 2) / head_dim):.6g} with "
+                         f"head_dim {head_dim}: the WebGPU kernels need |inv_freq| < 2**24")
 
 
 def _default_inv_freq(base: float, head_dim: int) -> torch.Tensor:
@@ -456,13 +583,14 @@ def apply_rope(q: Array, k: Optional[Array] = None, *, pos_offset: int = 0, base
         Token ``s`` sits at position ``pos_offset + s`` in every batch row. D must be even.
     k : same kind, dtype and shape as q except the head count (GQA), optional
     pos_offset : int
-        Position of the first token (the KV-cache length when decoding); positions must stay below 2**32.
+        Position of the first token (the KV-cache length when decoding); positions must stay below 2**31 (ropekit's range on every backend).
     base : float
         RoPE base (theta); frequencies ``inv_freq[i] = base ** (-2i/D)`` computed in float32 on the host as
         transformers does (in the shader for ``angles="shader_base"``).
     inv_freq : [D/2] float array, optional
         Frequencies to use instead of ``base`` (any scaling already applied); used as float32 in the shader,
-        in float64 for ``angles="host"``.
+        in float64 for ``angles="host"``. Each must be finite with ``|inv_freq| < 2**24`` (as float32 for
+        ``angles="shader"``); the frequencies derived from ``base`` too.
     cos, sin : [P, D/2] or full-width [P, D] float arrays (optionally [1, P, W]), optional
         A rotation table indexed by position; rows ``pos_offset .. pos_offset + S - 1`` are uploaded (float32).
         Takes the place of ``base``/``inv_freq``; a table too short raises.
@@ -478,7 +606,9 @@ def apply_rope(q: Array, k: Optional[Array] = None, *, pos_offset: int = 0, base
     q_out, or (q_out, k_out) when k is given: the type, dtype and shape of the inputs. Forward:
     ``lo' = lo*cos - hi*sin``, ``hi' = lo*sin + hi*cos``.
 
-    Raises ImportError without wgpu, RuntimeError without an adapter, ValueError for invalid arguments.
+    Raises ImportError without wgpu, RuntimeError without an adapter, ValueError for invalid arguments -- among
+    them any input that requires grad while grad mode is on (no autograd here: detach, or use the CPU/CUDA
+    backends). Inputs of any size that fits in memory run in blocks that fit the adapter's storage binding.
     """
     return default_runner().apply_rope(q, k, pos_offset=pos_offset, base=base, inv_freq=inv_freq, cos=cos,
                                        sin=sin, style=style, conjugate=conjugate, angles=angles)
