@@ -1,5 +1,5 @@
-"""Frequencies: every rope type against transformers' own functions over real model configs, plus ggml's knobs,
-tables, exactness at long positions and the errors for bad configs.
+"""Frequencies: every rope type against transformers' own functions over real model configs (bit for bit), plus
+ggml's knobs, tables, exactness at long positions and the errors for bad configs.
 
 The model configs below are the RoPE-relevant fields of the published ``config.json`` files (no downloads).
 """
@@ -10,6 +10,7 @@ import copy
 import importlib
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -149,6 +150,12 @@ EXPECTED = {  # (rope_type, rotary_dim, style) per config: the parsing itself
 }
 
 
+def assert_equal_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-for-bit float32 equality, reporting how many values differ."""
+    assert actual.dtype == expected.dtype == torch.float32 and actual.shape == expected.shape
+    assert torch.equal(actual, expected), f"{int((actual != expected).sum())} of {actual.numel()} values differ"
+
+
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-6) -> None:
     actual, expected = actual.to(torch.float64), expected.to(torch.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
@@ -219,8 +226,10 @@ def test_matches_transformers_at_construction(name, as_object):
     config = hf_config(MODEL_CONFIGS[name])
     rotary = hf_rotary(config)
     f = from_hf_config(config if as_object else MODEL_CONFIGS[name])
-    assert_rel_close(f.inv_freq, rotary.inv_freq)
-    assert f.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-6)
+    assert f.arithmetic == "transformers"
+    assert_equal_bits(f.inv_freq, rotary.inv_freq)
+    assert f.attention_scaling == rotary.attention_scaling
+    assert_rel_close(f.inv_freq, f.inv_freq_float64, 2e-6)  # a few float32 ulps from the float64 values
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "phi-3.5-mini-instruct", "deepseek-v3", "gpt-neox-20b",
@@ -245,9 +254,9 @@ def test_dynamic_ntk_recomputed_like_transformers(seq_len):
     rotary = hf_rotary(hf_config(d))
     rotary(torch.randn(1, 1, 8), torch.tensor([[seq_len - 1]]))  # only the largest position matters
     f = from_hf_config(d)
-    g = f.for_seq_len(seq_len)
+    g = f.for_seq_len(torch.tensor(seq_len))  # the module's update passes a tensor length
     assert f.is_dynamic
-    assert_rel_close(g.inv_freq, rotary.inv_freq)
+    assert_equal_bits(g.inv_freq, rotary.inv_freq)
     if seq_len <= 4096:
         assert g is f
     else:
@@ -265,7 +274,7 @@ def test_dynamic_ntk_matches_init_function_with_partial_rotary():
         inv, scaling = ROPE_INIT_FUNCTIONS["dynamic"](config, None, seq_len=seq_len)
         g = from_hf_config(d).for_seq_len(seq_len)
         assert g.rotary_dim == 32
-        assert_rel_close(g.inv_freq, inv)
+        assert_equal_bits(g.inv_freq, inv)
         assert g.attention_scaling == scaling == 1.0
     del transformers
 
@@ -277,13 +286,13 @@ def test_longrope_switches_factors_like_transformers(seq_len):
     rotary(torch.randn(1, 1, 8), torch.tensor([[seq_len - 1]]))
     f = from_hf_config(d)
     g = f.for_seq_len(seq_len)
-    assert_rel_close(g.inv_freq, rotary.inv_freq)
-    assert g.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-6)
+    assert_equal_bits(g.inv_freq, rotary.inv_freq)
+    assert g.attention_scaling == rotary.attention_scaling
     expected_scale = math.sqrt(1 + math.log(131072 / 4096) / math.log(4096))
     assert g.attention_scaling == pytest.approx(expected_scale, rel=1e-12)
     uses_long = seq_len > 4096
     ext = torch.tensor(PHI35_LONG if uses_long else PHI35_SHORT, dtype=torch.float64)
-    assert_rel_close(g.inv_freq, 10000.0 ** -(torch.arange(0, 96, 2, dtype=torch.float64) / 96) / ext, 1e-7)
+    assert_rel_close(g.inv_freq_float64, 10000.0 ** -(torch.arange(0, 96, 2, dtype=torch.float64) / 96) / ext, 1e-15)
 
 
 def test_longrope_explicit_attention_factor_and_factor():
@@ -299,8 +308,8 @@ def test_longrope_explicit_attention_factor_and_factor():
             inv, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=seq_len)
             f = from_hf_config(d)
             g = f if seq_len is None else f.for_seq_len(seq_len)
-            assert_rel_close(g.inv_freq, inv)
-            assert g.attention_scaling == pytest.approx(scaling, rel=1e-12)
+            assert_equal_bits(g.inv_freq, inv)
+            assert g.attention_scaling == scaling
     del transformers
 
 
@@ -325,8 +334,8 @@ def test_yarn_edge_cases_match_transformers(extra):
     config = hf_config(d)
     inv, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, None)
     f = from_hf_config(d)
-    assert_rel_close(f.inv_freq, inv)
-    assert f.attention_scaling == pytest.approx(scaling, rel=1e-12)
+    assert_equal_bits(f.inv_freq, inv)
+    assert f.attention_scaling == scaling
 
 
 def test_yarn_deepseek_attention_and_softmax_scale():
@@ -338,8 +347,8 @@ def test_yarn_deepseek_attention_and_softmax_scale():
     config = hf_config(d)
     rotary = hf_rotary(config)
     f = from_hf_config(d)
-    assert_rel_close(f.inv_freq, rotary.inv_freq)
-    assert f.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert_equal_bits(f.inv_freq, rotary.inv_freq)
+    assert f.attention_scaling == rotary.attention_scaling
     assert f.attention_scaling != pytest.approx(1.0)
     assert f.softmax_scale == pytest.approx(ds.yarn_apply_mscale(config.rope_parameters, 1.0), rel=1e-12)
     assert from_hf_config(MODEL_CONFIGS["qwen3-8b"]).softmax_scale == 1.0
@@ -377,7 +386,7 @@ def test_proportional_matches_transformers():
         assert f.rotary_dim == f.head_dim == 256
         nonzero = inv != 0
         assert torch.equal(f.inv_freq != 0, nonzero)
-        assert_rel_close(f.inv_freq[nonzero], inv[nonzero])
+        assert_equal_bits(f.inv_freq, inv)
         assert f.attention_scaling == scaling
     del transformers
 
@@ -398,7 +407,7 @@ def test_per_layer_type_configs():
     for layer_type in ("full_attention", "sliding_attention"):
         for cfg in (config, {"model_type": "gemma3_text", "head_dim": 256, "rope_parameters": rope_parameters}):
             f = from_hf_config(cfg, layer_type=layer_type)
-            assert_rel_close(f.inv_freq, getattr(rotary, f"{layer_type}_inv_freq"))
+            assert_equal_bits(f.inv_freq, getattr(rotary, f"{layer_type}_inv_freq"))
             assert f.attention_scaling == getattr(rotary, f"{layer_type}_attention_scaling")
     with pytest.raises(ValueError, match="layer_type="):
         from_hf_config(config)
@@ -419,14 +428,134 @@ def test_legacy_and_alias_spellings():
     assert from_hf_config(base).base == 10000.0  # no theta anywhere: the transformers default
 
 
+# ---- bit for bit against the installed transformers ------------------------------------------------------------
+
+_L = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 8192}
+_PHI = {"model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32, "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096}
+_YARN_QWEN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}
+_YARN_DS = {"rope_type": "yarn", "rope_theta": 10000, "factor": 40, "mscale": 0.707, "mscale_all_dim": 1.0,
+            "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}
+_LLAMA31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": PHI35_SHORT, "long_factor": PHI35_LONG}
+EXACT_CONFIGS = {
+    "default-theta500k": {**_L, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "default-theta10k": {**_L, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "linear": {**_L, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    "linear-partial0.5": {**_L, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0,
+                                                    "partial_rotary_factor": 0.5}},
+    "dynamic": {**_L, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+    "dynamic-partial0.25": {**_L, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 3.0,
+                                                      "partial_rotary_factor": 0.25}},
+    "llama3-8b": {**_L, "max_position_embeddings": 131072, "rope_parameters": _LLAMA31},
+    "llama3-partial0.5": {**_L, "max_position_embeddings": 131072,
+                          "rope_parameters": {**_LLAMA31, "partial_rotary_factor": 0.5}},
+    "yarn-qwen": {**_L, "head_dim": 128, "max_position_embeddings": 131072, "rope_parameters": _YARN_QWEN},
+    "yarn-no-truncate": {**_L, "head_dim": 64, "max_position_embeddings": 131072, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 150000, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096, "truncate": False}},
+    "yarn-attention-factor": {**_L, "max_position_embeddings": 131072,
+                              "rope_parameters": {**_YARN_QWEN, "attention_factor": 0.8}},
+    "yarn-partial0.25": {**_L, "max_position_embeddings": 131072,
+                         "rope_parameters": {**_YARN_QWEN, "partial_rotary_factor": 0.25}},
+    "yarn-deepseek": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
+                      "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "kv_lora_rank": 512,
+                      "q_lora_rank": 1536, "max_position_embeddings": 163840, "rope_parameters": _YARN_DS},
+    "longrope-phi3": {**_PHI, "rope_parameters": _LONGROPE},
+    "longrope-factor-and-attention": {**_PHI, "rope_parameters": {**_LONGROPE, "factor": 16.0,
+                                                                  "attention_factor": 1.25}},
+    "longrope-partial0.5": {**_PHI, "hidden_size": 6144, "rope_parameters": {**_LONGROPE,
+                                                                             "partial_rotary_factor": 0.5}},
+    "default-neox-partial0.25": MODEL_CONFIGS["gpt-neox-20b"],
+    "default-glm-partial0.5": MODEL_CONFIGS["glm-4-9b-0414"],
+}
+if "proportional" in ROPE_TYPES:
+    EXACT_CONFIGS["proportional"] = {**_L, "head_dim": 256, "rope_parameters": {
+        "rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "factor": 8.0}}
+
+
+def _init_function(config):
+    """transformers' function for the config's rope type (the model's own for "default")."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        return hf_rotary(config).compute_default_rope_parameters
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_CONFIGS))
+def test_bit_exact_with_transformers_init_functions(name):
+    pytest.importorskip("transformers")
+    d = EXACT_CONFIGS[name]
+    config = hf_config(d)
+    init = _init_function(config)
+    inv, scaling = init(config, None)
+    for source in (d, config):
+        f = from_hf_config(source)
+        assert_equal_bits(f.inv_freq, inv)
+        assert f.attention_scaling == scaling and type(f.attention_scaling) is float
+    # dynamic / longrope at other lengths: transformers' init function with an int length
+    M = f.max_position_embeddings
+    for seq_len in (1, M - 1, M, M + 1, 3 * M + 17, 40 * M + 1, f.original_max_position_embeddings or 2):
+        inv, scaling = init(config, None, seq_len=seq_len)
+        g = f.for_seq_len(seq_len)
+        assert_equal_bits(g.inv_freq, inv)
+        assert g.attention_scaling == scaling
+
+
+@pytest.mark.parametrize("name", ["dynamic", "dynamic-partial0.25"])
+def test_dynamic_tensor_length_matches_transformers_module_update(name):
+    # the rotary module passes position_ids.max() + 1, a tensor: transformers then forms the new base in float32,
+    # which differs from the int-length value for some lengths
+    pytest.importorskip("transformers")
+    d = EXACT_CONFIGS[name]
+    config = hf_config(d)
+    f = from_hf_config(d)
+    lengths = torch.randint(8193, 200_000, (20,)).tolist() + [8193, 12345, 99999]
+    differ = 0
+    for seq_len in lengths:
+        rotary = hf_rotary(config)
+        rotary(torch.randn(1, 1, 4), torch.tensor([[seq_len - 1]]))
+        g = f.for_seq_len(torch.tensor(seq_len))
+        assert_equal_bits(g.inv_freq, rotary.inv_freq)
+        inv, _ = _init_function(config)(config, None, seq_len=torch.tensor(seq_len))
+        assert_equal_bits(g.inv_freq, inv)
+        differ += not torch.equal(g.inv_freq, f.for_seq_len(seq_len).inv_freq)
+    assert differ  # the two paths really are different arithmetic (12345 is one such length)
+
+
+def test_llama3_keeps_transformers_bounds_exactly():
+    # transformers' own llama3 test: default / factor <= llama3 <= default, where the pairs beyond the
+    # low-frequency wavelength are exactly default / factor (all in transformers' float32)
+    pytest.importorskip("transformers")
+    for theta, factor in ((500000.0, 8.0), (500000.0, 32.0), (10000.0, 4.0)):
+        params = {**_LLAMA31, "rope_theta": theta, "factor": factor}
+        d = {**_L, "max_position_embeddings": 131072, "rope_parameters": params}
+        config = hf_config(d)
+        default_inv, _ = hf_rotary(config).compute_default_rope_parameters(config, None)
+        own_default = from_hf_config({**_L, "rope_parameters": {"rope_type": "default", "rope_theta": theta}})
+        assert_equal_bits(own_default.inv_freq, default_inv)
+        inv = from_hf_config(d).inv_freq
+        assert ((default_inv / factor <= inv) & (inv <= default_inv)).all()
+        low = 2 * math.pi / default_inv > 8192 / params["low_freq_factor"]
+        assert low.sum() >= 10
+        assert_equal_bits(inv[low], default_inv[low] / factor)
+
+
 # ---- explicit construction, ggml knobs, tables -------------------------------------------------------------------
 
 
-def test_rope_frequencies_matches_config_path():
+def test_rope_frequencies_rounds_the_config_path_values_once():
     f = rope_frequencies(128, 500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                          original_max_position_embeddings=8192)
     g = from_hf_config(MODEL_CONFIGS["llama-3.1-8b"])
-    assert torch.equal(f.inv_freq, g.inv_freq)
+    assert (f.arithmetic, g.arithmetic) == ("float64", "transformers")
+    assert torch.equal(f.inv_freq_float64, g.inv_freq_float64)  # the same formulas...
+    assert torch.equal(f.inv_freq, f.inv_freq_float64.to(torch.float32))  # ...rounded once here
+    assert not torch.equal(f.inv_freq, g.inv_freq)  # transformers' float32 evaluation rounds more often
+    assert_rel_close(g.inv_freq, f.inv_freq, 5 * 2.0**-23)
 
 
 def test_freq_scale_and_freq_factors_follow_ggml():
@@ -500,7 +629,7 @@ _LLAMA = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "
     ({"rope_type": "ntk-by-parts"}, r"rope_type 'ntk-by-parts' is not supported; expected one of \['default'"),
     ({"rope_type": "linear"}, r"rope_type 'linear' needs rope_parameters\['factor'\]"),
     ({"rope_type": "dynamic", "factor": "2"}, r"rope_parameters\['factor'\] must be a number"),
-    ({"rope_type": "linear", "factor": 0.0}, r"rope_parameters\['factor'\] must be positive"),
+    ({"rope_type": "linear", "factor": 0.0}, r"rope_parameters\['factor'\] must be a finite number > 0, got 0.0"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
      r"rope_type 'llama3' needs rope_parameters\['high_freq_factor'\]"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
@@ -537,3 +666,128 @@ def test_bad_shapes_and_arguments_raise():
         rope_frequencies(64).angles(torch.tensor([1.5]))
     with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig or a Mapping"):
         from_hf_config(42)
+
+
+# Every key a rope type reads, with values that used to give NaN/inf/zero frequencies or leak an internal error.
+_GOOD = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "attention_factor": 1.1,
+             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "truncate": True},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 512,
+                 "attention_factor": 1.2, "short_factor": [1.0] * 32, "long_factor": [2.0] * 32},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512},
+    "proportional": {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5},
+}
+_WRONG_TYPES = ["2", [2.0], {"a": 1}, True]
+_BAD = {
+    "factor": [0, 0.0, -1.0, math.nan, math.inf, -math.inf, *_WRONG_TYPES],
+    "attention_factor": [0.0, -0.5, math.nan, math.inf, *_WRONG_TYPES],
+    "original_max_position_embeddings": [0, -4096, 4096.5, 512.0, math.inf, math.nan, *_WRONG_TYPES],
+    "beta_fast": [-1.0, math.nan, math.inf, 1e308, *_WRONG_TYPES],  # 0 means "the default" in transformers
+    "beta_slow": [-1.0, math.nan, math.inf, 1e-320, *_WRONG_TYPES],
+    "mscale": [-1.0, math.nan, math.inf, *_WRONG_TYPES],
+    "mscale_all_dim": [-1.0, math.nan, math.inf, 1e308, *_WRONG_TYPES],
+    "truncate": ["no", 1, [True]],
+    "low_freq_factor": [0.0, -1.0, math.nan, math.inf, *_WRONG_TYPES],
+    "high_freq_factor": [0.0, -1.0, math.nan, math.inf, *_WRONG_TYPES],
+    "short_factor": ["abc", 3.0, {"a": 1}, *([1.0] * 31 + [v] for v in (0.0, -1.0, math.nan, math.inf, "1", None))],
+    "long_factor": [[1.0] * 16, *([v] + [1.0] * 31 for v in (0.0, -2.0, math.nan, -math.inf, [1.0]))],
+    "partial_rotary_factor": [-0.5, 1.5, math.nan, math.inf, *_WRONG_TYPES],
+}
+_BAD_PARAMETERS = [pytest.param({**good, key: value}, key, id=f"{rope_type}-{key}-{i}")
+                   for rope_type, good in _GOOD.items() for key in good if key != "rope_type"
+                   for i, value in enumerate(_BAD[key])]
+
+
+@pytest.mark.parametrize("params, key", _BAD_PARAMETERS)
+def test_degenerate_parameters_raise_naming_the_key(params, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        from_hf_config({**_LLAMA, "rope_parameters": params})
+    kwargs = {k: v for k, v in params.items() if k != "rope_type"}
+    with pytest.raises(ValueError, match=re.escape(key)):
+        rope_frequencies(64, rope_type=params["rope_type"], max_position_embeddings=2048, **kwargs)
+
+
+def test_degenerate_parameter_message():
+    with pytest.raises(ValueError, match=re.escape("rope_parameters['factor'] must be a finite number > 0, got inf")):
+        from_hf_config({**_LLAMA, "rope_parameters": {"rope_type": "linear", "factor": math.inf}})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("max_position_embeddings", 0), ("max_position_embeddings", -1), ("max_position_embeddings", 2048.5),
+    ("max_position_embeddings", "2048"), ("max_position_embeddings", math.inf), ("max_position_embeddings", True),
+    ("original_max_position_embeddings", 0), ("original_max_position_embeddings", "4096"),
+    ("rope_theta", math.inf), ("rope_theta", math.nan), ("rope_theta", 1.0), ("rope_theta", -1e4),
+    ("rope_theta", "1e4"), ("rope_theta", [1e4]), ("rope_theta", 1e300),
+    ("hidden_size", "512"), ("hidden_size", -512), ("hidden_size", 512.5), ("num_attention_heads", "8"),
+    ("num_attention_heads", -8), ("num_attention_heads", 1000), ("head_dim", -64), ("head_dim", "64"),
+    ("head_dim", 64.5), ("partial_rotary_factor", -0.5), ("partial_rotary_factor", 1.5),
+    ("partial_rotary_factor", math.nan), ("partial_rotary_factor", "0.5"), ("partial_rotary_factor", 1e-9),
+    ("rotary_pct", math.inf), ("rotary_dim", 63), ("rotary_dim", "64"), ("rope_parameters", "linear"),
+    ("rope_parameters", [("rope_type", "linear")]), ("rope_scaling", 3), ("model_type", ["llama"]),
+])
+def test_bad_config_entries_raise_naming_the_key(key, value):
+    # dynamic + yarn-like keys so that every entry is read; a value of the wrong type is a ValueError too
+    config = {**_LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, key: value}
+    if key == "original_max_position_embeddings":
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match=re.escape(key)):
+        from_hf_config(config)
+
+
+@pytest.mark.parametrize("rope_parameters, key", [
+    ({"rope_type": ["linear"], "factor": 2.0}, "rope_type"),  # was "unhashable type"
+    ({"rope_type": "linear", "factor": 1e-300}, "factor"),  # finite, but the frequencies overflow float32
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 1e-320},
+     "beta_fast"),  # was "math domain error" / an OverflowError
+    ({"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 1, "short_factor": [1.0] * 32,
+      "long_factor": [1.0] * 32}, "original_max_position_embeddings"),  # was a ZeroDivisionError
+])
+def test_config_errors_that_used_to_leak(rope_parameters, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        from_hf_config({**_LLAMA, "rope_parameters": rope_parameters}, layer_type="full_attention")
+
+
+_DYN = {**_LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+_BAD_CALLS = {  # id: (call, exception, the argument its message names)
+    "rotary_dim-str": (lambda: rope_frequencies("64"), TypeError, "rotary_dim"),
+    "rotary_dim-float": (lambda: rope_frequencies(64.0), TypeError, "rotary_dim"),
+    "rotary_dim-None": (lambda: rope_frequencies(None), TypeError, "rotary_dim"),
+    "rotary_dim-2-dynamic": (lambda: rope_frequencies(2, rope_type="dynamic", factor=2.0,
+                                                      max_position_embeddings=64), ValueError, "rotary_dim"),
+    "base-None": (lambda: rope_frequencies(64, None), TypeError, "base"),
+    "base-nan": (lambda: rope_frequencies(64, math.nan), ValueError, "base"),
+    "head_dim-str": (lambda: rope_frequencies(64, head_dim="128"), TypeError, "head_dim"),
+    "rope_type-list": (lambda: rope_frequencies(64, rope_type=["linear"]), TypeError, "rope_type"),
+    "max_pos-0": (lambda: rope_frequencies(64, rope_type="dynamic", factor=2.0, max_position_embeddings=0),
+                  ValueError, "max_position_embeddings"),  # was a ZeroDivisionError
+    "max_pos-inf": (lambda: rope_frequencies(64, rope_type="dynamic", factor=2.0,
+                                             max_position_embeddings=math.inf), TypeError, "max_position_embeddings"),
+    "freq_scale-nan": (lambda: rope_frequencies(64, freq_scale=math.nan), ValueError, "freq_scale"),
+    "freq_scale-0": (lambda: rope_frequencies(64, freq_scale=0), ValueError, "freq_scale"),
+    "freq_scale-str": (lambda: from_hf_config(_LLAMA, freq_scale="1"), TypeError, "freq_scale"),
+    "freq_factors-dict": (lambda: rope_frequencies(4, freq_factors={"a": 1}), TypeError, "freq_factors"),
+    "freq_factors-nan": (lambda: rope_frequencies(4, freq_factors=[1.0, math.nan]), ValueError, "freq_factors"),
+    "layer_type-list": (lambda: from_hf_config(_LLAMA, layer_type=["full"]), TypeError, "layer_type"),
+    "config-None": (lambda: from_hf_config(None), TypeError, "config"),
+    "inv_freq-None": (lambda: RopeFrequencies.from_inv_freq(None), TypeError, "inv_freq"),
+    "attention_scaling-str": (lambda: RopeFrequencies.from_inv_freq([0.1], attention_scaling="1"), TypeError,
+                              "attention_scaling"),
+    "attention_scaling-nan": (lambda: RopeFrequencies.from_inv_freq([0.1], attention_scaling=math.nan), ValueError,
+                              "attention_scaling"),
+    "seq_len-str": (lambda: from_hf_config(_DYN).for_seq_len("10"), TypeError, "seq_len"),
+    "seq_len-inf": (lambda: from_hf_config(_DYN).for_seq_len(math.inf), TypeError, "seq_len"),
+    "seq_len-negative": (lambda: from_hf_config(_DYN).for_seq_len(-1), ValueError, "seq_len"),
+    "seq_len-tensor": (lambda: from_hf_config(_DYN).for_seq_len(torch.tensor([1, 2])), TypeError, "seq_len"),
+    "positions-None": (lambda: from_hf_config(_LLAMA).angles(None), TypeError, "positions"),
+    "positions-dict": (lambda: from_hf_config(_LLAMA).cos_sin({}), TypeError, "positions"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_CALLS))
+def test_bad_arguments_raise_naming_the_argument(name):
+    call, exception, argument = _BAD_CALLS[name]
+    with pytest.raises(exception, match=re.escape(argument)):
+        call()

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
+import re
+import sys
+import threading
 
 import pytest
 import torch
 
+from ropekit.api import apply_rope
 from ropekit.frequencies import from_hf_config, rope_frequencies
-from ropekit.modules import RotaryEmbedding
+from ropekit.modules import RotaryEmbedding, hf_tables
 from test_frequencies import MODEL_CONFIGS, hf_config, hf_rotary
 
 
@@ -82,7 +87,8 @@ def test_dynamic_ntk_follows_transformers_state():
         hf_q, _ = apply_fn(q, q, cos, sin)
         out = rope(q, positions=pos, layout="bhsd")
         assert rope.frequencies.seq_len == grown_to, length
-        torch.testing.assert_close(rope.inv_freq, rotary.inv_freq, rtol=1e-6, atol=0)
+        assert rope.max_seq_len_cached == int(rotary.max_seq_len_cached)
+        assert torch.equal(rope.inv_freq, rotary.inv_freq)  # bit for bit, grown sets included
         torch.testing.assert_close(out, hf_q, rtol=0, atol=5e-3)
     assert torch.equal(rope.inv_freq, from_hf_config(d).inv_freq)
 
@@ -98,7 +104,7 @@ def test_longrope_switches_on_length():
         q = torch.randn(1, 2, 3, 96)
         hf_q, _ = apply_fn(q, q, *rotary(torch.randn(1, 1, 4), pos))
         out = rope(q, positions=first, layout="bhsd")
-        torch.testing.assert_close(rope.inv_freq, rotary.inv_freq, rtol=1e-6, atol=0)
+        assert torch.equal(rope.inv_freq, rotary.inv_freq)
         torch.testing.assert_close(out, hf_q, rtol=0, atol=2e-2 if first > 4096 else 1e-3)
     assert rope.attention_scaling == pytest.approx(rotary.attention_scaling)
 
@@ -220,3 +226,145 @@ def test_seq_len_override():
     rope(torch.randn(1, 2, 1, 128), seq_len=8192)
     assert rope.frequencies.seq_len == 8192
     assert torch.equal(rope.inv_freq, from_hf_config(d).for_seq_len(8192).inv_freq)
+
+
+# ---- state: threads, failed calls ---------------------------------------------------------------------------------
+
+_SMALL_DYNAMIC = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 16,
+                  "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("method", ["forward", "cos_sin"])
+def test_threads_sharing_a_dynamic_module_rotate_with_their_own_frequencies(method):
+    # max_position_embeddings 16: calls of 8 or 12 tokens reset to the original set, longer ones grow it. Given
+    # transformers' rules, a call of length L < 16 must use the original set and a call of length L > 16 the set
+    # grown to some length >= L (its own, or a longer one another thread left) -- whatever the interleaving.
+    rope = RotaryEmbedding(_SMALL_DYNAMIC)
+    f0 = rope.frequencies
+    lengths = [8, 12, 20, 24, 28, 32]
+    grown = {n: f0.for_seq_len(torch.tensor(n)) for n in lengths if n > 16}
+    allowed = {n: [f0] if n < 16 else [g for m, g in grown.items() if m >= n] for n in lengths}
+    calls = [(lengths[i % len(lengths)], torch.randn(1, lengths[i % len(lengths)], 2, 64)) for i in range(8 * 150)]
+    order = torch.randperm(len(calls)).tolist()
+    outputs = [None] * len(calls)
+
+    def run(q, inv_freq=None, scale=None):  # through the module, or the reference for one frequency set
+        if method == "forward":
+            return rope(q) if inv_freq is None else apply_rope(q, inv_freq=inv_freq, rotary_scale=scale)
+        pos = torch.arange(q.shape[1])
+        return rope.cos_sin(pos) if inv_freq is None else hf_tables(pos, inv_freq, scale)
+
+    def worker(indices):
+        for i in indices:
+            outputs[i] = run(calls[i][1])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up in every run
+    try:
+        threads = [threading.Thread(target=worker, args=(order[t::8],)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    wrong = 0
+    for (n, q), out in zip(calls, outputs):
+        refs = [run(q, g.inv_freq, g.attention_scaling) for g in allowed[n]]
+        wrong += not any(all(map(torch.equal, out, ref)) if method == "cos_sin" else torch.equal(out, ref)
+                         for ref in refs)
+    assert wrong == 0, f"{wrong} of {len(calls)} calls rotated with another call's frequencies"
+    # the state left behind is consistent
+    assert torch.equal(rope.inv_freq, rope.frequencies.inv_freq)
+    assert rope.frequencies.seq_len in (None, rope.max_seq_len_cached)
+
+
+def _narrow_q(length):  # head_dim 64 < rotary_dim 128: rejected after the frequencies were chosen
+    return lambda rope: rope(torch.randn(1, 1, 2, 64), positions=torch.tensor([[length - 1]]))
+
+
+_FAILING_CALLS = {
+    "narrow-q-growing": _narrow_q(9000),
+    "narrow-q-resetting": _narrow_q(100),
+    "float-positions": lambda rope: rope(torch.randn(1, 1, 2, 128), positions=torch.tensor([[8999.0]])),
+    "positions-wrong-shape": lambda rope: rope(torch.randn(1, 2, 2, 128), positions=torch.tensor([[1, 8999, 3]])),
+    "k-wrong-head_dim": lambda rope: rope(torch.randn(1, 2, 2, 128), torch.randn(1, 2, 2, 96), seq_len=9000),
+    "cos_sin-bad-dtype": lambda rope: rope.cos_sin(torch.tensor([8999]), dtype="float32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FAILING_CALLS))
+@pytest.mark.parametrize("config", ["llama-2-7b-dynamic", "phi-3.5-mini-instruct"])
+def test_a_call_that_raises_leaves_the_state_unchanged(name, config):
+    d = MODEL_CONFIGS[config]
+    rope = RotaryEmbedding(d)
+    rope(torch.randn(1, 1, 2, rope.head_dim), positions=torch.tensor([[4999]]))  # grown / long factors
+    before = (rope.frequencies, rope.inv_freq.clone(), rope.max_seq_len_cached)
+    assert before[0] is not from_hf_config(d)
+    with pytest.raises((ValueError, TypeError)):
+        _FAILING_CALLS[name](rope)
+    assert rope.frequencies is before[0]
+    assert torch.equal(rope.inv_freq, before[1])
+    assert rope.max_seq_len_cached == before[2]
+
+
+def test_copies_and_pickles_keep_the_state():
+    import pickle
+
+    rope = RotaryEmbedding(MODEL_CONFIGS["llama-2-7b-dynamic"])
+    rope(torch.randn(1, 1, 2, 128), seq_len=6000)
+    q = torch.randn(1, 3, 2, 128, dtype=torch.float64)
+    grown = rope(q, seq_len=5000)  # keeps the set grown to 6000
+    for clone in (copy.deepcopy(rope), pickle.loads(pickle.dumps(rope))):
+        assert clone._lock is not rope._lock
+        assert clone.max_seq_len_cached == 6000 and torch.equal(clone.inv_freq, rope.inv_freq)
+        assert torch.equal(clone(q, seq_len=5000), grown)
+
+
+_DYN = MODEL_CONFIGS["llama-2-7b-dynamic"]
+_BAD_MODULE_CALLS = {  # id: (call, exception, the argument its message names)
+    "source-None": (lambda: RotaryEmbedding(None), TypeError, "source"),
+    "source-float": (lambda: RotaryEmbedding(64.0), TypeError, "source"),
+    "source-str": (lambda: RotaryEmbedding("llama"), TypeError, "source"),
+    "source-list": (lambda: RotaryEmbedding([64]), TypeError, "source"),
+    "source-bool": (lambda: RotaryEmbedding(True), TypeError, "source"),
+    "source-int-negative": (lambda: RotaryEmbedding(-64), ValueError, "rotary_dim"),
+    "kwarg-base-nan": (lambda: RotaryEmbedding(64, base=math.nan), ValueError, "base"),
+    "config-factor-inf": (lambda: RotaryEmbedding({**_DYN, "rope_scaling": {"type": "dynamic", "factor": math.inf}}),
+                          ValueError, "factor"),
+    "q-None": (lambda: RotaryEmbedding(_DYN)(None), TypeError, "q"),
+    "q-list": (lambda: RotaryEmbedding(64)([1.0]), TypeError, "q"),
+    "positions-str": (lambda: RotaryEmbedding(_DYN)(torch.randn(1, 2, 1, 128), positions="3"), TypeError,
+                      "positions"),
+    "positions-inf": (lambda: RotaryEmbedding(_DYN)(torch.randn(1, 2, 1, 128), positions=math.inf), TypeError,
+                      "positions"),
+    "seq_len-str": (lambda: RotaryEmbedding(_DYN)(torch.randn(1, 2, 1, 128), seq_len="10"), TypeError, "seq_len"),
+    "seq_len-inf": (lambda: RotaryEmbedding(_DYN)(torch.randn(1, 2, 1, 128), seq_len=math.inf), TypeError,
+                    "seq_len"),
+    "seq_len-negative": (lambda: RotaryEmbedding(_DYN)(torch.randn(1, 2, 1, 128), seq_len=-5), ValueError,
+                         "seq_len"),
+    "cu_seqlens-list": (lambda: RotaryEmbedding(_DYN)(torch.randn(4, 1, 128), layout="thd", cu_seqlens=[0, 4]),
+                        TypeError, "cu_seqlens"),
+    "layout-unknown": (lambda: RotaryEmbedding(_DYN)(torch.randn(1, 2, 1, 128), layout="bsd"), ValueError, "layout"),
+    "layout-wrong-ndim": (lambda: RotaryEmbedding(_DYN)(torch.randn(2, 1, 128), layout="bhsd"), ValueError, "layout"),
+    "cos_sin-positions-None": (lambda: RotaryEmbedding(_DYN).cos_sin(None), TypeError, "positions"),
+    "cos_sin-dtype-str": (lambda: RotaryEmbedding(_DYN).cos_sin(torch.arange(3), "float32"), TypeError, "dtype"),
+    "cos_sin-seq_len-nan": (lambda: RotaryEmbedding(_DYN).cos_sin(torch.arange(3), seq_len=math.nan), TypeError,
+                            "seq_len"),
+    "update-str": (lambda: RotaryEmbedding(_DYN).update("4096"), TypeError, "seq_len"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_MODULE_CALLS))
+def test_bad_module_arguments_raise_naming_the_argument(name):
+    call, exception, argument = _BAD_MODULE_CALLS[name]
+    with pytest.raises(exception, match=re.escape(argument)):
+        call()
+
+
+def test_cos_sin_of_empty_positions_keeps_the_set():
+    rope = RotaryEmbedding(MODEL_CONFIGS["llama-2-7b-dynamic"])
+    rope.update(6000)
+    before = rope.frequencies
+    cos, sin = rope.cos_sin(torch.zeros(0, dtype=torch.int64))
+    assert cos.shape == sin.shape == (0, 128) and rope.frequencies is before

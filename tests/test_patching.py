@@ -4,6 +4,7 @@ with and without ropekit, in fp32 and bf16; unpatch restores everything."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_dynamic_ntk_model():
         try:
             out = model(ids).logits
             rope = patching._ropekit_module(model)
-            assert torch.allclose(rope.inv_freq, rotary.inv_freq, rtol=1e-6, atol=0)
+            assert torch.equal(rope.inv_freq, rotary.inv_freq)  # bit for bit, grown sets included
         finally:
             unpatch(model)
         torch.testing.assert_close(out, logits[n], rtol=1e-5, atol=1e-5)
@@ -216,3 +217,14 @@ def test_errors():
         patch(transformers.GPT2LMHeadModel(config))
     with pytest.raises(TypeError, match="expects a transformers PreTrainedModel"):
         patch(torch.nn.Linear(2, 2))
+
+
+_NOT_MODELS = {"None": None, "str": "llama", "int": 3, "list": [torch.nn.Linear(2, 2)],
+               "config-only": types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))}
+
+
+@pytest.mark.parametrize("fn", [patch, unpatch, is_patched, patching._ropekit_module], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name", sorted(_NOT_MODELS))
+def test_non_models_raise_type_error_naming_the_argument(fn, name):
+    with pytest.raises(TypeError, match=rf"{fn.__name__}: model must be a torch.nn.Module"):
+        fn(_NOT_MODELS[name])

@@ -12,9 +12,18 @@ Three ways to get one:
   ``freq_scale`` and per-pair ``freq_factors``).
 * :meth:`RopeFrequencies.from_inv_freq` -- from a precomputed frequency table.
 
-Every formula is evaluated in float64 and rounded to float32 once. The formulas follow the published methods, in
-the form transformers implements them (``modeling_rope_utils``), so that the float32 frequencies agree with
-transformers' own to about one float32 rounding:
+Two arithmetics, recorded in :attr:`RopeFrequencies.arithmetic`:
+
+* ``"transformers"`` (:func:`from_hf_config`): ``inv_freq`` is computed with the float32 torch operations
+  transformers' ``modeling_rope_utils`` (and the models' default init) performs, on the CPU, in the same order,
+  so it equals transformers' own ``inv_freq`` bit for bit (checked against the installed version), and so does
+  ``attention_scaling``. This is ropekit's own code: transformers need not be installed.
+* ``"float64"`` (:func:`rope_frequencies`, :meth:`~RopeFrequencies.from_inv_freq`): every formula is evaluated
+  in float64 and rounded to float32 once -- the correctly rounded value, which can differ from transformers'
+  float32 evaluation by a few float32 ulps (about 2e-7 relative).
+
+``inv_freq_float64`` always holds the float64 evaluation. The formulas follow the published methods, in the form
+transformers implements them:
 
 =============  =====================================================================================================
 rope type      inverse frequency of pair ``i`` (``d`` = rotary dim, ``b`` = base, ``e_i = 2i/d``, ``f`` = factor)
@@ -35,13 +44,19 @@ proportional   ``b ** -(2i/head_dim) / f`` for the first ``partial_rotary_factor
                whole head and 0 (no rotation) for the rest (Gemma 4)
 =============  =====================================================================================================
 
-After the rope type, ggml's knobs apply to every type: ``inv_freq[i] *= freq_scale / freq_factors[i]``.
+After the rope type, ggml's knobs apply to every type: ``inv_freq[i] *= freq_scale / freq_factors[i]`` (in
+float64, then rounded; transformers has no such knobs, so a set that uses them is no longer transformers').
+
+Bad input raises ``ValueError`` naming the config key or argument and what was expected (a wrong-typed Python
+argument raises ``TypeError``); degenerate values (0, negative, NaN or infinite factors, lengths, bases, ...)
+are refused rather than turned into NaN or zero frequencies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,10 +114,11 @@ class RopeFrequencies:
         ``dynamic`` and ``longrope`` this is the set in force for short sequences (transformers' value at model
         construction); :meth:`for_seq_len` gives the set for a given length.
     inv_freq_float64 : torch.Tensor
-        The same before the single rounding to float32.
+        The same set evaluated in float64. ``inv_freq`` is it rounded once (``arithmetic="float64"``) or
+        transformers' float32 evaluation, within a few float32 ulps of it (``arithmetic="transformers"``).
     attention_scaling : float
-        Multiplies cos and sin of every rotated pair (transformers' ``attention_scaling``); pass it as
-        ``rotary_scale`` to :func:`ropekit.apply_rope`.
+        Multiplies cos and sin of every rotated pair (transformers' ``attention_scaling``, the same Python float);
+        pass it as ``rotary_scale`` to :func:`ropekit.apply_rope`.
     rotary_dim : int
         Rotated columns per head (even); the other ``head_dim - rotary_dim`` pass through.
     head_dim : int
@@ -126,6 +142,11 @@ class RopeFrequencies:
     softmax_scale : float
         The factor DeepSeek-V2/V3 attention multiplies its softmax scale by (``mscale(factor, mscale_all_dim)**2``
         for YaRN with ``mscale_all_dim``; 1 otherwise). ropekit does not apply it: it belongs to attention.
+    seq_len : int or None
+        The length a ``dynamic`` / ``longrope`` set was computed for (None: the construction-time set).
+    arithmetic : str
+        ``"transformers"`` (bit-exact transformers float32 evaluation, :func:`from_hf_config`) or ``"float64"``
+        (float64 evaluation rounded once); see the module docstring.
     """
 
     inv_freq: torch.Tensor
@@ -143,7 +164,8 @@ class RopeFrequencies:
     freq_scale: float = 1.0
     freq_factors: torch.Tensor | None = None
     softmax_scale: float = 1.0
-    seq_len: int | None = None  # the length this set was computed for (dynamic / longrope), None = construction
+    seq_len: int | None = None
+    arithmetic: str = "float64"
 
     # ---- derived views ----------------------------------------------------------------------------------------
 
@@ -169,38 +191,42 @@ class RopeFrequencies:
             "rotary_scale": float(self.attention_scaling),
         }
 
-    def for_seq_len(self, seq_len: int) -> RopeFrequencies:
+    def for_seq_len(self, seq_len: int | torch.Tensor) -> RopeFrequencies:
         """The frequencies transformers uses for a sequence whose largest position is ``seq_len - 1``.
 
         ``dynamic``: recomputed from ``max(seq_len, max_position_embeddings)`` (stateless; transformers' module
         additionally keeps the largest length seen until a short sequence resets it, which
         :class:`ropekit.RotaryEmbedding` mirrors). ``longrope``: the long factors when ``seq_len`` exceeds
         ``original_max_position_embeddings``, else the short ones. Other types return ``self``.
+
+        With ``arithmetic="transformers"`` the result equals transformers' bit for bit. transformers itself gives
+        two dynamic-NTK values for one length, and ``seq_len``'s type picks which: a Python int gives
+        ``ROPE_INIT_FUNCTIONS["dynamic"](config, seq_len=int)`` (new base computed in float64), a 0-dim integer
+        tensor gives what the model's rotary module uses (``seq_len = position_ids.max() + 1``, a tensor, so the
+        new base is computed in float32); they can differ by a float32 ulp.
         """
+        as_tensor = isinstance(seq_len, torch.Tensor)
+        n = _length_arg(seq_len, "seq_len")
         if not self.is_dynamic:
             return self
-        seq_len = int(seq_len)
         if self.rope_type == "longrope":
-            use_long = seq_len > self.original_max_position_embeddings
-            key_len = self.original_max_position_embeddings + 1 if use_long else None
-            if key_len == self.seq_len:
-                return self
+            orig = self.original_max_position_embeddings
+            key = orig + 1 if n > orig else None  # what transformers' module passes for any longer sequence
         else:
-            key_len = max(seq_len, self.max_position_embeddings)
-            if key_len == (self.seq_len or self.max_position_embeddings):
-                return self
-        inv64, scaling = _compute(self.rope_type, self.base, self.rotary_dim, self.head_dim, self.parameters,
-                                  self.max_position_embeddings, key_len)
-        inv64 = _apply_knobs(inv64, self.freq_scale, self.freq_factors)
-        return dataclasses.replace(self, inv_freq=inv64.to(torch.float32), inv_freq_float64=inv64,
-                                   attention_scaling=scaling, seq_len=key_len)
+            key = n if n > self.max_position_embeddings else None
+        if key == self.seq_len and (key is None or self.rope_type == "longrope"):
+            return self
+        hf_len = torch.tensor(key) if as_tensor and key is not None and self.rope_type == "dynamic" else key
+        inv, inv64, scaling = _evaluate(self.rope_type, self.base, self.rotary_dim, self.head_dim, self.parameters,
+                                        self.max_position_embeddings, hf_len, self.arithmetic, self.freq_scale,
+                                        self.freq_factors)
+        return dataclasses.replace(self, inv_freq=inv, inv_freq_float64=inv64, attention_scaling=scaling,
+                                   seq_len=key)
 
     def angles(self, positions: torch.Tensor | int | Sequence[int]) -> torch.Tensor:
         """float64 ``[*positions.shape, rotary_dim // 2]``: ``position * inv_freq`` with the float32 ``inv_freq``
         (the angles the kernels form), computed exactly in float64 and not reduced."""
-        pos = torch.as_tensor(positions)
-        if pos.is_floating_point():
-            raise ValueError(f"positions must be integers, got dtype {pos.dtype}")
+        pos = _positions_arg(positions)
         return pos.to(torch.float64)[..., None] * self.inv_freq.to(device=pos.device, dtype=torch.float64)
 
     def cos_sin(
@@ -219,7 +245,7 @@ class RopeFrequencies:
         style. Angles are formed in float64 (exactly, for positions below 2**29) and their cos and sin taken in
         float64, so the tables are correct to float64 rounding at any position.
         """
-        pos = torch.as_tensor(positions, device=device)
+        pos = _positions_arg(positions).to(device)
         ang = self.angles(pos)
         c = torch.cos(ang) * self.attention_scaling
         s = torch.sin(ang) * self.attention_scaling
@@ -236,7 +262,7 @@ class RopeFrequencies:
             "original_max_position_embeddings": self.original_max_position_embeddings,
             "parameters": dict(self.parameters), "freq_scale": self.freq_scale,
             "freq_factors": None if self.freq_factors is None else self.freq_factors.tolist(),
-            "softmax_scale": self.softmax_scale,
+            "softmax_scale": self.softmax_scale, "seq_len": self.seq_len, "arithmetic": self.arithmetic,
         }
 
     def __repr__(self) -> str:
@@ -261,19 +287,21 @@ class RopeFrequencies:
     ) -> RopeFrequencies:
         """Wrap a precomputed frequency table ``inv_freq`` ``[rotary_dim // 2]`` (any float dtype; kept in
         float64 and rounded once to float32). ``freq_scale`` and ``freq_factors`` apply on top."""
-        inv64 = torch.as_tensor(inv_freq).detach().to(device="cpu", dtype=torch.float64).reshape(-1).clone()
+        inv64 = _float_table(inv_freq, "inv_freq")
         if inv64.numel() == 0:
             raise ValueError("inv_freq must hold at least one frequency, got an empty table")
         if not torch.isfinite(inv64).all():
             raise ValueError("inv_freq must be finite")
         rotary_dim = 2 * inv64.numel()
-        head_dim = rotary_dim if head_dim is None else int(head_dim)
+        head_dim = rotary_dim if head_dim is None else _integer(head_dim, "head_dim", arg=True)
         _check_layout(rotary_dim, head_dim, style, rotary_at)
+        scaling = _real(attention_scaling, "attention_scaling", arg=True)
+        freq_scale = _real(freq_scale, "freq_scale", arg=True)
         factors = _as_factors(freq_factors, inv64.numel())
-        inv64 = _apply_knobs(inv64, float(freq_scale), factors)
-        return cls(inv_freq=inv64.to(torch.float32), inv_freq_float64=inv64, attention_scaling=float(attention_scaling),
+        inv64 = _apply_knobs(inv64, freq_scale, factors)
+        return cls(inv_freq=inv64.to(torch.float32), inv_freq_float64=inv64, attention_scaling=scaling,
                    rotary_dim=rotary_dim, head_dim=head_dim, rope_type="default", style=style, rotary_at=rotary_at,
-                   base=None, freq_scale=float(freq_scale), freq_factors=factors)
+                   base=None, freq_scale=freq_scale, freq_factors=factors)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -294,7 +322,9 @@ def rope_frequencies(
     freq_factors: torch.Tensor | Sequence[float] | None = None,
     **scaling: Any,
 ) -> RopeFrequencies:
-    """Frequencies from explicit parameters.
+    """Frequencies from explicit parameters, each formula evaluated in float64 and rounded to float32 once
+    (``arithmetic="float64"``: within a few float32 ulps of transformers' float32 values, not bit-equal to them;
+    use :func:`from_hf_config` for those).
 
     Parameters
     ----------
@@ -323,20 +353,27 @@ def rope_frequencies(
     Raises
     ------
     ValueError
-        For an unknown rope type, a key the type does not read, a missing required key or a bad value.
+        For an unknown rope type, a key the type does not read, a missing required key or a bad value (the
+        message names it).
+    TypeError
+        For a wrong-typed argument (``rotary_dim``, ``head_dim``, ``base``, ...).
     """
-    rope_type = _canonical_type(rope_type)
+    rope_type = _canonical_type(rope_type, "rope_type", arg=True)
     allowed = set(_TYPE_KEYS[rope_type]) | ({"partial_rotary_factor"} if rope_type == "proportional" else set())
     unknown = sorted(set(scaling) - allowed)
     if unknown:
         raise ValueError(f"rope_type {rope_type!r} does not read {unknown}; its keys are {sorted(allowed) or 'none'}")
-    head_dim = int(rotary_dim if head_dim is None else head_dim)
+    rotary_dim = _integer(rotary_dim, "rotary_dim", arg=True)
+    head_dim = rotary_dim if head_dim is None else _integer(head_dim, "head_dim", arg=True)
     params = dict(scaling)
     if rope_type == "proportional":
         params.setdefault("partial_rotary_factor", 1.0)
-    return _build(rope_type=rope_type, base=float(base), rotary_dim=int(rotary_dim), head_dim=head_dim,
-                  params=params, max_pos=max_position_embeddings, style=style, rotary_at=rotary_at,
-                  freq_scale=freq_scale, freq_factors=freq_factors)
+    base = _real(base, "base", arg=True, above=1.0)
+    if max_position_embeddings is not None:
+        max_position_embeddings = _integer(max_position_embeddings, "max_position_embeddings", arg=True)
+    return _build(rope_type=rope_type, base=base, rotary_dim=rotary_dim, head_dim=head_dim, params=params,
+                  max_pos=max_position_embeddings, style=style, rotary_at=rotary_at, freq_scale=freq_scale,
+                  freq_factors=freq_factors, arithmetic="float64")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -352,7 +389,10 @@ def from_hf_config(
     freq_scale: float = 1.0,
     freq_factors: torch.Tensor | Sequence[float] | None = None,
 ) -> RopeFrequencies:
-    """The frequencies a transformers model builds from ``config``.
+    """The frequencies a transformers model builds from ``config``: ``inv_freq`` and ``attention_scaling`` equal
+    transformers' bit for bit for every rope type (``arithmetic="transformers"``: the same float32 torch
+    operations in the same order, on the CPU; see :meth:`RopeFrequencies.for_seq_len` for dynamic NTK and
+    LongRoPE), unless ``freq_scale`` / ``freq_factors`` are used. ``inv_freq_float64`` holds the float64 values.
 
     Parameters
     ----------
@@ -376,15 +416,20 @@ def from_hf_config(
     Raises
     ------
     ValueError
-        Unknown ``rope_type``, missing keys (``factor``, ``short_factor``, ...), factor lists of the wrong length,
-        an odd rotary dimension, or a per-layer config without ``layer_type``.
+        Unknown ``rope_type``, missing keys (``factor``, ``short_factor``, ...), a bad value (0, negative, NaN or
+        infinite factors, lengths or bases, wrong-typed config entries, factor lists of the wrong length), an odd
+        rotary dimension, or a per-layer config without ``layer_type``; the message names the key.
+    TypeError
+        ``config`` is neither a config object nor a Mapping, or an argument has the wrong type.
     """
     get = _getter(config)
+    if layer_type is not None and not isinstance(layer_type, str):
+        raise TypeError(f"layer_type must be a str, got {type(layer_type).__name__}")
     model_type = get("model_type")
-    rp = get("rope_parameters")
-    if not rp:
-        rp = get("rope_scaling")
-    rp = dict(rp) if rp else {}
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"config['model_type'] must be a str, got {model_type!r}")
+    key, rp = _first_key(get, "rope_parameters", "rope_scaling", falsy=True)
+    rp = _mapping(rp or {}, key)
     if rp and _is_per_layer(rp):
         choices = sorted(k for k, v in rp.items() if v is not None)
         if layer_type is None:
@@ -394,52 +439,69 @@ def from_hf_config(
             layer_type = choices[0]
         if rp.get(layer_type) is None:
             raise ValueError(f"layer_type {layer_type!r} has no rope parameters; the config has {choices}")
-        rp = dict(rp[layer_type])
+        rp = _mapping(rp[layer_type], f"{key}[{layer_type!r}]")
     # (a config with one parameter set uses it for every layer type, whatever layer_type says)
 
     raw_type = rp.get("rope_type") or rp.get("type") or "default"
     if raw_type == "yarn" and model_type in ("phi3", "phi4_multimodal"):
         raw_type = "longrope"  # transformers renames these configs' legacy "yarn" to longrope
-    rope_type = _canonical_type(raw_type)
+    rope_type = _canonical_type(raw_type, "rope_parameters['rope_type']")
 
-    base = _first(rp.get("rope_theta"), get("rope_theta"), get("rotary_emb_base"), 10000.0)
-    hidden, heads = _first(get("hidden_size"), get("n_embd"), get("d_model")), _first(
-        get("num_attention_heads"), get("n_head"))
-    head_dim = _first(get("qk_rope_head_dim"), get("head_dim"))
-    if not head_dim:
+    if rp.get("rope_theta") is not None:
+        base = _real(rp["rope_theta"], "rope_parameters['rope_theta']", above=1.0)
+    else:
+        name, base = _first_key(get, "rope_theta", "rotary_emb_base")
+        base = 10000.0 if base is None else _real(base, name, above=1.0)
+    name, head_dim = _first_key(get, "qk_rope_head_dim", "head_dim", falsy=True)
+    if head_dim:
+        head_dim = _integer(head_dim, name)
+    else:
+        hidden_key, hidden = _first_key(get, "hidden_size", "n_embd", "d_model")
+        heads_key, heads = _first_key(get, "num_attention_heads", "n_head")
         if not hidden or not heads:
             raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to size the rotation")
-        head_dim = int(hidden) // int(heads)
-    head_dim = int(head_dim)
-    partial = _first(rp.get("partial_rotary_factor"), get("partial_rotary_factor"), get("rotary_pct"),
-                     _PARTIAL_DEFAULTS.get(model_type), 1.0)
+        head_dim = _integer(hidden, hidden_key) // _integer(heads, heads_key)
+        if head_dim < 2:
+            raise ValueError(f"{hidden_key} // {heads_key} = {hidden} // {heads} = {head_dim}: a head needs at least "
+                             "2 columns to rotate")
+    name, partial = _first_key(lambda k: rp.get(k), "partial_rotary_factor")
+    if partial is None:
+        name, partial = _first_key(get, "partial_rotary_factor", "rotary_pct")
+    if partial is None:
+        partial = _PARTIAL_DEFAULTS.get(model_type, 1.0)
+    partial = _real(partial, name, above=0.0, closed=rope_type == "proportional", at_most=1.0)
     if rope_type == "proportional":
-        rotary_dim = head_dim
-    elif isinstance(get("rotary_dim"), int) and get("rotary_dim"):  # GPT-J / CodeGen: absolute width
-        rotary_dim = int(get("rotary_dim"))
+        rotary_dim = how = head_dim
+    elif get("rotary_dim") is not None:  # GPT-J / CodeGen: absolute width
+        rotary_dim = _integer(get("rotary_dim"), "rotary_dim")
+        how = f"rotary_dim = {rotary_dim}"
     else:
-        rotary_dim = int(head_dim * float(partial))  # transformers truncates the same way
+        rotary_dim = int(head_dim * partial)  # transformers truncates the same way
+        how = f"int(head_dim * {name}) = int({head_dim} * {partial}) = {rotary_dim}"
     if rotary_dim % 2:
-        raise ValueError(f"the rotary dimension int(head_dim * partial_rotary_factor) = int({head_dim} * {partial}) "
-                         f"= {rotary_dim} is odd; RoPE rotates pairs, so it must be even")
+        raise ValueError(f"the rotary dimension {how} is odd; RoPE rotates pairs, so it must be even")
+    if rotary_dim <= 0:
+        raise ValueError(f"the rotary dimension {how} must be positive")
 
-    max_pos = _first(get("max_position_embeddings"), get("n_positions"))
+    name, max_pos = _first_key(get, "max_position_embeddings", "n_positions")
+    if max_pos is not None:
+        max_pos = _integer(max_pos, name)
     params = {k: rp[k] for k in _TYPE_KEYS[rope_type] if k in rp}
     if rope_type in ("yarn", "longrope", "llama3"):
         top = get("original_max_position_embeddings")
         if top is not None:  # Phi-3 keeps the pretraining length beside rope_scaling; it wins there too
-            params["original_max_position_embeddings"] = top
+            params["original_max_position_embeddings"] = _integer(top, "original_max_position_embeddings")
     if rope_type == "proportional":
-        params["partial_rotary_factor"] = float(partial)
+        params["partial_rotary_factor"] = partial
     if style is None:
         style = "neox"
         if model_type in _INTERLEAVED_MODEL_TYPES:
             style = "interleaved"
             if model_type == "deepseek_v3" and get("rope_interleave") is False:
                 style = "neox"
-    return _build(rope_type=rope_type, base=float(base), rotary_dim=rotary_dim, head_dim=head_dim, params=params,
-                  max_pos=max_pos, style=style, rotary_at="front", freq_scale=freq_scale,
-                  freq_factors=freq_factors)
+    return _build(rope_type=rope_type, base=base, rotary_dim=rotary_dim, head_dim=head_dim, params=params,
+                  max_pos=max_pos, style=style, rotary_at="front", freq_scale=freq_scale, freq_factors=freq_factors,
+                  arithmetic="transformers")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -447,6 +509,7 @@ def from_hf_config(
 # --------------------------------------------------------------------------------------------------------------
 
 _PER_LAYER_SCALARS = {"rope_type", "type", "rope_theta", "factor", "partial_rotary_factor"}
+_OMP = "original_max_position_embeddings"
 
 
 def _is_per_layer(rp: Mapping[str, Any]) -> bool:
@@ -461,14 +524,90 @@ def _getter(config: Any):
     raise TypeError(f"config must be a transformers PretrainedConfig or a Mapping, got {type(config).__name__}")
 
 
-def _first(*values: Any) -> Any:
-    for v in values:
-        if v is not None:
-            return v
-    return None
+def _first_key(get, *keys: str, falsy: bool = False) -> tuple[str, Any]:
+    """``(key, value)`` of the first key that is set (not None; also not empty/zero when ``falsy``), else
+    ``(keys[0], None)``."""
+    for key in keys:
+        value = get(key)
+        if value is not None and not (falsy and isinstance(value, (Mapping, str, numbers.Number)) and not value):
+            return key, value
+    return keys[0], None
 
 
-def _canonical_type(rope_type: str) -> str:
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a dict of rope parameters, got {value!r}")
+    return dict(value)
+
+
+def _real(value: Any, name: str, *, arg: bool = False, above: float = 0.0, closed: bool = False,
+          at_most: float | None = None) -> float:
+    """``value`` as a float, checked finite and ``> above`` (``>=`` when ``closed``; ``<= at_most``). Errors name
+    ``name``; a wrong type is a TypeError for a Python argument (``arg``), a ValueError for a config entry."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise (TypeError if arg else ValueError)(f"{name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond float range
+        v = math.inf
+    if not (math.isfinite(v) and (v >= above if closed else v > above) and (at_most is None or v <= at_most)):
+        bound = f"{'>=' if closed else '>'} {above:g}" + ("" if at_most is None else f" and <= {at_most:g}")
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return v
+
+
+def _integer(value: Any, name: str, *, arg: bool = False, minimum: int = 1) -> int:
+    """``value`` as an int in ``[minimum, 2**53]`` (beyond, float math loses it; errors as for :func:`_real`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise (TypeError if arg else ValueError)(f"{name} must be an integer, got {value!r}")
+    if not minimum <= value <= 2**53:
+        raise ValueError(f"{name} must be an integer >= {minimum} (and <= 2**53), got {value!r}")
+    return int(value)
+
+
+def _length_arg(value: Any, name: str) -> int:
+    """A sequence length: an int or a one-element integer tensor, >= 0."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a one-element integer tensor, got a {value.dtype} tensor "
+                            f"of shape {tuple(value.shape)}")
+        value = int(value.item())
+    return _integer(value, name, arg=True, minimum=0)
+
+
+def _positions_arg(positions: Any) -> torch.Tensor:
+    """Positions as an integer tensor."""
+    if not isinstance(positions, torch.Tensor):
+        if positions is None or isinstance(positions, (str, bytes, Mapping)):
+            raise TypeError(f"positions must be an int, a sequence of ints or an integer tensor, got {positions!r}")
+        try:
+            positions = torch.as_tensor(positions)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError("positions must be an int, a sequence of ints or an integer tensor, got "
+                            f"{type(positions).__name__}") from None
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+    return positions
+
+
+def _float_table(values: Any, name: str) -> torch.Tensor:
+    """A flat float64 CPU copy of a sequence of numbers or a tensor."""
+    if not isinstance(values, torch.Tensor):
+        if isinstance(values, (str, bytes, Mapping, bool)) or values is None:
+            raise TypeError(f"{name} must be a sequence of numbers or a tensor, got {values!r}")
+        try:
+            values = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be a sequence of numbers or a tensor, got {type(values).__name__}") from None
+    if values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{name} must hold real numbers, got dtype {values.dtype}")
+    return values.detach().to(device="cpu", dtype=torch.float64).reshape(-1).clone()
+
+
+def _canonical_type(rope_type: Any, name: str, *, arg: bool = False) -> str:
+    if not isinstance(rope_type, str):
+        raise (TypeError if arg else ValueError)(f"{name} must be a str (one of {list(ROPE_TYPES)}), "
+                                                 f"got {rope_type!r}")
     name = _TYPE_ALIASES.get(rope_type, rope_type)
     if name not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; expected one of {list(ROPE_TYPES)} "
@@ -481,16 +620,16 @@ def _check_layout(rotary_dim: int, head_dim: int, style: str, rotary_at: str) ->
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     if head_dim < rotary_dim:
         raise ValueError(f"head_dim ({head_dim}) must be at least rotary_dim ({rotary_dim})")
-    if style not in STYLES:
+    if not isinstance(style, str) or style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-    if rotary_at not in ("front", "back"):
+    if not isinstance(rotary_at, str) or rotary_at not in ("front", "back"):
         raise ValueError(f"rotary_at must be 'front' or 'back', got {rotary_at!r}")
 
 
 def _as_factors(freq_factors: Any, half: int) -> torch.Tensor | None:
     if freq_factors is None:
         return None
-    f = torch.as_tensor(freq_factors).detach().to(device="cpu", dtype=torch.float64).reshape(-1).clone()
+    f = _float_table(freq_factors, "freq_factors")
     if f.numel() != half:
         raise ValueError(f"freq_factors must hold rotary_dim // 2 = {half} values, got {f.numel()}")
     if not (torch.isfinite(f).all() and (f > 0).all()):
@@ -506,81 +645,111 @@ def _apply_knobs(inv64: torch.Tensor, freq_scale: float, factors: torch.Tensor |
     return inv64
 
 
-def _number(params: Mapping[str, Any], key: str, rope_type: str, *, positive: bool = True) -> float:
-    value = params.get(key)
-    if value is None:
-        raise ValueError(f"rope_type {rope_type!r} needs rope_parameters[{key!r}] (a number), but it is missing")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"rope_parameters[{key!r}] must be a number, got {value!r}")
-    if positive and not value > 0:
-        raise ValueError(f"rope_parameters[{key!r}] must be positive, got {value!r}")
-    return float(value)
+def _required(p: Mapping[str, Any], key: str, rope_type: str, what: str = "a number") -> Any:
+    if p.get(key) is None:
+        raise ValueError(f"rope_type {rope_type!r} needs rope_parameters[{key!r}] ({what}), but it is missing")
+    return p[key]
+
+
+def _check_params(rope_type: str, p: dict[str, Any], max_pos: int | None, dim: int) -> dict[str, Any]:
+    """Check every key ``rope_type`` reads (ValueError naming it) and fill in transformers' defaults."""
+    def key(k: str) -> str:
+        return f"rope_parameters[{k!r}]"
+
+    if rope_type in ("yarn", "longrope", "llama3"):
+        if p.get(_OMP) is None:
+            if max_pos is None:
+                raise ValueError(f"rope_type {rope_type!r} needs {key(_OMP)} or max_position_embeddings, and "
+                                 "neither is set")
+            p[_OMP] = max_pos
+        # longrope's attention factor divides by ln(original length)
+        p[_OMP] = _integer(p[_OMP], key(_OMP), minimum=2 if rope_type == "longrope" else 1)
+    if rope_type == "dynamic":
+        if max_pos is None:
+            raise ValueError("rope_type 'dynamic' needs max_position_embeddings (the length beyond which it rescales)")
+        if dim <= 2:
+            raise ValueError(f"rope_type 'dynamic' needs rotary_dim > 2 (its base grows with the power "
+                             f"d / (d - 2)), got {dim}")
+    if p.get("factor") is None:
+        if rope_type in ("yarn", "longrope") and max_pos is not None:
+            p["factor"] = max_pos / p[_OMP]  # transformers derives it the same way
+        elif rope_type == "proportional":
+            p["factor"] = 1.0
+        elif rope_type != "default":
+            hint = " or max_position_embeddings to derive it" if rope_type in ("yarn", "longrope") else ""
+            _required(p, "factor", rope_type, "a number" + hint)
+    if "factor" in p:
+        p["factor"] = _real(p["factor"], key("factor"))
+    if p.get("attention_factor") is not None:
+        p["attention_factor"] = _real(p["attention_factor"], key("attention_factor"))
+    for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if p.get(k) is not None:  # 0 is allowed: transformers then uses the default beta / ignores the mscales
+            p[k] = _real(p[k], key(k), closed=True)
+    if p.get("truncate") is not None and not isinstance(p["truncate"], bool):
+        raise ValueError(f"{key('truncate')} must be True or False, got {p['truncate']!r}")
+    if rope_type == "llama3":
+        low = p["low_freq_factor"] = _real(_required(p, "low_freq_factor", rope_type), key("low_freq_factor"))
+        high = p["high_freq_factor"] = _real(_required(p, "high_freq_factor", rope_type), key("high_freq_factor"))
+        if not high > low:
+            raise ValueError(f"{key('high_freq_factor')} ({high}) must exceed {key('low_freq_factor')} ({low})")
+    if rope_type == "longrope":
+        for k in ("short_factor", "long_factor"):
+            values = _required(p, k, rope_type, f"a list of rotary_dim // 2 = {dim // 2} numbers")
+            if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+                raise ValueError(f"{key(k)} must be a list of rotary_dim // 2 = {dim // 2} numbers, got {values!r}")
+            if len(values) != dim // 2:
+                raise ValueError(f"{key(k)} must hold rotary_dim // 2 = {dim // 2} numbers, got {len(values)}")
+            p[k] = [_real(v, f"{key(k)}[{i}]") for i, v in enumerate(values)]
+    if rope_type == "proportional":
+        p["partial_rotary_factor"] = _real(p.get("partial_rotary_factor", 1.0), "partial_rotary_factor",
+                                           closed=True, at_most=1.0)
+    return p
 
 
 def _build(*, rope_type: str, base: float, rotary_dim: int, head_dim: int, params: dict[str, Any],
-           max_pos: int | None, style: str, rotary_at: str, freq_scale: float,
-           freq_factors: Any) -> RopeFrequencies:
+           max_pos: int | None, style: str, rotary_at: str, freq_scale: Any, freq_factors: Any,
+           arithmetic: str) -> RopeFrequencies:
     _check_layout(rotary_dim, head_dim, style, rotary_at)
-    if not (math.isfinite(base) and base > 1.0):
-        raise ValueError(f"rope_theta (base) must be a finite number > 1, got {base!r}")
     if rope_type == "proportional" and rotary_dim != head_dim:
         raise ValueError(f"rope_type 'proportional' rotates the whole head: rotary_dim ({rotary_dim}) must equal "
                          f"head_dim ({head_dim}); partial_rotary_factor sets the share of non-zero frequencies")
-    params = dict(params)
-    if max_pos is not None:
-        max_pos = int(max_pos)
-    # fill the defaults transformers fills, validating as we go
-    if rope_type in ("yarn", "longrope", "llama3"):
-        if params.get("original_max_position_embeddings") is None:
-            if max_pos is None:
-                raise ValueError(f"rope_type {rope_type!r} needs rope_parameters['original_max_position_embeddings'] "
-                                 "or max_position_embeddings, and neither is set")
-            params["original_max_position_embeddings"] = max_pos
-        params["original_max_position_embeddings"] = int(
-            _number(params, "original_max_position_embeddings", rope_type))
-    if rope_type == "dynamic" and max_pos is None:
-        raise ValueError("rope_type 'dynamic' needs max_position_embeddings (the length beyond which it rescales)")
-    if rope_type in ("linear", "dynamic", "llama3"):
-        _number(params, "factor", rope_type)
-    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
-        if max_pos is None:
-            raise ValueError(f"rope_type {rope_type!r} needs rope_parameters['factor'] (or max_position_embeddings "
-                             "to derive it), but it is missing")
-        params["factor"] = max_pos / params["original_max_position_embeddings"]
-    if "factor" in params:
-        _number(params, "factor", rope_type)
-    if rope_type == "llama3":
-        low = _number(params, "low_freq_factor", rope_type)
-        high = _number(params, "high_freq_factor", rope_type)
-        if not high > low:
-            raise ValueError(f"rope_parameters['high_freq_factor'] ({high}) must exceed "
-                             f"rope_parameters['low_freq_factor'] ({low})")
-    if rope_type == "longrope":
-        for key in ("short_factor", "long_factor"):
-            values = params.get(key)
-            if values is None:
-                raise ValueError(f"rope_type 'longrope' needs rope_parameters[{key!r}] (a list of rotary_dim // 2 = "
-                                 f"{rotary_dim // 2} numbers), but it is missing")
-            if len(values) != rotary_dim // 2:
-                raise ValueError(f"rope_parameters[{key!r}] must hold rotary_dim // 2 = {rotary_dim // 2} numbers, "
-                                 f"got {len(values)}")
-            params[key] = [float(v) for v in values]
-    if rope_type == "proportional":
-        prf = float(params.get("partial_rotary_factor", 1.0))
-        if not 0.0 <= prf <= 1.0:
-            raise ValueError(f"partial_rotary_factor must lie in [0, 1], got {prf}")
-        params.setdefault("factor", 1.0)
-    inv64, scaling = _compute(rope_type, base, rotary_dim, head_dim, params, max_pos, None)
+    params = _check_params(rope_type, dict(params), max_pos, rotary_dim)
+    freq_scale = _real(freq_scale, "freq_scale", arg=True)
     factors = _as_factors(freq_factors, rotary_dim // 2)
-    inv64 = _apply_knobs(inv64, float(freq_scale), factors)
+    inv, inv64, scaling = _evaluate(rope_type, base, rotary_dim, head_dim, params, max_pos, None, arithmetic,
+                                    freq_scale, factors)
     softmax_scale = 1.0
     if rope_type == "yarn" and params.get("mscale_all_dim"):
-        softmax_scale = _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+        m = _yarn_mscale(params["factor"], params["mscale_all_dim"])
+        softmax_scale = m * m
+    # finite inputs can still overflow or underflow float32 (a factor of 1e-300, rope_theta of 1e300, ...)
+    rotated = inv[: int(params["partial_rotary_factor"] * head_dim // 2)] if rope_type == "proportional" else inv
+    if not (torch.isfinite(inv).all() and (rotated > 0).all() and math.isfinite(scaling) and scaling > 0
+            and math.isfinite(softmax_scale)):
+        shown = {k: v for k, v in params.items() if not isinstance(v, list)}
+        raise ValueError(f"rope_type {rope_type!r} with rope_theta (base) {base}, {shown}, freq_scale={freq_scale} "
+                         f"gives infinite, NaN or zero frequencies or attention scaling {scaling}: a value is out of "
+                         "range")
     return RopeFrequencies(
-        inv_freq=inv64.to(torch.float32), inv_freq_float64=inv64, attention_scaling=float(scaling),
-        rotary_dim=rotary_dim, head_dim=head_dim, rope_type=rope_type, style=style, rotary_at=rotary_at, base=base,
-        max_position_embeddings=max_pos, original_max_position_embeddings=params.get("original_max_position_embeddings"),
-        parameters=params, freq_scale=float(freq_scale), freq_factors=factors, softmax_scale=float(softmax_scale))
+        inv_freq=inv, inv_freq_float64=inv64, attention_scaling=scaling, rotary_dim=rotary_dim, head_dim=head_dim,
+        rope_type=rope_type, style=style, rotary_at=rotary_at, base=base, max_position_embeddings=max_pos,
+        original_max_position_embeddings=params.get(_OMP), parameters=params, freq_scale=freq_scale,
+        freq_factors=factors, softmax_scale=float(softmax_scale), arithmetic=arithmetic)
+
+
+def _evaluate(rope_type: str, base: float, dim: int, head_dim: int, p: Mapping[str, Any], max_pos: int | None,
+              seq_len: int | torch.Tensor | None, arithmetic: str, freq_scale: float,
+              factors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(inv_freq float32, inv_freq float64, attention_scaling)`` of one set, knobs applied."""
+    inv64 = _apply_knobs(_compute(rope_type, base, dim, head_dim, p, max_pos,
+                                  None if seq_len is None else int(seq_len)), freq_scale, factors)
+    if arithmetic == "transformers":
+        inv = _hf_compute(rope_type, base, dim, head_dim, p, max_pos, seq_len)
+        if freq_scale != 1.0 or factors is not None:  # not a transformers knob: applied in float64, rounded again
+            inv = _apply_knobs(inv.double(), freq_scale, factors).float()
+    else:
+        inv = inv64.to(torch.float32)
+    return inv, inv64, float(_attention_scaling(rope_type, p))
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -588,69 +757,122 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _attention_scaling(rope_type: str, p: Mapping[str, Any]) -> float:
+    """transformers' ``attention_scaling`` (the same Python float arithmetic)."""
+    if rope_type not in ("yarn", "longrope"):
+        return 1.0
+    factor = p["factor"]
+    if p.get("attention_factor") is not None:
+        return p["attention_factor"]
+    if rope_type == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(p[_OMP]))
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    if mscale and mscale_all:  # DeepSeek-V2/V3
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
+def _yarn_ramp(p: Mapping[str, Any], dim: int, base: float) -> tuple[float, float]:
+    """The pair indices where YaRN's ramp from extrapolation to interpolation starts and ends."""
+    orig = p[_OMP]
+
+    def pair_at(key: str, default: float) -> float:  # fractional pair index whose wavelength fits `turns` in orig
+        turns = p.get(key) or default  # transformers' fallback for 0 too
+        ratio = orig / (turns * 2 * math.pi)
+        if not 0 < ratio < math.inf:
+            raise ValueError(f"rope_parameters[{key!r}] = {turns!r} is out of range for {_OMP} = {orig}")
+        return dim * math.log(ratio) / (2 * math.log(base))
+
+    low, high = pair_at("beta_fast", 32), pair_at("beta_slow", 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    return low, high
+
+
 def _compute(rope_type: str, base: float, dim: int, head_dim: int, p: Mapping[str, Any], max_pos: int | None,
-             seq_len: int | None) -> tuple[torch.Tensor, float]:
-    """``(inv_freq float64 [dim // 2], attention_scaling)`` of one rope type, for length ``seq_len`` (None: the
-    construction-time set)."""
+             seq_len: int | None) -> torch.Tensor:
+    """float64 ``inv_freq [dim // 2]`` of one rope type, for length ``seq_len`` (None: the construction-time set)."""
     f64 = torch.float64
     expo = torch.arange(0, dim, 2, dtype=f64) / dim  # 2i / d
     if rope_type == "default":
-        return base ** -expo, 1.0
+        return base ** -expo
     if rope_type == "linear":
-        return base ** -expo / float(p["factor"]), 1.0
+        return base ** -expo / p["factor"]
     if rope_type == "dynamic":
-        factor = float(p["factor"])
-        length = max_pos if seq_len is None else max(int(seq_len), max_pos)
+        factor = p["factor"]
+        length = max_pos if seq_len is None else max(seq_len, max_pos)
         new_base = base * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-        return new_base ** -expo, 1.0
+        return new_base ** -expo
     if rope_type == "proportional":
-        angles = int(float(p["partial_rotary_factor"]) * head_dim // 2)
+        angles = int(p["partial_rotary_factor"] * head_dim // 2)
         inv = torch.zeros(head_dim // 2, dtype=f64)
         inv[:angles] = base ** -(torch.arange(0, 2 * angles, 2, dtype=f64) / head_dim)
-        return inv / float(p["factor"]), 1.0
+        return inv / p["factor"]
     if rope_type == "llama3":
         inv = base ** -expo
-        factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
-        old_len = float(p["original_max_position_embeddings"])
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = float(p[_OMP])
         wavelen = 2 * math.pi / inv
         smooth = (old_len / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv / factor + smooth * inv
         out = torch.where(wavelen > old_len / low, inv / factor, blended)
-        return torch.where(wavelen < old_len / high, inv, out), 1.0
+        return torch.where(wavelen < old_len / high, inv, out)
     if rope_type == "yarn":
-        factor = float(p["factor"])
-        orig = float(p["original_max_position_embeddings"])
-        attention = p.get("attention_factor")
-        if attention is None:
-            mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
-            if mscale and mscale_all:  # DeepSeek-V2/V3
-                attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-            else:
-                attention = _yarn_mscale(factor)
-        beta_fast = p.get("beta_fast") or 32
-        beta_slow = p.get("beta_slow") or 1
-
-        def pair_at(turns: float) -> float:  # fractional pair index whose wavelength fits `turns` in orig
-            return dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = pair_at(beta_fast), pair_at(beta_slow)
-        if p.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001  # transformers' guard against a zero-width ramp
+        low, high = _yarn_ramp(p, dim, base)
         ramp = ((torch.arange(dim // 2, dtype=f64) - low) / (high - low)).clamp(0, 1)
         extrapolated = base ** -expo
-        interpolated = extrapolated / factor
+        interpolated = extrapolated / p["factor"]
         # ramp 0 (fast pairs): keep the original frequency; ramp 1 (slow pairs): interpolate
-        return interpolated * ramp + extrapolated * (1 - ramp), float(attention)
+        return interpolated * ramp + extrapolated * (1 - ramp)
     if rope_type == "longrope":
-        factor = float(p["factor"])
-        orig = int(p["original_max_position_embeddings"])
-        attention = p.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        use_long = seq_len is not None and seq_len > orig
-        ext = torch.tensor(p["long_factor"] if use_long else p["short_factor"], dtype=f64)
-        return base ** -expo / ext, float(attention)
+        use_long = seq_len is not None and seq_len > p[_OMP]
+        return base ** -expo / torch.tensor(p["long_factor"] if use_long else p["short_factor"], dtype=f64)
+    raise ValueError(f"rope_type {rope_type!r} is not supported; expected one of {list(ROPE_TYPES)}")
+
+
+def _hf_compute(rope_type: str, base: float, dim: int, head_dim: int, p: Mapping[str, Any], max_pos: int | None,
+                seq_len: int | torch.Tensor | None) -> torch.Tensor:
+    """float32 ``inv_freq`` as transformers computes it on the CPU, bit for bit.
+
+    Every float32 rounding must be transformers', so this performs the same torch operations on tensors of the
+    same shapes in the same order (``scalar / t`` is ``t.reciprocal() * scalar`` in torch, ``1 - (1 - r)`` is not
+    ``r``, a vectorised loop may round differently from its scalar tail): do not "simplify" the expressions.
+    ``seq_len`` (dynamic): None, an int, or a 0-dim integer tensor -- transformers' module passes the latter, which
+    turns the new base into a float32 tensor.
+    """
+    f32 = torch.float32
+    if rope_type == "proportional":  # exponents over the whole head, zeros for the unrotated pairs
+        angles = int(p["partial_rotary_factor"] * head_dim // 2)
+        inv = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(f32) / head_dim))
+        return torch.cat((inv, torch.zeros(head_dim // 2 - angles, dtype=f32))) / p["factor"]
+    expo = torch.arange(0, dim, 2, dtype=torch.int64).to(f32) / dim
+    if rope_type == "yarn":
+        powers = base ** expo
+        extrapolated, interpolated = 1.0 / powers, 1.0 / (p["factor"] * powers)
+        low, high = _yarn_ramp(p, dim, base)
+        keep = 1 - ((torch.arange(dim // 2, dtype=f32) - low) / (high - low)).clamp(0, 1)
+        return interpolated * (1 - keep) + extrapolated * keep
+    if rope_type == "longrope":
+        long = seq_len is not None and seq_len > p[_OMP]
+        ext = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=f32)
+        return 1.0 / (ext * base ** expo)
+    if rope_type == "dynamic":
+        factor, length = p["factor"], max_pos if seq_len is None else seq_len
+        if not isinstance(length, torch.Tensor):
+            length = max(length, max_pos)
+        base = base * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    inv = 1.0 / (base ** expo)
+    if rope_type in ("linear", "dynamic", "default"):
+        return inv / p["factor"] if rope_type == "linear" else inv
+    if rope_type == "llama3":
+        factor, low, high, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p[_OMP]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, blended, scaled)
     raise ValueError(f"rope_type {rope_type!r} is not supported; expected one of {list(ROPE_TYPES)}")

@@ -8,15 +8,18 @@ a table, let alone a bf16 one.
 
 from __future__ import annotations
 
+import numbers
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ropekit._layout import to_canonical
+from ropekit._layout import LAYOUTS, layout_ndim, to_canonical
 from ropekit.api import apply_rope
-from ropekit.frequencies import RopeFrequencies, from_hf_config, rope_frequencies
+from ropekit.frequencies import (RopeFrequencies, _integer, _length_arg, _positions_arg, from_hf_config,
+                                 rope_frequencies)
 
 __all__ = ["RotaryEmbedding", "hf_tables"]
 
@@ -49,7 +52,11 @@ class RotaryEmbedding(nn.Module):
     Buffers
     -------
     inv_freq : float32 [rotary_dim // 2], not saved in the state dict: the set in force. ``dynamic`` and
-        ``longrope`` replace it per call the way transformers' rotary module does (see :meth:`forward`).
+        ``longrope`` replace it per call the way transformers' rotary module does (see :meth:`update`).
+
+    A call's frequencies are a function of the call and of the state before it; the new state is stored (under
+    a lock) only once the call succeeded, so a call that raises changes nothing and threads sharing a module each
+    rotate with the frequencies their own call selected.
 
     Notes
     -----
@@ -62,12 +69,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, source: RopeFrequencies | Mapping[str, Any] | Any | int, *, layer_type: str | None = None,
                  style: str | None = None, **kwargs: Any) -> None:
         super().__init__()
+        if isinstance(source, (bool, Tensor)) or not (isinstance(source, (RopeFrequencies, Mapping, numbers.Integral))
+                                                      or hasattr(source, "__dict__")):
+            raise TypeError("source must be a RopeFrequencies, a transformers config, a Mapping or an int rotary_dim, "
+                            f"got {type(source).__name__}")
         if isinstance(source, RopeFrequencies):
             if layer_type is not None or style is not None or kwargs:
                 raise ValueError("layer_type, style and frequency keywords apply to configs and ints, not to a "
                                  "RopeFrequencies (build it with the settings you want)")
             freqs = source
-        elif isinstance(source, int) and not isinstance(source, bool):
+        elif isinstance(source, numbers.Integral):
             if layer_type is not None:
                 raise ValueError("layer_type applies to configs only")
             freqs = rope_frequencies(source, style=style or "neox", **kwargs)
@@ -81,6 +92,14 @@ class RotaryEmbedding(nn.Module):
         # transformers' dynamic-NTK state: the largest length seen since the last reset
         self._cached_len = freqs.max_position_embeddings
         self.register_buffer("inv_freq", freqs.inv_freq.clone(), persistent=False)
+        self._lock = threading.Lock()  # guards (_current, _cached_len, inv_freq) as one state
+
+    def __getstate__(self) -> dict[str, Any]:  # a lock cannot be copied or pickled: a copy gets a new one
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
     # ---- construction helpers ---------------------------------------------------------------------------------
 
@@ -96,6 +115,11 @@ class RotaryEmbedding(nn.Module):
     def frequencies(self) -> RopeFrequencies:
         """The :class:`RopeFrequencies` in force (changes with the sequence length for dynamic/longrope)."""
         return self._current
+
+    @property
+    def max_seq_len_cached(self) -> int | None:
+        """``dynamic``: the largest sequence length seen since the last reset (transformers' attribute)."""
+        return self._cached_len
 
     @property
     def attention_scaling(self) -> float:
@@ -122,48 +146,75 @@ class RotaryEmbedding(nn.Module):
 
     def update(self, seq_len: int) -> RopeFrequencies:
         """Select the frequencies for a call whose largest position is ``seq_len - 1``, as transformers'
-        ``dynamic_rope_update`` does, and return them.
+        ``dynamic_rope_update`` does, store them as the state in force, and return them.
 
         * ``dynamic``: recomputed when ``seq_len`` exceeds the largest length seen so far (which starts at
           ``max_position_embeddings``); reset to the original set when a sequence shorter than
           ``max_position_embeddings`` follows a longer one. Lengths in between keep the grown set -- exactly
-          transformers' behaviour, state included.
+          transformers' behaviour, state included (and its values: the grown set is computed as transformers'
+          module computes it, from a tensor length).
         * ``longrope``: long factors above ``original_max_position_embeddings``, short ones otherwise.
         * other types: nothing changes.
         """
-        f0 = self._initial
-        if not f0.is_dynamic:
-            return self._current
-        seq_len = int(seq_len)
-        if f0.rope_type == "longrope":
-            new = f0.for_seq_len(seq_len)
-        else:
-            new = self._current
-            original = f0.max_position_embeddings
-            if seq_len > self._cached_len:
-                new = f0.for_seq_len(seq_len)
-                self._cached_len = seq_len
-            if seq_len < original and self._cached_len > original:
-                new = f0
-                self._cached_len = original
-        if new is not self._current:
-            self._current = new
-            self.inv_freq = new.inv_freq.to(self.inv_freq.device)
-        return new
+        seq_len = _length_arg(seq_len, "seq_len")
+        f, cached, inv = self._choose(seq_len if self._initial.is_dynamic else None, self.inv_freq.device)
+        self._commit(f, cached, inv)
+        return f
 
-    def _inv_freq_on(self, device: torch.device) -> Tensor:
-        inv = self.inv_freq
-        if inv.dtype != torch.float32 or inv.device != device:
-            # a module-wide .to(dtype) may have cast the buffer: rebuild it from the float32 values
-            inv = self._current.inv_freq.to(device)
+    def _next(self, f: RopeFrequencies, cached: int | None, seq_len: int) -> tuple[RopeFrequencies, int | None]:
+        """transformers' transition: the set and the cached length after a call of length ``seq_len``, from the
+        set ``f`` and cached length before it."""
+        f0 = self._initial
+        if f0.rope_type == "longrope":
+            if seq_len <= f0.original_max_position_embeddings:
+                return f0, cached
+            return (f if f.seq_len is not None else f0.for_seq_len(seq_len)), cached
+        original = f0.max_position_embeddings
+        if seq_len > cached:  # growth; transformers' module passes the length as a tensor
+            return f0.for_seq_len(torch.tensor(seq_len)), seq_len
+        if seq_len < original and cached > original:  # reset
+            return f0, original
+        return f, cached
+
+    def _choose(self, seq_len: int | None, device: torch.device) -> tuple[RopeFrequencies, int | None, Tensor]:
+        """``(frequencies, cached length after the call, float32 inv_freq on device)`` for a call of length
+        ``seq_len`` (None: keep the set in force). Reads the state once, changes nothing."""
+        if self._initial.is_dynamic:
+            with self._lock:
+                f, cached, buf = self._current, self._cached_len, self.inv_freq
+            new, cached = (f, cached) if seq_len is None else self._next(f, cached, seq_len)
+        else:  # the set never changes: no lock (keeps torch.compile happy)
+            new = f = self._current
+            cached, buf = self._cached_len, self.inv_freq
+        if new is f and buf.dtype == torch.float32 and buf.device == device:
+            return new, cached, buf
+        # a new set, another device, or a module-wide .to(dtype) cast the buffer: from the float32 values
+        return new, cached, new.inv_freq.to(device)
+
+    def _commit(self, f: RopeFrequencies, cached: int | None, inv: Tensor) -> None:
+        """Store the state a successful call selected."""
+        if f is self._current and cached == self._cached_len and inv is self.inv_freq:
+            return
+        with self._lock:
+            self._current, self._cached_len = f, cached
             self.inv_freq = inv
-        return inv
 
     @staticmethod
     def seq_len_of(q: Tensor, positions: None | int | Tensor, layout: str,
                    cu_seqlens: Tensor | None = None) -> int:
         """The sequence length transformers would use for these positions: largest position + 1. Reads
         tensor values (a host sync for CUDA tensors)."""
+        if not isinstance(q, Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if layout not in LAYOUTS or q.dim() != layout_ndim(layout):
+            raise ValueError(f"layout must be one of {LAYOUTS} and match q's dimensions, got layout {layout!r} for q "
+                             f"of shape {tuple(q.shape)}")
+        if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):
+            raise TypeError(f"cu_seqlens must be None or an integer tensor, got {type(cu_seqlens).__name__}")
+        if positions is not None and (isinstance(positions, bool) or not isinstance(positions, (numbers.Integral,
+                                                                                                Tensor))):
+            raise TypeError(f"positions must be None, an int offset or an integer tensor, got "
+                            f"{type(positions).__name__}")
         B, S = to_canonical(q, layout).shape[:2]
         if isinstance(positions, Tensor):
             if positions.numel() == 0:
@@ -174,7 +225,7 @@ class RotaryEmbedding(nn.Module):
                 lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(positions.device) if cu_seqlens is not None else S
                 return int((positions.to(torch.int64) + lengths).max())  # per-sequence offset + length
             return int(positions.max()) + 1
-        offset = int(positions or 0)
+        offset = 0 if positions is None else _integer(positions, "positions", arg=True, minimum=0)
         if cu_seqlens is not None and cu_seqlens.numel() > 1:
             return offset + int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return offset + S
@@ -201,15 +252,20 @@ class RotaryEmbedding(nn.Module):
         q_scale, k_scale : float
             Multiply the whole output of q / k.
         """
+        if not isinstance(q, Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        n = None
         if self._initial.is_dynamic:
-            self.update(self.seq_len_of(q, positions, layout, cu_seqlens) if seq_len is None else seq_len)
-        f = self._current
-        if q.shape[-1] < f.rotary_dim:
+            n = self.seq_len_of(q, positions, layout, cu_seqlens) if seq_len is None else _length_arg(seq_len,
+                                                                                                      "seq_len")
+        f, cached, inv = self._choose(n, q.device)
+        if q.dim() and q.shape[-1] < f.rotary_dim:
             raise ValueError(f"q head_dim {q.shape[-1]} is smaller than this embedding's rotary_dim {f.rotary_dim}")
-        return apply_rope(q, k, positions=positions, inv_freq=self._inv_freq_on(q.device), style=f.style,
-                          layout=layout, rotary_dim=f.rotary_dim, rotary_at=f.rotary_at,
-                          rotary_scale=float(f.attention_scaling), q_scale=q_scale, k_scale=k_scale,
-                          cu_seqlens=cu_seqlens)
+        out = apply_rope(q, k, positions=positions, inv_freq=inv, style=f.style, layout=layout,
+                         rotary_dim=f.rotary_dim, rotary_at=f.rotary_at, rotary_scale=float(f.attention_scaling),
+                         q_scale=q_scale, k_scale=k_scale, cu_seqlens=cu_seqlens)
+        self._commit(f, cached, inv)  # only now: a call that raised leaves the state as it was
+        return out
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32, *, full: bool = True,
                 seq_len: int | None = None) -> tuple[Tensor, Tensor]:
@@ -217,13 +273,20 @@ class RotaryEmbedding(nn.Module):
         times ``attention_scaling``, for code that needs tables (``full=False``: one column per pair).
 
         Like transformers' rotary module, a ``dynamic``/``longrope`` embedding first selects its frequencies
-        from ``seq_len`` (default: ``positions.max() + 1``). Values are computed in float64 and rounded once to
-        ``dtype``; keep ``dtype=torch.float32`` for anything that feeds a rotation.
+        from ``seq_len`` (default: ``positions.max() + 1``; empty positions keep the set in force). Values are
+        computed in float64 and rounded once to ``dtype``; keep ``dtype=torch.float32`` for anything that feeds a
+        rotation.
         """
-        positions = torch.as_tensor(positions)
-        if positions.is_floating_point():
-            raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+        positions = _positions_arg(positions)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        n = None
         if self._initial.is_dynamic:
-            self.update(int(positions.max()) + 1 if seq_len is None else seq_len)
-        f = self._current
-        return hf_tables(positions, self._inv_freq_on(positions.device), f.attention_scaling, full=full, dtype=dtype)
+            if seq_len is not None:
+                n = _length_arg(seq_len, "seq_len")
+            elif positions.numel():
+                n = int(positions.max()) + 1
+        f, cached, inv = self._choose(n, positions.device)
+        tables = hf_tables(positions, inv, f.attention_scaling, full=full, dtype=dtype)
+        self._commit(f, cached, inv)
+        return tables

@@ -86,12 +86,13 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
                          f"for layer_type={layer_type!r}")
     rope: RotaryEmbedding = getattr(self, _STATE_ATTR).rope
     with torch.no_grad():
-        if rope.frequencies.is_dynamic:  # transformers reads max(position_ids) here too
-            rope.update(int(position_ids.max()) + 1)
-        f = rope.frequencies
-        inv = rope._inv_freq_on(x.device)
+        # transformers reads max(position_ids) here too; the choice is committed once the tables exist, so
+        # threads sharing the model each get the frequencies their own call selected
+        seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
+        f, cached, inv = rope._choose(seq_len, x.device)
         cos, sin = hf_tables(position_ids, inv, f.attention_scaling)  # float32, exact angles
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # what transformers returns
+        rope._commit(f, cached, inv)
     setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
                                    width=cos.shape[-1]))
     return cos, sin
@@ -176,6 +177,12 @@ def _rotary_modules(model: nn.Module, modeling: str) -> list[nn.Module]:
     return found
 
 
+def _check_model(model: object, caller: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}: model must be a torch.nn.Module (a transformers model), got "
+                        f"{type(model).__name__}")
+
+
 def _model_type(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -196,9 +203,12 @@ def patch(model: nn.Module) -> nn.Module:
 
     Raises
     ------
+    TypeError
+        ``model`` is not a transformers model (an ``nn.Module`` with ``config.model_type``).
     ValueError
         For an unsupported model type, or a model without a rotary-embedding module of its family.
     """
+    _check_model(model, "patch")
     model_type = _model_type(model)
     if model_type not in _FAMILIES:
         raise ValueError(f"ropekit cannot patch model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
@@ -231,7 +241,9 @@ def patch(model: nn.Module) -> nn.Module:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch` on ``model``; returns ``model``. A model that is not patched is returned unchanged."""
+    """Undo :func:`patch` on ``model``; returns ``model``. A model that is not patched is returned unchanged.
+    ``TypeError`` if ``model`` is not an ``nn.Module``."""
+    _check_model(model, "unpatch")
     with _LOCK:
         for rotary in list(model.modules()):
             state = rotary.__dict__.get(_STATE_ATTR)
@@ -255,12 +267,14 @@ def _restore_globals(modeling: str) -> None:
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether any rotary-embedding module of ``model`` is patched."""
+    """Whether any rotary-embedding module of ``model`` is patched (``TypeError`` if it is not an ``nn.Module``)."""
+    _check_model(model, "is_patched")
     return any(_STATE_ATTR in m.__dict__ for m in model.modules())
 
 
 def _ropekit_module(model: nn.Module) -> RotaryEmbedding | None:
     """The ropekit module behind a patched model's (first) rotary embedding, for inspection."""
+    _check_model(model, "_ropekit_module")
     for m in model.modules():
         state = m.__dict__.get(_STATE_ATTR)
         if state is not None:
