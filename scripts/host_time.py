@@ -50,7 +50,7 @@ def main() -> None:
     launch = plan.launch
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     qp, kp, qop, kop = q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr()
-    fp = plan.const_freq_ptr
+    fp = plan.const_freq_handle
 
     ql, kl = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
     gq, gk = torch.randn_like(q), torch.randn_like(k)

@@ -158,19 +158,22 @@ def test_plan_falls_back_to_full_path_errors(plan_calls):
     assert plan_calls["served"] == 0
 
 
-def test_plan_respects_alignment_and_offsets_past_int32(plan_calls):
+def test_plan_respects_alignment_and_the_largest_position(plan_calls):
     buf = torch.randn(B * S * HQ * D + 8, device="cuda", dtype=torch.bfloat16)
     for start in (0, 0, 1, 1, 8):  # element 1 of a bf16 buffer is 2-byte aligned: a different specialisation
         q = buf[start:start + B * S * HQ * D].view(B, S, HQ, D)
         q.copy_(torch.randn_like(q))
-        got = ropekit.apply_rope(q, positions=2**31 + start)
-        assert_close_to_ref(got, _ref(q.cpu(), None, positions=2**31 + start)[0], torch.bfloat16)
-    assert plan_calls["served"] == 0  # offsets beyond int32 always take the full path
+        last = 2**31 - S - start  # positions up to 2**31 - 1 - start: in range
+        got = ropekit.apply_rope(q, positions=last)
+        assert_close_to_ref(got, _ref(q.cpu(), None, positions=last)[0], torch.bfloat16)
+        with pytest.raises(ValueError, match="past the largest supported position"):
+            ropekit.apply_rope(q, positions=2**31 - S + 1 + start)  # one position too far: raises, plan or not
+    assert plan_calls["served"] == 3  # repeated signatures: start 0 and 1 the second time, 8 (aligned as 0)
     for start in (0, 1, 0, 1):
         q = buf[start:start + B * S * HQ * D].view(B, S, HQ, D)
         got = ropekit.apply_rope(q, positions=3)
         assert_close_to_ref(got, _ref(q.cpu(), None, positions=3)[0], torch.bfloat16)
-    assert plan_calls["served"] == 2
+    assert plan_calls["served"] == 7
 
 
 def test_plan_launches_on_the_current_stream(plan_calls):
