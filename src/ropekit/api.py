@@ -449,7 +449,8 @@ _ARGS_DOC = """
     positions : None, int or Tensor
         ``None``: 0..S-1. ``int``: offset added to 0..S-1 (KV-cache continuation). Tensor [B] (int32/int64):
         per-sequence offsets (with ``cu_seqlens``: one per packed sequence). Tensor [B, S] or [1, S] (``thd``:
-        [T]): per-token position ids, any order.
+        [T]): per-token position ids, any order. Every position lies in [0, 2**31 - 1]; see ``check_positions``
+        for what happens outside.
     inv_freq : Tensor, optional
         fp32 (or fp64) [R/2] inverse frequencies; the angle ``pos * inv_freq[i]`` is formed in float64 and reduced
         modulo 2*pi before fp32 sin/cos (error about 1e-7 at any position below 2**24).
@@ -478,8 +479,9 @@ _ARGS_DOC = """
         the sequence's offset) in each sequence.
     check_positions : bool
         Also check device-resident ``positions``/``cu_seqlens`` values on the host (one sync). Without it, CPU
-        tensors are always checked and CUDA tokens with an invalid position come out as NaN (never an
-        out-of-bounds access).
+        tensors and int offsets are always checked (a position < 0 or past a table raises ``IndexError``, past
+        2**31 - 1 ``ValueError``) and CUDA tokens with an invalid position come out as NaN (never an
+        out-of-bounds access or a wrong number).
     backend : {"auto", "webgpu"}
         ``auto``: the Triton kernels for CUDA tensors, the float64 reference for CPU tensors. ``webgpu``: the WGSL
         kernels through wgpu on CPU tensors (``pip install "ropekit[webgpu]"``), for layouts ``bshd``/``thd``,
