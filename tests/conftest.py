@@ -24,3 +24,22 @@ def _fresh_seed(request):
     # A different but reproducible stream per test (crc32, not hash(): str hashes change from run to run):
     # inputs are fresh random data, never zeros, and a failure can be replayed.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def plan_calls(monkeypatch):
+    """Counts eager calls that a launch plan served (returned outputs rather than handing back to the full path);
+    plans start empty."""
+    from ropekit import _eager
+
+    counter = {"served": 0}
+    original = _eager.Plan.__call__
+
+    def counting(self, *args):
+        out = original(self, *args)
+        counter["served"] += out is not None
+        return out
+
+    monkeypatch.setattr(_eager.Plan, "__call__", counting)
+    _eager.clear()
+    return counter

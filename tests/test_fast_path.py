@@ -42,21 +42,6 @@ def device_mode(device: str):
         yield
 
 
-@pytest.fixture
-def served(monkeypatch):
-    """Counts calls that a plan served (returned outputs rather than handing back to the full path)."""
-    counter = {"n": 0}
-    original = _eager.Plan.__call__
-
-    def counting(self, *args):
-        out = original(self, *args)
-        counter["n"] += out is not None
-        return out
-
-    monkeypatch.setattr(_eager.Plan, "__call__", counting)
-    return counter
-
-
 def random_case(rng: random.Random, device: str) -> dict:
     """One configuration: the options that stay fixed over the three calls."""
     layout = rng.choice(["bshd", "bhsd", "sbhd", "thd"])
@@ -237,13 +222,13 @@ def _plannable(case: dict) -> bool:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fast_path_equals_full_path_and_reference(device, served):
+def test_fast_path_equals_full_path_and_reference(device, plan_calls):
     rng = random.Random(20261126)
     shape = SHAPES[device]
     failures, expected_served = [], 0
     for index in range(NUM_CASES[device]):
         case = random_case(rng, device)
-        served["n"] = 0
+        plan_calls["served"] = 0
         with device_mode(device):
             try:
                 for call in range(3):
@@ -253,14 +238,14 @@ def test_fast_path_equals_full_path_and_reference(device, served):
                 continue
         if _plannable(case):
             expected_served += 2
-            if served["n"] < 2:  # calls 2 and 3 (and, with autograd, backward calls from the third on)
-                failures.append(f"case {index} {case}: plans served only {served['n']} calls")
+            if plan_calls["served"] < 2:  # calls 2 and 3 (and, with autograd, backward calls from the third on)
+                failures.append(f"case {index} {case}: plans served only {plan_calls['served']} calls")
     assert not failures, "\n".join(failures[:5]) + f"\n({len(failures)} failing cases)"
     assert expected_served > NUM_CASES[device]  # the grid exercised the fast path
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_disabled_fast_path_serves_nothing_and_agrees(device, served):
+def test_disabled_fast_path_serves_nothing_and_agrees(device, plan_calls):
     case = dict(layout="bshd", style="neox", pos="offset", freq="base", partial="full", scales=(1.0, 1.0, 1.0),
                 dtype=torch.float32, with_k=True, packed=False, mode="out", grad_layout="contiguous")
     previous = ropekit.set_fast_path(False)
@@ -270,7 +255,7 @@ def test_disabled_fast_path_serves_nothing_and_agrees(device, served):
                 run_case(case, SHAPES[device], device, call)
     finally:
         ropekit.set_fast_path(previous)
-    assert served["n"] == 0 and not _eager._PLANS
+    assert plan_calls["served"] == 0 and not _eager._PLANS
 
 
 def test_fast_path_switch_from_environment():

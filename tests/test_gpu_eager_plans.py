@@ -9,29 +9,12 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import _eager
 from helpers import assert_close_to_ref, make_qk
 from test_api import _ref
 
 pytestmark = pytest.mark.gpu
 
 B, S, HQ, HK, D = 3, 7, 8, 2, 64
-
-
-@pytest.fixture
-def plan_calls(monkeypatch):
-    """Counts calls that a plan served (returned outputs rather than handing back to the full path)."""
-    counter = {"served": 0}
-    original = _eager.Plan.__call__
-
-    def counting(self, *args):
-        out = original(self, *args)
-        counter["served"] += out is not None
-        return out
-
-    monkeypatch.setattr(_eager.Plan, "__call__", counting)
-    _eager._PLANS.clear()
-    return counter
 
 
 def _fresh(case: str, call: int):

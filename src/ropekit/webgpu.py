@@ -583,7 +583,8 @@ def apply_rope(q: Array, k: Optional[Array] = None, *, pos_offset: int = 0, base
         Token ``s`` sits at position ``pos_offset + s`` in every batch row. D must be even.
     k : same kind, dtype and shape as q except the head count (GQA), optional
     pos_offset : int
-        Position of the first token (the KV-cache length when decoding); positions must stay below 2**31 (ropekit's range on every backend).
+        Position of the first token (the KV-cache length when decoding); positions must stay below 2**31
+        (ropekit's range on every backend).
     base : float
         RoPE base (theta); frequencies ``inv_freq[i] = base ** (-2i/D)`` computed in float32 on the host as
         transformers does (in the shader for ``angles="shader_base"``).
