@@ -99,7 +99,7 @@ class Plan:
     (q's and k's slots are always the call's own tensors)."""
 
     __slots__ = ("launch", "slots", "const_freq", "const_freq_handle", "int_offset", "max_offset", "q_out", "k_out",
-                 "inplace", "grad", "call_kwargs", "raw", "q_span", "k_span", "qk_delta")
+                 "inplace", "grad", "call_kwargs", "handle", "q_span", "k_span", "qk_delta")
 
     def __call__(self, q: Tensor, k: Optional[Tensor], positions, handles: list, optional: tuple):
         """Launch and return the outputs as the full path would, or None to send the call down the full path."""
@@ -133,9 +133,6 @@ class Plan:
         path proved safe when it recorded this plan (interleaved views of one packed buffer)."""
         qp, kp = q.data_ptr(), k.data_ptr()
         return kp >= qp + self.q_span or qp >= kp + self.k_span or kp - qp == self.qk_delta
-
-    def handle(self, t: Tensor):
-        return t.data_ptr() if self.raw else t
 
     def rotate(self, launch, q: Tensor, k: Optional[Tensor], tables: tuple, pos_offset: int):
         """Out-of-place rotation of ``q`` (and ``k``) with a bound launch; the outputs are fresh tensors."""
@@ -189,7 +186,9 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     plan = Plan()
     plan.launch, plan.slots, plan.inplace, plan.grad = launch, slots, inplace, key[-1]
     plan.call_kwargs = call_kwargs
-    plan.raw = q.is_cuda
+    # What the launch takes for a tensor: its address on CUDA (a C call, no Python frame), the tensor under the
+    # interpreter.
+    plan.handle = Tensor.data_ptr if q.is_cuda else _same
     plan.const_freq = const_freq
     plan.const_freq_handle = plan.handle(const_freq) if const_freq is not None else 0
     plan.int_offset = int_offset
@@ -208,6 +207,10 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     _PLANS[key] = plan
     if len(_PLANS) > _MAX_PLANS:  # least recently used out
         _PLANS.popitem(last=False)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 def _span(x: Tensor) -> int:
