@@ -491,16 +491,16 @@ def test_cuda_graph_decode_loop(dtype):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# 3c. the patched model's decode loop over a static cache
+# 3c. the patched model's own decode loop under CUDA-graph replay
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _static_cache_decode(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _static_cache_decode(model, prompt: torch.Tensor, steps: int, graph: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decode of ``steps`` tokens after the prompt's with a static KV cache, every decode step one forward
-    over static buffers (token ids, cache position, position ids, a 4-D additive mask), as a graph-captured
-    serving loop runs it. Returns the [B, steps + 1] new tokens and the logits [B, steps + 1, vocab] they were
-    chosen from. (Capturing transformers' own forward in a CUDA graph failed on replay with an index_copy_
-    assertion for the unpatched model too; graph replay is tested at the attention level above.)"""
+    over static buffers (token ids, cache position, position ids, a 4-D additive mask), captured once as a CUDA
+    graph and replayed when ``graph``, as serving loops run it. Returns the [B, steps + 1] new tokens and the
+    logits [B, steps + 1, vocab] they were chosen from."""
     transformers = pytest.importorskip("transformers")
     dev = prompt.device
     batch, plen = prompt.shape
@@ -515,12 +515,37 @@ def _static_cache_decode(model, prompt: torch.Tensor, steps: int) -> tuple[torch
         ids = tokens[0][:, None].clone()
         cache_pos = torch.tensor([plen], device=dev)
         pos_ids = torch.full((batch, 1), plen, device=dev)
-        for step in range(steps):
-            mask[..., : plen + step + 1] = 0
-            logits = model(ids, attention_mask=mask, past_key_values=cache, cache_position=cache_pos,
-                           position_ids=pos_ids, use_cache=True).logits[:, -1]
+
+        def step():
+            return model(ids, attention_mask=mask, past_key_values=cache, cache_position=cache_pos,
+                         position_ids=pos_ids, use_cache=True).logits[:, -1]
+
+        run = step
+        if graph:
+            mask[..., : plen + 1] = 0
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up, as torch.cuda.graphs' docs require
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            # transformers' static layers count the tokens written on the device (cumulative_length), and
+            # the warm-up advanced that count: put it back, in place (the graph reads it at this address)
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(plen)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                static_logits = step()
+
+            def run():
+                cuda_graph.replay()
+                return static_logits
+
+        for t in range(steps):
+            mask[..., : plen + t + 1] = 0
+            logits = run()
             tokens.append(logits.argmax(-1))
-            all_logits.append(logits)
+            all_logits.append(logits.clone())
             ids.copy_(tokens[-1][:, None])
             cache_pos += 1
             pos_ids += 1
@@ -530,22 +555,23 @@ def _static_cache_decode(model, prompt: torch.Tensor, steps: int) -> tuple[torch
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_llama_static_cache_decode_same_tokens(device, attn, rope_calls):
-    """The patched model decodes 16 tokens through a static cache with per-step position tensors updated in
-    place and gives the unpatched model's greedy tokens and logits."""
+    """The patched model decodes 16 tokens through a static cache -- on CUDA under CUDA-graph replay, with the
+    position tensors updated in place between replays -- and gives the unpatched model's greedy tokens and
+    logits."""
     model = tiny_llama(attn, device)
     model.eval()
     prompt = torch.tensor([[1, 17, 42, 99, 5, 63, 27, 88], [1, 3, 120, 64, 64, 12, 9, 111]], device=device)
     reference = copy.deepcopy(model)
     want = reference.generate(prompt, do_sample=False, max_new_tokens=17, attention_mask=torch.ones_like(prompt),
                               pad_token_id=0, eos_token_id=None)[:, prompt.shape[1]:]
-    unpatched, unpatched_logits = _static_cache_decode(reference, prompt, 16)
+    unpatched, unpatched_logits = _static_cache_decode(reference, prompt, 16, graph=False)
     assert torch.equal(unpatched, want)  # the loop itself is transformers' greedy decode
     rk_hf.patch(model)
     try:
-        got, logits = _static_cache_decode(model, prompt, 16)
+        got, logits = _static_cache_decode(model, prompt, 16, graph=device == "cuda")
     finally:
         rk_hf.unpatch(model)
-    assert rope_calls  # the patched rotation ran
+    assert rope_calls  # the patched rotation ran (captured once; replays launch the same kernels)
     assert torch.equal(got, want), (got, want)
     # greedy tokens of a random model barely depend on positions: the logits of every step must agree too
     torch.testing.assert_close(logits, unpatched_logits, rtol=1e-5, atol=1e-5)
