@@ -168,6 +168,43 @@ def test_targets_take_the_worst_qualifying_row():
     assert results["fwdbwd"]["ok"] is None and results["host"]["worst"] is None
 
 
+def test_no_cuda_refuses_unless_the_smoke_run_is_asked_for(monkeypatch, capsys):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    for argv in ([], ["--quick"], ["--preset", "full"]):
+        assert bench.main(argv + ["--registry", str(REGISTRY)]) != 0
+        err = capsys.readouterr().err
+        assert bench.NO_CUDA_MESSAGE in err and "--preset smoke" in err
+    # asked for explicitly, the CPU run goes ahead (an empty selection stops it just after the device check)
+    for argv in (["--preset", "smoke"], ["--device", "cpu"]):
+        assert bench.main(argv + ["--registry", str(REGISTRY), "--cases", "no-such-group"]) == 2
+        assert capsys.readouterr().err.strip() == "no case selected"
+
+
+def test_cpu_table_has_no_targets_and_gpu_table_has():
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit")}
+    case = bench.expand_preset(bench.load_registry(str(REGISTRY)), "smoke")[0]
+    row = dict(bench._row(dict(env, label=bench.SMOKE_LABEL), case, "fwd", "ropekit", 100, "copy"),
+               median_us="600", ratio_vs_copy="599")
+    targets = bench.evaluate_targets([row])
+    smoke = bench.format_table([row], dict(env, label=bench.SMOKE_LABEL), targets)
+    assert bench.NO_TARGETS_LINE in smoke and "Targets (worst" not in smoke and " NO " not in smoke
+    perf = bench.format_table([dict(row, label=bench.PERF_LABEL)], dict(env, label=bench.PERF_LABEL), targets)
+    assert "Targets (worst" in perf and bench.NO_TARGETS_LINE not in perf
+
+
+def test_triton_rows_on_cpu_without_interpreter_say_why(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    case = bench.expand_preset(bench.load_registry(str(REGISTRY)), "smoke")[0]
+    inp = bench.make_inputs(case, torch.device("cpu"))
+    why = "skipped: Triton launches need a CUDA GPU (on CPU: set TRITON_INTERPRET=1)"
+    if bench.triton is None:
+        why = "skipped: triton not importable"
+    assert bench._try_build(bench.build_baseline, "triton-launch", inp, bench.bytes_model(inp)) == why
+    assert bench._try_build(bench.build, "ropekit-launcher", inp, "fwd", None) == why
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CPU smoke run, end to end
 # ---------------------------------------------------------------------------------------------------------------
@@ -203,7 +240,7 @@ def test_smoke_run_is_fast_and_labelled(smoke_run):
     assert bench.SMOKE_LABEL in lines[0]
     assert bench.SMOKE_LABEL in lines[-1]  # the short table comes last and ends with the label
     assert any(line.startswith("case ") and "ropekit" in line for line in lines)
-    assert any("Targets" in line for line in lines)
+    assert bench.NO_TARGETS_LINE in lines and not any("Targets (worst" in line for line in lines)
     assert bench.SMOKE_LABEL in _one(out, "bench-*-cpu-smoke.md").read_text()
 
 

@@ -113,3 +113,74 @@ def test_parse_method():
         parse_method("yarn")
     with pytest.raises(ValueError, match=r"does not read \['bogus'\]"):
         parse_method("linear:factor=2,bogus=1")
+
+
+def test_config_label_of_a_bare_config_json(tmp_path, monkeypatch):
+    from ropekit.plot import _load_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = dict(MODEL_CONFIGS["phi-3.5-mini-instruct"])
+    cfg.pop("_name_or_path", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert _load_config("config.json")[0] == cfg["model_type"]  # the parent folder's name is "" here
+    assert _load_config(".")[0] == cfg["model_type"]
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "model_type"}))
+    assert _load_config("config.json")[0] == "config"
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, _name_or_path="org/model")))
+    assert _load_config("config.json")[0] == "org/model"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    assert _load_config("m/config.json")[0] == "m" and _load_config("m")[0] == "m"
+    (tmp_path / "yarn-variant.json").write_text(json.dumps(cfg))
+    assert _load_config("yarn-variant.json")[0] == "yarn-variant"
+
+
+def test_cli_bare_config_json_keeps_a_legend_label(tmp_path, monkeypatch):
+    import ropekit.plot as plot
+
+    monkeypatch.chdir(tmp_path)
+    cfg = {k: v for k, v in MODEL_CONFIGS["phi-3.5-mini-instruct"].items() if k != "_name_or_path"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    seen = {}
+    monkeypatch.setattr(plot, "plot_frequencies", lambda out, entries, **kw: seen.setdefault("entries", entries))
+    assert main(["--config", "config.json"]) == 0
+    assert [label for label, _ in seen["entries"]] == [cfg["model_type"]]
+
+
+def test_coincident_styles_take_turns():
+    from ropekit.plot import coincident_styles
+
+    x = torch.arange(4.0)
+    same, other = (x, x * 2), (x, x * 3)
+    styles = coincident_styles([same, other, same, (x, torch.tensor([0.0, 2.0, 4.0, 6.0 + 1e-12])), other],
+                               ["-", "-", "-", "--", "-"], [2.0, 2.0, 1.0, 1.0, 1.5])
+    assert styles[0] == "-" and styles[1] == "-"  # the first of each group is drawn as asked
+    # three equal curves: the two on top dash in different slots of a 3-dash period, the first shows in the third
+    (o2, (on2, off2)), (o3, (on3, off3)) = styles[2], styles[3]
+    assert (on2, off2) == (on3, off3) and off2 == 2 * on2 and o2 != o3
+    o5, (on5, off5) = styles[4]  # a pair: half and half, in the line's own width units
+    assert on5 * 1.5 == off5 * 1.5 == 6.0 and o5 == 0
+
+
+def test_default_plot_keeps_every_curve_visible(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import ropekit.plot as plot
+
+    Figure, Canvas = plot._import_matplotlib()
+    figures = []
+
+    class Recorded(Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            figures.append(self)
+
+    monkeypatch.setattr(plot, "_import_matplotlib", lambda: (Recorded, Canvas))
+    # dynamic scaling as built equals plain RoPE: its curves lie exactly on "default"'s in every panel
+    entries = [("default", rope_frequencies(64)),
+               ("dynamic", rope_frequencies(64, rope_type="dynamic", factor=4.0, max_position_embeddings=1024))]
+    plot_frequencies(tmp_path / "p.png", entries, max_distance=1024, samples=2)
+    for ax in figures[0].axes:
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        default, dynamic = lines["default"], lines["dynamic"]
+        assert (default.get_xydata() == dynamic.get_xydata()).all()
+        assert default.get_linestyle() == "-" and dynamic.get_linestyle() != "-"

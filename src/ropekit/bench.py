@@ -62,6 +62,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = tl = triton_testing = None
 
 SMOKE_LABEL = "CPU smoke — not a performance figure"
+NO_TARGETS_LINE = "Targets not evaluated: CPU timings are not performance figures (targets need a CUDA GPU)."
+NO_CUDA_MESSAGE = ("ropekit bench: benchmarks need a CUDA GPU, and torch sees none here. To smoke-test the harness "
+                   "on CPU instead (timings are not performance figures): ropekit bench --preset smoke "
+                   "(or --device cpu)")
 PERF_LABEL = "performance"
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
 REGISTRY_PATH = Path("benchmarks") / "registry.py"
@@ -579,6 +583,7 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
     if name == "triton-launch":
         if _empty_kernel is None:
             raise Unsupported("triton not importable")
+        _need_triton_device(inp.device)
         x = torch.zeros(1, device=inp.device)
 
         def launch() -> None:
@@ -645,6 +650,7 @@ def build_ropekit(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if name == "ropekit-launcher":
         if triton is None:
             raise Unsupported("triton not importable")
+        _need_triton_device(inp.device)
         from ropekit.triton.launcher import launch_rope
 
         lkw: dict[str, Any] = dict(layout=inp.layout, style=c.style, freq_mode="inv_freq", rotary_dim=c.rotary_dim,
@@ -786,6 +792,12 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
         fn = lambda: (apply_rotary(inp.q, **kw), apply_rotary(inp.k, **kw))  # noqa: E731
         return Bench(run=fn, result=fn, note=note)
     raise ValueError(name)
+
+
+def _need_triton_device(device: torch.device) -> None:
+    # Without a driver a launch fails with "0 active drivers": say what would make it run instead.
+    if device.type != "cuda" and not _interpreting():
+        raise Unsupported("Triton launches need a CUDA GPU (on CPU: set TRITON_INTERPRET=1)")
 
 
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
@@ -1161,8 +1173,11 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
     out = [label] if meta["label"] != PERF_LABEL else []
     out += [head, intro, ""]
     out += _grid(header, lines_data, markdown)
-    out += ["", "Targets (worst ratio over the qualifying ropekit rows):", ""]
-    out += _grid(t_header, t_rows, markdown)
+    if meta["label"] == PERF_LABEL:
+        out += ["", "Targets (worst ratio over the qualifying ropekit rows):", ""]
+        out += _grid(t_header, t_rows, markdown)
+    else:  # ratios of CPU timings against targets set for a GPU mean nothing (they read "NO (300x)")
+        out += ["", NO_TARGETS_LINE]
     if meta["label"] != PERF_LABEL:
         out += ["", label]
     return "\n".join(out) + "\n"
@@ -1196,9 +1211,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ropekit bench",
         description="Time ropekit against a copy of the same bytes and against the peer implementations present "
-                    "(transformers eager and torch.compile, Liger, flash-attn's Triton rotary). Without CUDA it "
-                    "runs a CPU smoke run of the harness (set TRITON_INTERPRET=1), not a performance figure.")
-    p.add_argument("--preset", help="registry preset (default: quick on CUDA, smoke on CPU)")
+                    "(transformers eager and torch.compile, Liger, flash-attn's Triton rotary). Needs a CUDA GPU; "
+                    "--preset smoke or --device cpu runs a CPU smoke run of the harness instead (set "
+                    "TRITON_INTERPRET=1 for the Triton rows), not a performance figure.")
+    p.add_argument("--preset", help="registry preset (default: quick on CUDA, smoke with --device cpu)")
     p.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
     p.add_argument("--full", action="store_const", const="full", dest="preset", help="same as --preset full")
     p.add_argument("--cases", help="comma-separated globs on group names (or case names) of the preset")
@@ -1231,6 +1247,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.from_json:
         return _replot(args.from_json, out_dir, args.plot)
 
+    if args.device is None and args.preset != "smoke" and not args.list and not torch.cuda.is_available():
+        # a CPU run is a smoke test of the harness: only when asked for, never in place of a benchmark
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu", file=sys.stderr)

@@ -3,7 +3,8 @@
 
 Backends: ``cuda`` (the Triton kernels through the public API) when a GPU is present, else ``triton-interpreter``
 (the same kernels on the CPU under ``TRITON_INTERPRET=1``, small shapes); ``cpu`` (the float64 path) for the
-mathematical properties; ``webgpu`` when wgpu finds an adapter.
+mathematical properties; ``webgpu`` when wgpu finds an adapter. A backend that cannot run here is listed after
+the table with the reason and how to enable it.
 """
 
 from __future__ import annotations
@@ -144,8 +145,38 @@ def _property_rows() -> list[CheckRow]:
     return rows
 
 
-def run_checks(small: Optional[bool] = None) -> list[CheckRow]:
-    """All check rows for the backends available here."""
+@dataclass
+class SkippedBackend:
+    backend: str
+    cases: int  # how many cases did not run
+    reason: str  # why, and how to enable it
+
+
+def _triton_missing() -> Optional[str]:
+    """Why the Triton cases cannot run here (None when they can)."""
+    if importlib.util.find_spec("triton") is None:
+        return 'triton is not installed; enable with: pip install "ropekit[triton]"'
+    if not torch.cuda.is_available() and importlib.util.find_spec("numpy") is None:
+        return 'the Triton interpreter needs numpy; enable with: pip install "ropekit[triton]"'
+    return None
+
+
+def _webgpu_runner():
+    """(runner, None) when wgpu finds an adapter, else (None, why and how to enable it)."""
+    if importlib.util.find_spec("wgpu") is None:
+        return None, 'wgpu is not installed; enable with: pip install "ropekit[webgpu]"'
+    try:
+        from ropekit import webgpu
+
+        return webgpu.default_runner(), None
+    except ImportError as exc:  # numpy, or a broken wgpu install
+        return None, f'{exc}; enable with: pip install "ropekit[webgpu]"'
+    except RuntimeError as exc:  # its message already carries the hint for installing a software adapter
+        return None, f"no wgpu adapter found: {exc}"
+
+
+def run_all(small: Optional[bool] = None) -> tuple[list[CheckRow], list[SkippedBackend]]:
+    """All check rows for the backends available here, and the backends skipped (with the reason)."""
     if torch.cuda.is_available():
         backend, device = "cuda", "cuda"
     else:
@@ -153,20 +184,41 @@ def run_checks(small: Optional[bool] = None) -> list[CheckRow]:
         backend, device = "triton-interpreter", "cpu"
     small = backend != "cuda" if small is None else small
     torch.manual_seed(0)
-    rows = []
-    have_triton = importlib.util.find_spec("triton") is not None
-    if have_triton:
-        for name, dtype, make in _case_table(device, small):
+    rows: list[CheckRow] = []
+    skipped: list[SkippedBackend] = []
+    cases = _case_table(device, small)
+    why = _triton_missing()
+    if why is None:
+        for name, dtype, make in cases:
             rows.append(_run_case(backend, device, name, dtype, make, small))
+    else:
+        skipped.append(SkippedBackend(backend, len(cases), why))
     rows += _property_rows()
-    try:
+    runner, why = _webgpu_runner()
+    if runner is None:
+        skipped.append(SkippedBackend("webgpu", _webgpu_case_count(), why))
+    else:
         from ropekit import webgpu
 
         rows += [CheckRow(r["backend"], r["device"], r["case"], r["max_error"], r["tolerance"])
-                 for r in webgpu.check_rows()]
+                 for r in webgpu.check_rows(runner)]
+    return rows, skipped
+
+
+_WEBGPU_CASES = 7  # len(ropekit.webgpu._CHECK_CASES), for when that module cannot import (no numpy)
+
+
+def _webgpu_case_count() -> int:
+    try:
+        from ropekit.webgpu import _CHECK_CASES
     except ImportError:
-        pass
-    return rows
+        return _WEBGPU_CASES
+    return len(_CHECK_CASES)
+
+
+def run_checks(small: Optional[bool] = None) -> list[CheckRow]:
+    """All check rows for the backends available here (:func:`run_all` also says what was skipped)."""
+    return run_all(small)[0]
 
 
 def _device_name(backend: str) -> str:
@@ -175,20 +227,30 @@ def _device_name(backend: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def format_table(rows: list[CheckRow], skipped: list[SkippedBackend]) -> list[str]:
+    """The table, a line per skipped backend, and the summary line last."""
+    cells = [(r.backend, _device_name(r.backend) if r.backend in ("cuda", "triton-interpreter") else r.device,
+              r.case, f"{r.max_error:.2e}", f"{r.tolerance:.2e}", "pass" if r.passed else "FAIL") for r in rows]
+    header = ("backend", "device", "case", "max error", "tolerance", "result")
+    # every column as wide as its longest cell: device names (GPU, adapter) are never cut
+    widths = [max(len(c) for c in col) for col in zip(header, *cells)]
+    align = "<<<>><"
+    lines = ["  ".join(f"{c:{a}{w}}" for c, a, w in zip(line, align, widths)).rstrip() for line in [header, *cells]]
+    for s in skipped:
+        lines.append(f"skipped {s.backend} ({s.cases} cases): {s.reason}")
+    failed = sum(not r.passed for r in rows)
+    n_skipped = sum(s.cases for s in skipped)
+    lines.append(f"{len(rows) - failed} passed, {failed} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="ropekit check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     args = parser.parse_args(argv)
-    rows = run_checks(small=True if args.small else None)
-    width = max(len(r.case) for r in rows)
-    print(f"{'backend':<19} {'device':<24} {'case':<{width}} {'max error':>10} {'tolerance':>10}  result")
-    for r in rows:
-        dev = _device_name(r.backend) if r.backend in ("cuda", "triton-interpreter") else r.device
-        print(f"{r.backend:<19} {dev[:24]:<24} {r.case:<{width}} {r.max_error:>10.2e} {r.tolerance:>10.2e}  "
-              f"{'pass' if r.passed else 'FAIL'}")
-    failed = sum(not r.passed for r in rows)
-    print(f"{len(rows) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    rows, skipped = run_all(small=True if args.small else None)
+    print("\n".join(format_table(rows, skipped)))
+    return 1 if any(not r.passed for r in rows) else 0
 
 
 def env_main(argv: Optional[list[str]] = None) -> int:

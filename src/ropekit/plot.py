@@ -103,6 +103,33 @@ def binned_relative_position_curve(freqs: RopeFrequencies, max_distance: int, *,
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _same_curve(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    xa, ya = (torch.as_tensor(v, dtype=torch.float64) for v in a)
+    xb, yb = (torch.as_tensor(v, dtype=torch.float64) for v in b)
+    return (xa.shape == xb.shape and ya.shape == yb.shape and torch.allclose(xa, xb, equal_nan=True)
+            and torch.allclose(ya, yb, rtol=1e-6, atol=0.0, equal_nan=True))
+
+
+def coincident_styles(curves: Sequence[tuple[Any, Any]], styles: Sequence[Any], widths: Sequence[float],
+                      *, dash: float = 6.0) -> list[Any]:
+    """Line styles that keep every one of ``curves`` (``(x, y)``, drawn in order) visible: a curve equal to earlier
+    ones is dashed, and the m curves of a group take turns along the line (dashes of ``dash`` points, each its own
+    slot of a period ``m * dash``) so the first, drawn solid beneath, shows in the last slot. Other curves keep
+    their style. Dash lengths are divided by the line width, which matplotlib multiplies them by."""
+    group_of = list(range(len(curves)))  # index of the first curve each one coincides with
+    for i in range(len(curves)):
+        group_of[i] = next((j for j in range(i) if group_of[j] == j and _same_curve(curves[j], curves[i])), i)
+    out = list(styles)
+    for lead in set(group_of):
+        members = [i for i, g in enumerate(group_of) if g == lead]
+        m = len(members)
+        for rank, i in enumerate(members[1:]):
+            period, lw = m * dash, widths[i]
+            offset = (period - rank * dash) % period  # starts this curve's dash at slot ``rank``
+            out[i] = (offset / lw, (dash / lw, (period - dash) / lw))
+    return out
+
+
 def plot_frequencies(
     out: str | Path,
     entries: Mapping[str, RopeFrequencies] | Sequence[tuple[str, RopeFrequencies]],
@@ -145,6 +172,7 @@ def plot_frequencies(
     if max_distance < 1:
         raise ValueError(f"max_distance must be >= 1, got {max_distance}")
 
+    curves: dict[str, list[tuple[Any, Any, Any, str, float, str]]] = {"wave": [], "ratio": [], "rel": []}
     fig = Figure(figsize=(17, 5.4), layout="constrained")
     FigureCanvasAgg(fig)
     ax_wave, ax_ratio, ax_rel = fig.subplots(1, 3)
@@ -164,13 +192,18 @@ def plot_frequencies(
             pairs = torch.arange(g.rotary_dim // 2, dtype=torch.float64)
             if fractional:
                 pairs = 2 * pairs / g.rotary_dim
-            ax_wave.plot(pairs, g.wavelengths, ls, color=color, lw=lw, label=name)
+            curves["wave"].append((pairs, g.wavelengths, ls, color, lw, name))
             if g.base is not None:
                 plain = rope_frequencies(g.rotary_dim, g.base, head_dim=g.head_dim).inv_freq.double()
                 ratio = torch.where(g.inv_freq > 0, plain / g.inv_freq.double(), torch.full_like(plain, math.nan))
-                ax_ratio.plot(pairs, ratio, ls, color=color, lw=lw, label=name)
+                curves["ratio"].append((pairs, ratio, ls, color, lw, name))
             centres, curve = binned_relative_position_curve(g, max_distance, samples=samples, seed=seed)
-            ax_rel.plot(centres, curve, ls, color=color, lw=lw, label=name)
+            curves["rel"].append((centres, curve, ls, color, lw, name))
+    for ax, key in ((ax_wave, "wave"), (ax_ratio, "ratio"), (ax_rel, "rel")):
+        styles = coincident_styles([(x, y) for x, y, *_ in curves[key]], [c[2] for c in curves[key]],
+                                   [c[4] for c in curves[key]])
+        for (x, y, _, color, lw, name), ls in zip(curves[key], styles):
+            ax.plot(x, y, linestyle=ls, color=color, lw=lw, label=name)
     for c in contexts:
         ax_wave.axhline(c, color="0.45", lw=0.8, ls=":")
         ax_wave.annotate(f"{c:,} tokens", (0, c), xytext=(2, 2), textcoords="offset points", fontsize=7, color="0.35")
@@ -249,8 +282,10 @@ def _load_config(path: str) -> tuple[str, dict]:
         cfg = json.load(fh)
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: expected a JSON object")
-    label = cfg.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
-    return str(label), cfg
+    named = p.stem
+    if p.name == "config.json":  # named by its folder; a bare ``config.json`` has none (an empty legend label)
+        named = p.parent.name or cfg.get("model_type") or p.stem
+    return str(cfg.get("_name_or_path") or named), cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
