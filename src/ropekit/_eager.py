@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ropekit import _config
 from ropekit._layout import to_canonical
+from ropekit._memory import span_bytes
 from ropekit.reference import MAX_POSITION
 
 _PLANS: OrderedDict = OrderedDict()
@@ -200,7 +201,7 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
     plan.max_offset = max_offset
     plan.q_span = plan.k_span = plan.qk_delta = 0
     if inplace and k is not None:  # the full path checked that q and k do not overlap at this relative offset
-        plan.q_span, plan.k_span = _span(q), _span(k)
+        plan.q_span, plan.k_span = span_bytes(q), span_bytes(k)
         plan.qk_delta = k.data_ptr() - q.data_ptr()
     plan.q_out = (q_out.shape, q_out.dtype)
     plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
@@ -212,7 +213,3 @@ def record(key, q: Tensor, k: Optional[Tensor], optional: tuple, normalised, out
 def _same(t: Tensor) -> Tensor:
     return t
 
-
-def _span(x: Tensor) -> int:
-    """Bytes from ``x``'s first element to the end of its last."""
-    return x.element_size() * (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1)

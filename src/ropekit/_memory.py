@@ -21,6 +21,11 @@ def has_internal_overlap(x: Tensor) -> bool:
     return False
 
 
+def span_bytes(x: Tensor) -> int:
+    """Bytes from ``x``'s first element to the end of its last (non-negative strides, as torch makes them)."""
+    return x.element_size() * (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1)
+
+
 def overlap(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` share at least one byte of memory (True where it cannot be decided cheaply).
 
@@ -30,9 +35,7 @@ def overlap(a: Tensor, b: Tensor) -> bool:
         return False
     ea, eb = a.element_size(), b.element_size()
     a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + ea * (sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1)
-    b1 = b0 + eb * (sum((n - 1) * st for n, st in zip(b.shape, b.stride())) + 1)
-    if a1 <= b0 or b1 <= a0:
+    if a0 + span_bytes(a) <= b0 or b0 + span_bytes(b) <= a0:
         return False
     if ea != eb:
         return True
