@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ropekit import _config
 from ropekit._layout import to_canonical
 from ropekit._memory import span_bytes
+from ropekit.ops import uses_kernels
 from ropekit.reference import MAX_POSITION
 
 _PLANS: OrderedDict = OrderedDict()
@@ -49,14 +49,9 @@ def signature(q: Tensor, k: Optional[Tensor], optional: tuple, scalars: tuple):
     starts with the ``inplace`` flag. The handles are q's, k's and the optional tensors' data pointers in that
     order (0 where absent) -- the tensors themselves on CPU, where the interpreter needs them. Calls that need
     autograd get keys (and plans) of their own."""
-    if type(q) is not Tensor or (k is not None and type(k) is not Tensor) or q.dtype is torch.float64:
+    if type(q) is not Tensor or (k is not None and type(k) is not Tensor) or not uses_kernels(q):
         return None
-    if q.is_cuda:
-        raw = True
-    elif _config.kernels_on_cpu and q.device.type == "cpu":
-        raw = False
-    else:
-        return None
+    raw = q.is_cuda
     if torch.compiler.is_compiling():
         return None
     inplace = scalars[0]
