@@ -11,6 +11,13 @@
     runs every resulting case in each of its ``modes``. ``sizes`` is a ``SIZES`` name or an explicit list. An
     optional ``impls`` list restricts the implementations (baselines always run). A group's ``name`` is what
     ``--cases`` selects.
+``TARGETS``
+    list of goals the printed table ends with (GPU runs only). Each is the worst ratio over the rows that qualify
+    and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
+    ``impl`` (default "ropekit"), ``where`` (optional: column -> ``[low, high]``, inclusive, ``None`` for no bound;
+    a row qualifies when every named column of it is in range; columns are those of the results CSV, e.g.
+    ``bytes``, ``tokens``, ``hq``) and ``versus`` (optional: divide by that impl's time in the same case and mode
+    instead of the mode's baseline).
 
 Values:
     dtypes     "fp32", "fp16", "bf16"
@@ -107,3 +114,16 @@ PRESETS = {
          "positions": ["batch"], "sizes": [[2, 1]], "modes": ["decode", "host"]},
     ],
 }
+
+TARGETS = [
+    {"key": "fwd-large", "what": "fwd, >= 100 MB moved, vs copy", "limit": 1.01, "mode": "fwd",
+     "where": {"bytes": [100_000_000, None]}},
+    {"key": "fwd-cold", "what": "fwd, 2k-16k tokens, cold L2, vs copy", "limit": 1.05, "mode": "fwd",
+     "where": {"tokens": [2048, 16384]}},
+    {"key": "fwdbwd", "what": "fwd+bwd via autograd vs ideal 4-pass copy", "limit": 1.10, "mode": "fwdbwd"},
+    {"key": "decode", "what": "decode 1-64 tokens, 32/8 heads D128, graph replay, vs copy of q", "limit": 1.00,
+     "mode": "decode", "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
+    {"key": "host", "what": "eager host time per call vs x.add_(1)", "limit": 1.00, "mode": "host"},
+    {"key": "exact-vs-table", "what": "fwd, >= 100 MB, exact in-kernel angles vs fp32 table path", "limit": 1.02,
+     "mode": "fwd", "where": {"bytes": [100_000_000, None]}, "versus": "ropekit-table"},
+]

@@ -21,10 +21,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
-    from ropekit import bench
+    import ropekit.bench  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(ROOT / "src"))
-    from ropekit import bench
+from ropekit.bench import cases as bench_cases  # noqa: E402
+from ropekit.bench import cli, impls, inputs, report, run  # noqa: E402
+from ropekit.bench import env as bench_env  # noqa: E402
+from ropekit.bench import targets as bench_targets  # noqa: E402
 
 REGISTRY = ROOT / "benchmarks" / "registry.py"
 REQUIRED_FIELDS = ("gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes",
@@ -86,18 +89,18 @@ def _stand_in_transformers(root: Path) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_registry_presets_expand():
-    registry = bench.load_registry(str(REGISTRY))
+    registry = bench_cases.load_registry(str(REGISTRY))
     for preset in registry["PRESETS"]:
-        cases = bench.expand_preset(registry, preset)
+        cases = bench_cases.expand_preset(registry, preset)
         assert cases, preset
         pairs = [(c.name, m) for c in cases for m in c.modes]
         assert len(pairs) == len(set(pairs)), f"{preset}: a (case, mode) pair runs twice"
-    full = bench.expand_preset(registry, "full")
+    full = bench_cases.expand_preset(registry, "full")
     assert {c.model for c in full} >= {"llama3-8b", "llama3-70b", "mha16-d64", "hd256", "mla-rope"}
     assert {c.dtype for c in full} == {"fp32", "fp16", "bf16"}
     assert {c.style for c in full} == {"neox", "interleaved"}
-    assert {c.positions for c in full} == set(bench.POSITION_KINDS)
-    assert {m for c in full for m in c.modes} == set(bench.MODES)
+    assert {c.positions for c in full} == set(bench_cases.POSITION_KINDS)
+    assert {m for c in full for m in c.modes} == set(bench_cases.MODES)
     prefill = [c.tokens for c in full if "fwd" in c.modes]
     assert min(prefill) == 2048 and max(prefill) == 131072
     decode = [c.tokens for c in full if "decode" in c.modes]
@@ -106,48 +109,51 @@ def test_registry_presets_expand():
     assert (mla.head_dim, mla.rotary_dim, mla.rotary_at) == (192, 64, "back")
 
 
-@pytest.mark.parametrize("source", ["file", "built-in"])
-def test_quick_preset_has_a_case_for_every_target(source):
-    registry = bench.load_registry(str(REGISTRY)) if source == "file" else dict(bench.BUILTIN_REGISTRY)
-    cases = bench.expand_preset(registry, "quick")
+def _targets():
+    return bench_targets.targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
+
+
+def test_quick_preset_has_a_case_for_every_target():
+    registry = bench_cases.load_registry(str(REGISTRY))
+    cases = bench_cases.expand_preset(registry, "quick")
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
-    for target in bench.TARGETS:
-        rows = [bench._row(env, c, m, target.impl, bench.case_bytes(c)[m], bench.BASELINE[m])
+    for target in _targets():
+        rows = [run._row(env, c, m, target.impl, inputs.case_bytes(c)[m], impls.BASELINE[m])
                 for c in cases for m in c.modes]
         assert any(r["mode"] == target.mode and target.select(r) for r in rows), target.key
 
 
 def test_select_cases_filters_and_shards():
-    registry = bench.load_registry(str(REGISTRY))
-    cases = bench.expand_preset(registry, "full")
-    only = bench.select_cases(cases, groups="decode", pattern=None, modes=None, shard=None)
+    registry = bench_cases.load_registry(str(REGISTRY))
+    cases = bench_cases.expand_preset(registry, "full")
+    only = bench_cases.select_cases(cases, groups="decode", pattern=None, modes=None, shard=None)
     assert only and all(c.group == "decode" for c in only)
-    rx = bench.select_cases(cases, groups=None, pattern=r"^llama3-70b/", modes="fwd", shard=None)
+    rx = bench_cases.select_cases(cases, groups=None, pattern=r"^llama3-70b/", modes="fwd", shard=None)
     assert rx and all(c.model == "llama3-70b" and c.modes == ("fwd",) for c in rx)
-    shards = [bench.select_cases(cases, groups=None, pattern=None, modes=None, shard=f"{i}/3") for i in (1, 2, 3)]
+    shards = [bench_cases.select_cases(cases, groups=None, pattern=None, modes=None, shard=f"{i}/3") for i in (1, 2, 3)]
     assert sorted(c.name + c.group for s in shards for c in s) == sorted(c.name + c.group for c in cases)
     with pytest.raises(ValueError, match="shard"):
-        bench.select_cases(cases, groups=None, pattern=None, modes=None, shard="4/3")
+        bench_cases.select_cases(cases, groups=None, pattern=None, modes=None, shard="4/3")
     with pytest.raises(ValueError, match="mode"):
-        bench.select_cases(cases, groups=None, pattern=None, modes="fwd,backwards", shard=None)
+        bench_cases.select_cases(cases, groups=None, pattern=None, modes="fwd,backwards", shard=None)
 
 
-@pytest.mark.parametrize("positions", bench.POSITION_KINDS)
+@pytest.mark.parametrize("positions", bench_cases.POSITION_KINDS)
 def test_bytes_model_matches_the_tensors(positions):
     import torch
 
-    case = bench.Case(group="t", family="t", model="tiny", hq=4, hk=2, head_dim=32, rotary_dim=32, rotary_at="front",
-                      base=10000.0, dtype="bf16", style="neox", positions=positions, batch=3, seqlen=8,
-                      modes=("fwd",))
-    inp = bench.make_inputs(case, torch.device("cpu"))
+    case = bench_cases.Case(group="t", family="t", model="tiny", hq=4, hk=2, head_dim=32, rotary_dim=32,
+                            rotary_at="front", base=10000.0, dtype="bf16", style="neox", positions=positions, batch=3,
+                            seqlen=8, modes=("fwd",))
+    inp = inputs.make_inputs(case, torch.device("cpu"))
     qk = 3 * 8 * (4 + 2) * 32 * 2
-    assert bench.bytes_model(inp) == bench.case_bytes(case)
-    assert bench.bytes_model(inp)["fwd"] >= 2 * qk
-    assert bench.bytes_model(inp)["fwdbwd"] == 2 * bench.bytes_model(inp)["fwd"]
+    assert inputs.bytes_model(inp) == inputs.case_bytes(case)
+    assert inputs.bytes_model(inp)["fwd"] >= 2 * qk
+    assert inputs.bytes_model(inp)["fwdbwd"] == 2 * inputs.bytes_model(inp)["fwd"]
     assert int(inp.pos_grid.max()) < inp.cos_tab.shape[0]
     if positions == "thd":
         assert inp.q.shape == (24, 4, 32) and int(inp.cu_seqlens[-1]) == 24
-        assert len(set(bench.varlen_lengths(3, 8))) > 1
+        assert len(set(inputs.varlen_lengths(3, 8))) > 1
 
 
 def test_targets_take_the_worst_qualifying_row():
@@ -159,7 +165,7 @@ def test_targets_take_the_worst_qualifying_row():
     rows = [row("a", "fwd", "ropekit", 101, 1.005), row("b", "fwd", "ropekit", 103, 1.03),
             row("a", "fwd", "ropekit-table", 100, 1.0), row("b", "fwd", "ropekit-table", 102, 1.02),
             row("d", "decode", "ropekit", 3, 0.9, tokens=1)]
-    results = {t["target"]: t for t in bench.evaluate_targets(rows)}
+    results = {t["target"]: t for t in bench_targets.evaluate_targets(rows, _targets())}
     assert results["fwd-large"]["worst"] == pytest.approx(1.03) and results["fwd-large"]["ok"] is False
     assert results["fwd-large"]["case"] == "b" and results["fwd-large"]["cases"] == 2
     assert results["fwd-cold"]["ok"] is True and results["fwd-cold"]["cases"] == 2  # 4096 tokens qualify
@@ -168,41 +174,102 @@ def test_targets_take_the_worst_qualifying_row():
     assert results["fwdbwd"]["ok"] is None and results["host"]["worst"] is None
 
 
+def test_targets_come_from_the_registry_data(tmp_path):
+    registry = bench_cases.load_registry(str(REGISTRY))
+    assert [t.key for t in _targets()] == [entry["key"] for entry in registry["TARGETS"]]
+    assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table"}
+    # Another registry file with other targets: the harness evaluates those, nothing built in.
+    text = REGISTRY.read_text() + textwrap.dedent('''
+        TARGETS = [{"key": "tiny-fwd", "what": "fwd of tiny shapes", "limit": 2.0, "mode": "fwd",
+                    "where": {"head_dim": [None, 32], "tokens": [16, 16]}}]
+        ''')
+    other = tmp_path / "registry.py"
+    other.write_text(text)
+    (target,) = bench_targets.targets_from_registry(bench_cases.load_registry(str(other)))
+    assert (target.key, target.text, target.limit, target.mode, target.impl) == ("tiny-fwd", "fwd of tiny shapes",
+                                                                                2.0, "fwd", "ropekit")
+    row = dict(case="c", mode="fwd", impl="ropekit", median_us="3", ratio_vs_copy="1.5", tokens="16", head_dim="32")
+    assert target.select(row) and not target.select(dict(row, tokens="17"))
+    (result,) = bench_targets.evaluate_targets([row], [target])
+    assert (result["target"], result["worst"], result["ok"], result["cases"]) == ("tiny-fwd", 1.5, True, 1)
+    with pytest.raises(ValueError, match="unknown fields"):
+        bench_targets.targets_from_registry({"TARGETS": [{"key": "x", "what": "x", "limit": 1, "mode": "fwd",
+                                                          "select": "bytes > 1"}]})
+
+
+def test_missing_registry_names_the_option(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--list", "--device", "cpu", "--registry", str(tmp_path / "none.py")]) == 2
+    assert "--registry" in capsys.readouterr().err
+    # Nothing found above the working directory or the package: an error naming --registry, not a silent default.
+    monkeypatch.setattr(bench_cases, "find_repo_root", lambda: None)
+    with pytest.raises(bench_cases.RegistryNotFound, match="--registry"):
+        bench_cases.load_registry()
+    assert cli.main(["--list", "--device", "cpu"]) == 2
+    assert "--registry FILE" in capsys.readouterr().err
+
+
+def test_history_appends_rows_with_their_source(tmp_path):
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = bench_cases.expand_preset(registry, "smoke")[0]
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    rows = [run._row(env, case, "fwd", impl, 100, "copy") for impl in ("copy", "ropekit")]
+    history = tmp_path / "all_runs.csv"
+    report.append_history(history, rows, "first.csv")
+    report.append_history(history, rows[:1], "second.csv")
+    with history.open(newline="") as f:
+        got = list(csv.DictReader(f))
+    assert [r["source"] for r in got] == ["first.csv", "first.csv", "second.csv"]
+    assert list(got[0]) == [*report.ROW_FIELDS, "source"]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="header"):
+        report.append_history(bad, rows, "x.csv")
+
+
+def test_results_history_has_the_harness_columns():
+    history = ROOT / "benchmarks" / "results" / "all_runs.csv"
+    if not history.is_file():
+        pytest.skip("no benchmarks/results/all_runs.csv in this checkout")
+    with history.open(newline="") as f:
+        assert next(csv.reader(f)) == [*report.ROW_FIELDS, "source"]
+
+
 def test_no_cuda_refuses_unless_the_smoke_run_is_asked_for(monkeypatch, capsys):
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
     for argv in ([], ["--quick"], ["--preset", "full"]):
-        assert bench.main(argv + ["--registry", str(REGISTRY)]) != 0
+        assert cli.main(argv + ["--registry", str(REGISTRY)]) != 0
         err = capsys.readouterr().err
-        assert bench.NO_CUDA_MESSAGE in err and "--preset smoke" in err
+        assert cli.NO_CUDA_MESSAGE in err and "--preset smoke" in err
     # asked for explicitly, the CPU run goes ahead (an empty selection stops it just after the device check)
     for argv in (["--preset", "smoke"], ["--device", "cpu"]):
-        assert bench.main(argv + ["--registry", str(REGISTRY), "--cases", "no-such-group"]) == 2
+        assert cli.main(argv + ["--registry", str(REGISTRY), "--cases", "no-such-group"]) == 2
         assert capsys.readouterr().err.strip() == "no case selected"
 
 
 def test_cpu_table_has_no_targets_and_gpu_table_has():
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit")}
-    case = bench.expand_preset(bench.load_registry(str(REGISTRY)), "smoke")[0]
-    row = dict(bench._row(dict(env, label=bench.SMOKE_LABEL), case, "fwd", "ropekit", 100, "copy"),
+    case = bench_cases.expand_preset(bench_cases.load_registry(str(REGISTRY)), "smoke")[0]
+    row = dict(run._row(dict(env, label=bench_env.SMOKE_LABEL), case, "fwd", "ropekit", 100, "copy"),
                median_us="600", ratio_vs_copy="599")
-    targets = bench.evaluate_targets([row])
-    smoke = bench.format_table([row], dict(env, label=bench.SMOKE_LABEL), targets)
-    assert bench.NO_TARGETS_LINE in smoke and "Targets (worst" not in smoke and " NO " not in smoke
-    perf = bench.format_table([dict(row, label=bench.PERF_LABEL)], dict(env, label=bench.PERF_LABEL), targets)
-    assert "Targets (worst" in perf and bench.NO_TARGETS_LINE not in perf
+    targets = bench_targets.evaluate_targets([row], _targets())
+    smoke = report.format_table([row], dict(env, label=bench_env.SMOKE_LABEL), targets)
+    assert report.NO_TARGETS_LINE in smoke and "Targets (worst" not in smoke and " NO " not in smoke
+    perf = report.format_table([dict(row, label=bench_env.PERF_LABEL)], dict(env, label=bench_env.PERF_LABEL), targets)
+    assert "Targets (worst" in perf and report.NO_TARGETS_LINE not in perf
 
 
 def test_triton_rows_on_cpu_without_interpreter_say_why(monkeypatch):
     import torch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    case = bench.expand_preset(bench.load_registry(str(REGISTRY)), "smoke")[0]
-    inp = bench.make_inputs(case, torch.device("cpu"))
+    case = bench_cases.expand_preset(bench_cases.load_registry(str(REGISTRY)), "smoke")[0]
+    inp = inputs.make_inputs(case, torch.device("cpu"))
     why = "skipped: Triton launches need a CUDA GPU (on CPU: set TRITON_INTERPRET=1)"
-    if bench.triton is None:
+    if impls.triton is None:
         why = "skipped: triton not importable"
-    assert bench._try_build(bench.build_baseline, "triton-launch", inp, bench.bytes_model(inp)) == why
-    assert bench._try_build(bench.build, "ropekit-launcher", inp, "fwd", None) == why
+    assert run._try_build(impls.build_baseline, "triton-launch", inp, inputs.bytes_model(inp)) == why
+    assert run._try_build(impls.build, "ropekit-launcher", inp, "fwd", None) == why
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +286,7 @@ def smoke_run(tmp_path_factory):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(stand_in), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, "-m", "ropekit.cli", "bench", "--preset", "smoke", "--device", "cpu",
-           "--impls", "ropekit*,hf", "--out", str(out), "--commit", "test"]
+           "--impls", "ropekit*,hf", "--out", str(out), "--commit", "test", "--history", str(tmp / "history.csv")]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
     seconds = time.perf_counter() - t0
@@ -237,11 +304,11 @@ def test_smoke_run_is_fast_and_labelled(smoke_run):
     proc, out, seconds = smoke_run
     assert seconds < 30, f"CPU smoke run took {seconds:.1f} s"
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert bench.SMOKE_LABEL in lines[0]
-    assert bench.SMOKE_LABEL in lines[-1]  # the short table comes last and ends with the label
+    assert bench_env.SMOKE_LABEL in lines[0]
+    assert bench_env.SMOKE_LABEL in lines[-1]  # the short table comes last and ends with the label
     assert any(line.startswith("case ") and "ropekit" in line for line in lines)
-    assert bench.NO_TARGETS_LINE in lines and not any("Targets (worst" in line for line in lines)
-    assert bench.SMOKE_LABEL in _one(out, "bench-*-cpu-smoke.md").read_text()
+    assert report.NO_TARGETS_LINE in lines and not any("Targets (worst" in line for line in lines)
+    assert bench_env.SMOKE_LABEL in _one(out, "bench-*-cpu-smoke.md").read_text()
 
 
 def test_smoke_csv_and_json_rows(smoke_run):
@@ -250,17 +317,21 @@ def test_smoke_csv_and_json_rows(smoke_run):
         rows = list(csv.DictReader(f))
     data = json.loads(_one(out, "bench-*-cpu-smoke.json").read_text())
     assert len(data["rows"]) == len(rows) > 0
-    assert data["meta"]["label"] == bench.SMOKE_LABEL and data["meta"]["commit"] == "test"
-    assert {t["target"] for t in data["targets"]} == {t.key for t in bench.TARGETS}
+    with (out.parent / "history.csv").open(newline="") as f:  # --history: the same rows, appended
+        history = list(csv.DictReader(f))
+    assert [{k: r[k] for k in report.ROW_FIELDS} for r in history] == rows
+    assert {r["source"] for r in history} == {_one(out, "bench-*-cpu-smoke.csv").name}
+    assert data["meta"]["label"] == bench_env.SMOKE_LABEL and data["meta"]["commit"] == "test"
+    assert {t["target"] for t in data["targets"]} == {t.key for t in _targets()}
     for row in rows:
         assert set(REQUIRED_FIELDS) <= set(row)
-        assert row["label"] == bench.SMOKE_LABEL
+        assert row["label"] == bench_env.SMOKE_LABEL
         assert row["gpu"].startswith("none (CPU") and row["commit"] == "test"
     modes = {r["mode"] for r in rows}
-    assert modes == set(bench.MODES)
+    assert modes == set(bench_cases.MODES)
     for (case, mode) in {(r["case"], r["mode"]) for r in rows}:
         group = {r["impl"]: r for r in rows if r["case"] == case and r["mode"] == mode}
-        base = group[bench.BASELINE[mode]]
+        base = group[impls.BASELINE[mode]]
         assert float(base["median_us"]) > 0 and float(base["ratio_vs_copy"]) == 1.0
         rk = group["ropekit"]
         assert float(rk["median_us"]) > 0, rk
@@ -293,7 +364,7 @@ def test_smoke_plots(smoke_run):
 def test_from_json_merges_and_redraws(smoke_run, tmp_path, capsys):
     _, out, _ = smoke_run
     source = _one(out, "bench-*-cpu-smoke.json")
-    assert bench.main(["--from-json", str(source), str(source), "--out", str(tmp_path), "--no-plot"]) == 0
+    assert cli.main(["--from-json", str(source), str(source), "--out", str(tmp_path), "--no-plot"]) == 0
     merged = json.loads(_one(tmp_path, "bench-*-merged.json").read_text())
     assert len(merged["rows"]) == 2 * len(json.loads(source.read_text())["rows"])
-    assert bench.SMOKE_LABEL in capsys.readouterr().out.strip().splitlines()[-1]
+    assert bench_env.SMOKE_LABEL in capsys.readouterr().out.strip().splitlines()[-1]

@@ -1,0 +1,41 @@
+"""``ropekit bench``: time ropekit against a copy of the same bytes (the limit) and against peer implementations.
+
+For every case of a preset (model shape x dtype x pairing style x positions x size, see ``benchmarks/registry.py``)
+and every mode it asks for, one run times:
+
+* a baseline: ``copy`` (one ``copy_`` moving the case's bytes, a device-to-device memcpy), ``copy-4pass``
+  (fwd+bwd: one copy of twice the bytes), ``copy-q`` (decode: one copy of q only), ``add_`` (host: one
+  ``x.add_(1)`` call);
+* ropekit: ``apply_rope`` with exact in-kernel angles (``ropekit``), with fp32 cos/sin tables (``ropekit-table``),
+  in place (``ropekit_``), the raw launcher with preallocated outputs (``ropekit-launcher``) and the transformers
+  drop-in (``ropekit-hf``);
+* the peers that are present: transformers' ``apply_rotary_pos_emb`` eager (``hf``) and under ``torch.compile``
+  (``hf-compile``), Liger's ``liger_rotary_pos_emb`` (``liger``), flash-attn's Triton ``apply_rotary``
+  (``flash-attn``). An absent peer, or one that cannot do a case, gets a row saying why.
+
+Modes: ``fwd`` (``triton.testing.do_bench``, which zeroes a 256 MB buffer before every call, so every call starts
+with a cold L2), ``fwdbwd`` (forward + ``torch.autograd.grad``), ``decode`` (``do_bench_cudagraph``: many calls
+captured in one CUDA graph, time per call), ``host`` (``time.perf_counter`` around many eager calls with no sync
+inside the loop). Times are medians.
+
+Before timing, every implementation's output (fwdbwd: its gradients) is compared with ropekit's: ``max_rel_diff``
+is ``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` the row's note says ``MISMATCH``.
+
+On a machine without CUDA the same code runs on CPU tensors (ropekit's float64 reference path; the Triton launcher
+needs ``TRITON_INTERPRET=1``) with a ``timeit`` timer: a smoke run of the harness, labelled
+:data:`env.SMOKE_LABEL` everywhere, never a performance figure.
+
+Output: CSV, JSON and Markdown files with one row per (case, mode, impl), PNG plots (GB/s against tokens, one
+line per implementation) and a short table printed last; with ``--history FILE`` the rows are also appended to an
+append-only CSV.
+
+Modules, one concern each: :mod:`.cases` (registry, case expansion and selection), :mod:`.env` (the environment
+stamp), :mod:`.inputs` (tensors and the bytes model), :mod:`.peers` (importing the peers), :mod:`.impls` (baselines,
+ropekit and peer builders), :mod:`.timing` (timers), :mod:`.run` (the run loop), :mod:`.targets` (targets from the
+registry and their evaluation), :mod:`.report` (CSV, JSON, Markdown, history, the table), :mod:`.plots` (PNGs),
+:mod:`.cli` (options and :func:`main`).
+"""
+
+from .cli import main
+
+__all__ = ["main"]

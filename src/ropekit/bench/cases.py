@@ -1,0 +1,161 @@
+"""Registry and cases: load ``benchmarks/registry.py`` (plain data) and expand a preset into :class:`Case` s."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REGISTRY_PATH = Path("benchmarks") / "registry.py"
+REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
+
+MODES = ("fwd", "fwdbwd", "decode", "host")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+POSITION_KINDS = ("range", "offset", "batch", "ids", "thd")
+POSITION_OFFSET = 1000  # the int offset of positions="offset"
+MAX_CACHE_LEN = 4096  # per-sequence offsets of positions="batch" are drawn from [0, MAX_CACHE_LEN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One problem: a model's attention shape at one dtype, pairing, position kind and size."""
+
+    group: str  # the preset group that asked for it
+    family: str  # the size family (SIZES name or the group name); cases of a series differ only in size
+    model: str
+    hq: int
+    hk: int
+    head_dim: int
+    rotary_dim: int
+    rotary_at: str
+    base: float
+    dtype: str
+    style: str
+    positions: str
+    batch: int
+    seqlen: int
+    modes: tuple[str, ...]
+    impls: tuple[str, ...] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seqlen
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.dtype}/{self.style}/{self.positions}/{self.batch}x{self.seqlen}"
+
+    @property
+    def series(self) -> str:
+        """The plot line group: the name without the size."""
+        return f"{self.model}/{self.dtype}/{self.style}/{self.positions}/{self.family}"
+
+
+def find_repo_root() -> Path | None:
+    """The repository root holding ``benchmarks/registry.py``: above this file, else the working directory or one of
+    its parents; None for an install without the repository."""
+    here = Path(__file__).resolve()  # src/ropekit/bench/cases.py
+    for base in [here.parents[3], Path.cwd(), *Path.cwd().parents]:
+        if (base / REGISTRY_PATH).is_file():
+            return base
+    return None
+
+
+class RegistryNotFound(FileNotFoundError):
+    """No registry file: neither ``--registry FILE`` nor ``benchmarks/registry.py`` above this file or the working
+    directory."""
+
+
+def load_registry(path: str | None = None) -> dict[str, Any]:
+    """MODELS, SIZES, PRESETS and TARGETS from ``path``, else from the repository's ``benchmarks/registry.py``. The
+    result has a ``source`` key naming the file. Raises :class:`RegistryNotFound` when there is no such file."""
+    if path is None:
+        root = find_repo_root()
+        if root is None:
+            raise RegistryNotFound(f"no {REGISTRY_PATH} in the working directory, its parents or the checkout holding "
+                                   "ropekit; pass --registry FILE (a copy of the repository's benchmarks/registry.py)")
+        file = root / REGISTRY_PATH
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise RegistryNotFound(f"registry file not found: {file} (--registry)")
+    spec = importlib.util.spec_from_file_location("ropekit_bench_registry", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [key for key in REGISTRY_KEYS if not hasattr(module, key)]
+    if missing:
+        raise ValueError(f"registry {file} lacks {', '.join(missing)}")
+    registry = {key: getattr(module, key) for key in REGISTRY_KEYS}
+    return dict(registry, source=str(file))
+
+
+def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
+    """Every case of ``preset``, group by group; a (case, mode) pair that an earlier group asked for is not
+    repeated."""
+    presets = registry["PRESETS"]
+    if preset not in presets:
+        raise ValueError(f"unknown preset {preset!r}; the registry has {sorted(presets)}")
+    cases: list[Case] = []
+    seen: set[tuple[str, str]] = set()  # (case name, mode) pairs already asked for by an earlier group
+    for group in presets[preset]:
+        sizes = group["sizes"]
+        family = sizes if isinstance(sizes, str) else group["name"]
+        if isinstance(sizes, str):
+            sizes = registry["SIZES"][sizes]
+        modes = tuple(group["modes"])
+        for mode in modes:
+            if mode not in MODES:
+                raise ValueError(f"group {group['name']!r}: unknown mode {mode!r} (modes: {MODES})")
+        for model_name in group["models"]:
+            model = registry["MODELS"][model_name]
+            for dtype in group["dtypes"]:
+                if dtype not in DTYPES:
+                    raise ValueError(f"group {group['name']!r}: unknown dtype {dtype!r}")
+                for style in group["styles"]:
+                    for positions in group["positions"]:
+                        if positions not in POSITION_KINDS:
+                            raise ValueError(f"group {group['name']!r}: unknown positions {positions!r}")
+                        for batch, seqlen in sizes:
+                            case = Case(
+                                group=group["name"], family=family, model=model_name, hq=model["hq"],
+                                hk=model["hk"], head_dim=model["head_dim"],
+                                rotary_dim=model.get("rotary_dim", model["head_dim"]),
+                                rotary_at=model.get("rotary_at", "front"), base=float(model["base"]), dtype=dtype,
+                                style=style, positions=positions, batch=int(batch), seqlen=int(seqlen), modes=modes,
+                                impls=tuple(group["impls"]) if group.get("impls") else None)
+                            fresh = tuple(m for m in modes if (case.name, m) not in seen)
+                            seen.update((case.name, m) for m in fresh)
+                            if fresh:
+                                cases.append(dataclasses.replace(case, modes=fresh))
+    return cases
+
+
+def select_cases(cases: list[Case], *, groups: str | None, pattern: str | None, modes: str | None,
+                 shard: str | None) -> list[Case]:
+    """Cases whose group matches one of the comma-separated ``groups`` globs, whose name matches the ``pattern``
+    regex, restricted to ``modes``; then shard ``I/N`` (1-based) of the rest."""
+    if groups:
+        globs = [g.strip() for g in groups.split(",") if g.strip()]
+        cases = [c for c in cases if any(fnmatch.fnmatch(c.group, g) or fnmatch.fnmatch(c.name, g) for g in globs)]
+    if pattern:
+        rx = re.compile(pattern)
+        cases = [c for c in cases if rx.search(c.name)]
+    if modes:
+        wanted = [m.strip() for m in modes.split(",") if m.strip()]
+        for m in wanted:
+            if m not in MODES:
+                raise ValueError(f"unknown mode {m!r}; modes are {MODES}")
+        cases = [dataclasses.replace(c, modes=tuple(m for m in c.modes if m in wanted)) for c in cases]
+        cases = [c for c in cases if c.modes]
+    if shard:
+        match = re.fullmatch(r"(\d+)/(\d+)", shard)
+        if not match or not 1 <= int(match.group(1)) <= int(match.group(2)):
+            raise ValueError(f"--shard must be I/N with 1 <= I <= N, got {shard!r}")
+        i, n = int(match.group(1)), int(match.group(2))
+        cases = cases[i - 1::n]
+    return cases

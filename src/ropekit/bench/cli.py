@@ -1,0 +1,211 @@
+"""``ropekit bench``'s command line: options, the run over the selected cases, and ``--from-json`` merges."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import fnmatch
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cases import MODES, RegistryNotFound, expand_preset, load_registry, select_cases
+from .env import SMOKE_LABEL, _interpreting, environment
+from .impls import MODE_IMPLS
+from .inputs import case_bytes
+from .peers import load_peers
+from .plots import plot_results
+from .report import append_history, format_table, skip_notes, write_results
+from .run import MISMATCH, _recover, run_case
+from .targets import evaluate_targets, targets_from_registry
+from .timing import Timer
+
+NO_CUDA_MESSAGE = ("ropekit bench: benchmarks need a CUDA GPU, and torch sees none here. To smoke-test the harness "
+                   "on CPU instead (timings are not performance figures): ropekit bench --preset smoke "
+                   "(or --device cpu)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ropekit bench",
+        description="Time ropekit against a copy of the same bytes and against the peer implementations present "
+                    "(transformers eager and torch.compile, Liger, flash-attn's Triton rotary). Needs a CUDA GPU; "
+                    "--preset smoke or --device cpu runs a CPU smoke run of the harness instead (set "
+                    "TRITON_INTERPRET=1 for the Triton rows), not a performance figure.")
+    p.add_argument("--preset", help="registry preset (default: quick on CUDA, smoke with --device cpu)")
+    p.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
+    p.add_argument("--full", action="store_const", const="full", dest="preset", help="same as --preset full")
+    p.add_argument("--cases", help="comma-separated globs on group names (or case names) of the preset")
+    p.add_argument("--filter", help="regex on case names, e.g. 'llama3-8b/bf16/neox/range'")
+    p.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--impls", help="comma-separated globs on implementation names, e.g. 'ropekit*,hf'; baselines "
+                                   "always run")
+    p.add_argument("--shard", help="run shard I/N of the selected cases (e.g. 2/4)")
+    p.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    p.add_argument("--registry", help="registry file (default: benchmarks/registry.py of the repository holding "
+                                      "ropekit, else of the working directory or a parent)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--out", default="out/bench", help="output directory (default: out/bench)")
+    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                   help="write PNG plots (needs matplotlib; default on)")
+    p.add_argument("--flash-attn-rotary", help="flash-attn's rotary.py to load (default: .peers/flash_attn_rotary.py)")
+    p.add_argument("--commit", help="commit id to stamp when the checkout has no git metadata")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement (ms)")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time (ms)")
+    p.add_argument("--time-budget", type=float, help="seconds after which no new case starts (results so far are "
+                                                      "written)")
+    p.add_argument("--history", metavar="FILE",
+                   help="also append the run's rows to this CSV (the results columns plus 'source'), e.g. "
+                        "benchmarks/results/all_runs.csv; default: none")
+    p.add_argument("--from-json", nargs="+", metavar="FILE",
+                   help="no timing: merge the rows of earlier JSON results and redo the table, targets and plots")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ropekit bench``."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    out_dir = Path(args.out)
+    if args.from_json:
+        registry = _registry(args.registry)
+        return 2 if registry is None else _replot(args.from_json, out_dir, args.plot, registry)
+
+    if args.device is None and args.preset != "smoke" and not args.list and not torch.cuda.is_available():
+        # a CPU run is a smoke test of the harness: only when asked for, never in place of a benchmark
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu", file=sys.stderr)
+        return 2
+    registry = _registry(args.registry)
+    if registry is None:
+        return 2
+    targets_wanted = targets_from_registry(registry)
+    preset = args.preset or ("quick" if device.type == "cuda" else "smoke")
+    cases = select_cases(expand_preset(registry, preset), groups=args.cases, pattern=args.filter, modes=args.modes,
+                         shard=args.shard)
+    if args.list:
+        for c in cases:
+            print(f"{c.group:24s} {c.name:44s} {case_bytes(c)['fwd'] / 1e6:9.1f} MB  {','.join(c.modes)}")
+        print(f"{len(cases)} cases from {registry['source']}, preset {preset}")
+        return 0
+    if not cases:
+        print("no case selected", file=sys.stderr)
+        return 2
+
+    env = environment(device, args.commit)
+    impl_globs = [g.strip() for g in args.impls.split(",") if g.strip()] if args.impls else None
+    wanted = {n for names in MODE_IMPLS.values() for n in names
+              if impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs)}
+    peers = load_peers(wanted, args.flash_attn_rotary)
+    meta = dict(env, preset=preset, registry=registry["source"], peers=peers.versions, peers_missing=peers.missing,
+                argv=list(sys.argv[1:] if argv is None else argv), mismatch_threshold=MISMATCH)
+    if device.type == "cuda":
+        dynamo_config = importlib.import_module("torch._dynamo").config
+        for knob in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+            if hasattr(dynamo_config, knob):
+                setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), 256))
+        timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    else:
+        timer = Timer(device, host_rounds=3, host_round_s=0.005, host_warm_calls=2)
+        print(f"{SMOKE_LABEL}: running on CPU tensors"
+              + ("" if _interpreting() else " (set TRITON_INTERPRET=1 to run the Triton launcher too)"))
+
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    kind = "cpu-smoke" if device.type != "cuda" else preset
+    stem = out_dir / f"bench-{stamp}-{kind}" if not args.shard else \
+        out_dir / f"bench-{stamp}-{kind}-shard{args.shard.replace('/', 'of')}"
+    print(f"{len(cases)} cases, preset {preset}, registry {registry['source']}; peers: "
+          + (", ".join(f"{k} {v}" for k, v in peers.versions.items()) or "none"))
+    for name, why in peers.missing.items():
+        print(f"  absent: {name}: {why}")
+
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for i, case in enumerate(cases, 1):
+        if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
+            print(f"time budget reached: {len(cases) - i + 1} cases not run")
+            break
+        print(f"[{i}/{len(cases)}] {case.name} ({','.join(case.modes)})", flush=True)
+        try:
+            rows += run_case(case, device, timer, peers, env, impl_globs, lambda s: print(s, flush=True))
+        except torch.cuda.OutOfMemoryError as exc:  # making the inputs themselves
+            print(f"  out of memory, case skipped: {str(exc).splitlines()[0]}")
+        _recover(device)  # the case's inputs are gone: give their memory back
+        targets = evaluate_targets(rows, targets_wanted)
+        files = write_results(stem, rows, meta, targets)  # after every case: a killed run keeps its rows
+
+    targets = evaluate_targets(rows, targets_wanted)
+    files = write_results(stem, rows, meta, targets)
+    if args.history:
+        files.append(append_history(Path(args.history), rows, stem.with_suffix(".csv").name))
+    if args.plot:
+        files += _try_plot(stem, rows, meta)
+    _report(rows, meta, targets, files, time.perf_counter() - t_start)
+    return 0
+
+
+def _try_plot(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
+    try:
+        return plot_results(stem, rows, meta)
+    except ImportError:
+        print("matplotlib not importable: no plot (pip install matplotlib)")
+        return []
+
+
+def _report(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list[dict[str, Any]], files: list[Path],
+            seconds: float) -> None:
+    notes = skip_notes(rows)
+    if notes:
+        print("\nNot timed or flagged:")
+        print("\n".join(notes))
+    print(f"\nwrote ({seconds:.0f} s): " + ", ".join(str(f) for f in files))
+    print()
+    print(format_table(rows, meta, targets), end="")
+
+
+def _registry(path: str | None) -> dict[str, Any] | None:
+    """The registry, or None after saying on stderr why there is none."""
+    try:
+        return load_registry(path)
+    except RegistryNotFound as exc:
+        print(f"ropekit bench: {exc}", file=sys.stderr)
+        return None
+
+
+def _replot(files: list[str], out_dir: Path, plot: bool, registry: dict[str, Any]) -> int:
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] | None = None
+    for name in files:
+        data = json.loads(Path(name).read_text(encoding="utf-8"))
+        meta = meta or data["meta"]
+        for r in data["rows"]:
+            r = {k: ("" if v is None else v) for k, v in r.items()}
+            r.setdefault("series", r["case"].rsplit("/", 1)[0])
+            rows.append(r)
+    if not rows or meta is None:
+        print("no rows", file=sys.stderr)
+        return 2
+    runs = {(r["gpu"], r["commit"], r["torch"], r["triton"]) for r in rows}
+    if len(runs) > 1:
+        print(f"warning: merging rows of {len(runs)} different GPUs/commits/versions; the header names the first "
+              "file's: " + "; ".join(" ".join(str(x) for x in run) for run in sorted(runs)))
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stem = out_dir / f"bench-{stamp}-merged"
+    meta = dict(meta, merged_from=[str(f) for f in files])
+    targets = evaluate_targets(rows, targets_from_registry(registry))
+    out = write_results(stem, rows, meta, targets)
+    if plot:
+        out += _try_plot(stem, rows, meta)
+    _report(rows, meta, targets, out, 0.0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

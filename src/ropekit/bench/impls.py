@@ -1,0 +1,313 @@
+"""Implementation builders: the baselines, ropekit's entry points and the peers, each prepared as a :class:`Bench`
+(what is timed, and fresh outputs for the check against ropekit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._triton import tl, triton
+from .env import _interpreting
+from .inputs import Inputs, _randn
+from .peers import Peers
+from .timing import _sync
+
+# The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
+BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_"}
+EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
+ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf")
+PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
+MODE_IMPLS = {
+    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf") + PEER_IMPLS,
+    "fwdbwd": ("ropekit", "ropekit-table", "ropekit-hf") + PEER_IMPLS,
+    "decode": ROPEKIT_IMPLS + PEER_IMPLS,
+    "host": ROPEKIT_IMPLS + PEER_IMPLS,
+}
+
+
+class Unsupported(Exception):
+    """An implementation that cannot do a case (the message says why); the row is kept with the reason."""
+
+
+@dataclasses.dataclass
+class Bench:
+    """A prepared implementation: ``run`` is what is timed; ``result`` gives fresh outputs (fwdbwd: gradients) in
+    the case layout for the check against ropekit."""
+
+    run: Callable[[], Any]
+    result: Callable[[], tuple[Tensor, ...]] | None = None
+    bytes: int | None = None  # baselines move their own bytes
+    note: str = ""
+
+
+def _flat_copy(inp: Inputs, nbytes: int) -> Bench:
+    """One ``copy_`` moving ``nbytes`` (half read, half written) between preallocated contiguous buffers: torch
+    issues it as a device-to-device memcpy."""
+    elem = inp.q.element_size()
+    n = max(1, math.ceil(nbytes / (2 * elem)))
+    src = torch.empty(n, dtype=inp.dtype, device=inp.device).normal_()
+    dst = torch.empty_like(src)
+    return Bench(run=lambda: dst.copy_(src), bytes=2 * n * elem)
+
+
+def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
+    if name == "copy":
+        return _flat_copy(inp, nbytes["fwd"])
+    if name == "copy-4pass":
+        b = _flat_copy(inp, nbytes["fwdbwd"])
+        b.note = "ideal fwd+bwd: one copy of 4 passes over q and k"
+        return b
+    if name == "copy-q":
+        q_out = torch.empty_like(inp.q)
+        return Bench(run=lambda: q_out.copy_(inp.q), bytes=2 * inp.q.numel() * inp.q.element_size(),
+                     note="one copy_ of q alone (a device-to-device memcpy)")
+    if name == "add_":
+        x = torch.zeros_like(inp.q)
+        return Bench(run=lambda: x.add_(1), note="x.add_(1), x shaped like q")
+    if name == "triton-launch":
+        if _empty_kernel is None:
+            raise Unsupported("triton not importable")
+        _need_triton_device(inp.device)
+        x = torch.zeros(1, device=inp.device)
+
+        def launch() -> None:
+            _empty_kernel[(1,)](x, 3, 5, 7, 9, 11, 13, 15, 17, 19)
+
+        return Bench(run=launch, note="a bare kernel[grid](...) launch with 10 arguments")
+    raise ValueError(name)
+
+
+def _grad_outputs(inp: Inputs) -> tuple[Tensor, Tensor]:
+    gq, gk = _randn(inp.device, 1, tuple(inp.q.shape), tuple(inp.k.shape), dtype=inp.dtype)
+    return gq, gk
+
+
+def _leaves(inp: Inputs) -> tuple[Tensor, Tensor]:
+    return inp.q.detach().clone().requires_grad_(True), inp.k.detach().clone().requires_grad_(True)
+
+
+def _autograd_bench(inp: Inputs, forward: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+                    grads_in_hf_layout: bool = False) -> Bench:
+    """fwd+bwd: ``forward`` on leaf copies of q and k, then ``torch.autograd.grad`` with preallocated output
+    gradients (no accumulation into ``.grad``)."""
+    q_l, k_l = _leaves(inp)
+    gq, gk = _grad_outputs(inp)
+    if grads_in_hf_layout:
+        gq, gk = inp.to_hf(gq), inp.to_hf(gk)
+
+    def run() -> tuple[Tensor, Tensor]:
+        outs = forward(q_l, k_l)
+        return torch.autograd.grad(outs, (q_l, k_l), (gq, gk))
+
+    def result() -> tuple[Tensor, Tensor]:
+        # Fresh leaves and gradient copies: some peers write into their inputs or incoming gradients.
+        ql, kl = _leaves(inp)
+        outs = forward(ql, kl)
+        return tuple(torch.autograd.grad(outs, (ql, kl), (gq.clone(), gk.clone())))
+
+    return Bench(run=run, result=result)
+
+
+def build_ropekit(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
+    """ropekit's entry points."""
+    import ropekit
+
+    c = inp.case
+    kw = inp.rope_kwargs()
+    if name == "ropekit-table":
+        kw = dict(kw, base=10000.0, cos=inp.cos_tab, sin=inp.sin_tab)
+    if name in ("ropekit", "ropekit-table"):
+        note = "exact in-kernel angles" if name == "ropekit" else "fp32 cos/sin tables [P, R/2]"
+        if mode == "fwdbwd":
+            b = _autograd_bench(inp, lambda q, k: ropekit.apply_rope(q, k, **kw))
+            b.note = note
+            return b
+        fn = lambda: ropekit.apply_rope(inp.q, inp.k, **kw)  # noqa: E731
+        return Bench(run=fn, result=fn, note=note)
+    if name == "ropekit_":
+        q2, k2 = inp.q.clone(), inp.k.clone()
+
+        def result() -> tuple[Tensor, Tensor]:
+            return ropekit.apply_rope_(inp.q.clone(), inp.k.clone(), **kw)
+
+        return Bench(run=lambda: ropekit.apply_rope_(q2, k2, **kw), result=result, note="in place")
+    if name == "ropekit-launcher":
+        return build_launcher(inp)
+    if name == "ropekit-hf":
+        if peers.ropekit_hf is None:
+            raise Unsupported(peers.missing.get("ropekit-hf", "absent"))
+        if c.style != "neox" or c.rotary_dim != c.head_dim:
+            raise Unsupported("the transformers drop-in takes transformers' full-width NeoX cos/sin")
+        return _hf_style_bench(inp, mode, peers.ropekit_hf, note="transformers drop-in, cos/sin as transformers")
+    raise ValueError(name)
+
+
+def build_launcher(inp: Inputs) -> Bench:
+    """``ropekit-launcher``: the raw Triton launcher with preallocated outputs (no validation or dispatch). The one
+    place the harness calls ropekit below its public API."""
+    c = inp.case
+    if triton is None:
+        raise Unsupported("triton not importable")
+    _need_triton_device(inp.device)
+    from ropekit.triton.launcher import launch_rope
+
+    lkw: dict[str, Any] = dict(layout=inp.layout, style=c.style, freq_mode="inv_freq", rotary_dim=c.rotary_dim,
+                               rotary_start=inp.rotary_start, inv_freq=inp.inv_freq, cu_seqlens=inp.cu_seqlens)
+    if isinstance(inp.positions, int):
+        lkw["pos_offset"] = inp.positions
+    elif c.positions == "batch":
+        lkw["seq_offsets"] = inp.positions
+    elif c.positions == "ids":
+        lkw["positions"] = inp.positions
+    q_out, k_out = torch.empty_like(inp.q), torch.empty_like(inp.k)
+
+    def launch() -> None:
+        launch_rope(inp.q, inp.k, q_out, k_out, **lkw)
+
+    def result() -> tuple[Tensor, Tensor]:
+        qo, ko = torch.empty_like(inp.q), torch.empty_like(inp.k)
+        launch_rope(inp.q, inp.k, qo, ko, **lkw)
+        return qo, ko
+
+    return Bench(run=launch, result=result, note="raw launcher, preallocated outputs, exact angles")
+
+
+def _hf_function(inp: Inputs, peers: Peers) -> tuple[Callable, str]:
+    """transformers' function for the case's pairing, wrapped for a partial rotary span the way transformers'
+    models do it (slice, rotate, concatenate)."""
+    c = inp.case
+    if c.style == "neox":
+        fn, note = peers.hf_neox, "Llama apply_rotary_pos_emb"
+        if fn is None:
+            raise Unsupported(peers.missing.get("hf", "absent"))
+    else:
+        fn, note = peers.hf_interleaved, "Cohere apply_rotary_pos_emb (interleaved pairing, fp32 math)"
+        if fn is None:
+            raise Unsupported(peers.missing.get("hf (interleaved)", peers.missing.get("hf", "absent")))
+    if c.rotary_dim == c.head_dim:
+        return fn, note
+    lo = inp.rotary_start
+    hi = lo + c.rotary_dim
+
+    def partial(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        qr, kr = fn(q[..., lo:hi], k[..., lo:hi], cos, sin)
+        return (torch.cat([q[..., :lo], qr, q[..., hi:]], dim=-1),
+                torch.cat([k[..., :lo], kr, k[..., hi:]], dim=-1))
+
+    return partial, note + "; partial rotary by slice + cat"
+
+
+def _hf_style_bench(inp: Inputs, mode: str, fn: Callable, note: str, inplace: bool = False) -> Bench:
+    """A function with transformers' calling convention: q/k [B, H, S, D] views of the case tensors, cos/sin
+    [Bc, S, R] in the input dtype."""
+    cos, sin = inp.hf_tables()
+    if mode == "fwdbwd":
+        b = _autograd_bench(inp, lambda q, k: fn(inp.to_hf(q), inp.to_hf(k), cos, sin), grads_in_hf_layout=True)
+        b.note = note
+        return b
+
+    def result() -> tuple[Tensor, Tensor]:
+        qo, ko = fn(inp.to_hf(inp.q.clone()), inp.to_hf(inp.k.clone()), cos, sin)
+        return inp.from_hf(qo), inp.from_hf(ko)
+
+    if inplace:  # rotate private copies over and over
+        q2, k2 = inp.to_hf(inp.q.clone()), inp.to_hf(inp.k.clone())
+    else:
+        q2, k2 = inp.to_hf(inp.q), inp.to_hf(inp.k)
+    return Bench(run=lambda: fn(q2, k2, cos, sin), result=result, note=note)
+
+
+class _FlashRotaryFn(torch.autograd.Function):
+    """Autograd around flash-attn's ``apply_rotary`` as its own layer does it: the backward is the same call with
+    ``conjugate=True``."""
+
+    @staticmethod
+    def forward(ctx, x, apply_rotary, kwargs):  # noqa: D102
+        ctx.apply_rotary, ctx.kwargs = apply_rotary, kwargs
+        return apply_rotary(x, **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return ctx.apply_rotary(grad, **ctx.kwargs, conjugate=True), None, None
+
+
+def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
+    """The peers, called with the same tensors (as views in their own layouts) and the same positions."""
+    c = inp.case
+    if name in ("hf", "hf-compile"):
+        fn, note = _hf_function(inp, peers)
+        if name == "hf-compile":
+            torch.compiler.reset()  # a fresh, shape-specialised compile per case
+            fn = torch.compile(fn, dynamic=False, fullgraph=True)
+            note = "torch.compile(fullgraph, static shapes) of " + note
+        bench = _hf_style_bench(inp, mode, fn, note)
+        if name == "hf-compile":  # compile outside the timed region
+            t0 = time.perf_counter()
+            bench.run()
+            _sync(inp.device)
+            bench.note += f"; compiled in {time.perf_counter() - t0:.1f} s"
+        return bench
+    if name == "liger":
+        if peers.liger is None:
+            raise Unsupported(peers.missing.get("liger", "absent"))
+        if c.style != "neox":
+            raise Unsupported("Liger rotates NeoX pairs only")
+        if c.rotary_at != "front":
+            raise Unsupported("Liger rotates the leading columns only (no rotary_at='back')")
+        return _hf_style_bench(inp, mode, peers.liger, "in place (writes into the caller's q/k); cos/sin as "
+                               "transformers", inplace=True)
+    if name == "flash-attn":
+        if peers.flash is None:
+            raise Unsupported(peers.missing.get("flash-attn", "absent"))
+        if c.positions == "ids":
+            raise Unsupported("flash-attn's rotary takes offsets, not per-token position ids")
+        if c.rotary_at != "front":
+            raise Unsupported("flash-attn rotates the leading columns only (no rotary_at='back')")
+        if c.head_dim > 256:
+            raise Unsupported("flash-attn's rotary supports head_dim <= 256")
+        offsets: Any = 0
+        if isinstance(inp.positions, int):
+            offsets = inp.positions
+        elif c.positions == "batch":
+            offsets = inp.positions
+        kw = dict(cos=inp.cos_tab.to(inp.dtype), sin=inp.sin_tab.to(inp.dtype), seqlen_offsets=offsets,
+                  cu_seqlens=inp.cu_seqlens, max_seqlen=inp.max_seqlen if inp.cu_seqlens is not None else None,
+                  interleaved=c.style == "interleaved")
+        apply_rotary = peers.flash
+        note = "two launches (q, then k); cos/sin [P, R/2] in the input dtype"
+        if mode == "fwdbwd":
+            b = _autograd_bench(inp, lambda q, k: (_FlashRotaryFn.apply(q, apply_rotary, kw),
+                                                   _FlashRotaryFn.apply(k, apply_rotary, kw)))
+            b.note = note + "; autograd wrapper as flash-attn's layer (backward: conjugate=True)"
+            return b
+        fn = lambda: (apply_rotary(inp.q, **kw), apply_rotary(inp.k, **kw))  # noqa: E731
+        return Bench(run=fn, result=fn, note=note)
+    raise ValueError(name)
+
+
+def _need_triton_device(device: torch.device) -> None:
+    # Without a driver a launch fails with "0 active drivers": say what would make it run instead.
+    if device.type != "cuda" and not _interpreting():
+        raise Unsupported("Triton launches need a CUDA GPU (on CPU: set TRITON_INTERPRET=1)")
+
+
+def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
+    if name in ROPEKIT_IMPLS:
+        return build_ropekit(name, inp, mode, peers)
+    return build_peer(name, inp, mode, peers)
+
+
+if triton is not None:
+    @triton.jit
+    def _empty_kernel(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8):
+        """Does nothing (the store never runs): the price of a bare ``kernel[grid](...)`` launch."""
+        if tl.program_id(0) < 0:
+            tl.store(x_ptr, a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8)
+else:  # pragma: no cover
+    _empty_kernel = None

@@ -1,0 +1,131 @@
+"""Writers: CSV, JSON and Markdown results, the append-only history CSV, and the short table printed last."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from .env import PERF_LABEL
+from .impls import BASELINE, EXTRA_BASELINES, PEER_IMPLS, ROPEKIT_IMPLS
+
+NO_TARGETS_LINE = "Targets not evaluated: CPU timings are not performance figures (targets need a CUDA GPU)."
+
+ROW_FIELDS = (
+    "gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes", "median_us",
+    "gbps", "ratio_vs_copy", "baseline", "model", "dtype", "style", "positions", "batch", "seqlen", "hq", "hk",
+    "head_dim", "rotary_dim", "rotary_at", "max_rel_diff", "label", "note", "impl_version",
+)
+HISTORY_FIELDS = (*ROW_FIELDS, "source")  # the columns of --history FILE (benchmarks/results/all_runs.csv)
+
+
+def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
+                  targets: list[dict[str, Any]]) -> list[Path]:
+    """``stem``.csv (one row per case x mode x impl), ``stem``.json (meta, rows, targets), ``stem``.md (the short
+    table)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path, md_path = (stem.with_suffix(s) for s in (".csv", ".json", ".md"))
+    with csv_path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    with json_path.open("w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": [{k: r.get(k, "") for k in (*ROW_FIELDS, "series")} for r in rows],
+                   "targets": targets}, f, indent=1)
+    md_path.write_text(format_table(rows, meta, targets, markdown=True), encoding="utf-8")
+    return [csv_path, json_path, md_path]
+
+
+def append_history(history: Path, rows: list[dict[str, Any]], source: str) -> Path:
+    """Append ``rows`` to the append-only CSV ``history`` (``benchmarks/results/all_runs.csv``: the results CSV's
+    columns plus ``source``, the file the rows were first written to), writing the header when the file is new."""
+    history.parent.mkdir(parents=True, exist_ok=True)
+    new = not history.is_file() or history.stat().st_size == 0
+    if not new:
+        with history.open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+        if header != list(HISTORY_FIELDS):
+            raise ValueError(f"{history}: its header is not the results columns plus 'source'; not appending")
+    with history.open("a", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=HISTORY_FIELDS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(dict(r, source=source) for r in rows)
+    return history
+
+
+def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list[dict[str, Any]],
+                 markdown: bool = False) -> str:
+    """The short table: a line per (case, mode) with the mode's baseline time, then a column per implementation
+    with its ratio to that baseline (Markdown: time and ratio), then the targets."""
+    order = [*ROPEKIT_IMPLS, *PEER_IMPLS, *(n for v in EXTRA_BASELINES.values() for n in v)]
+    timed = {r["impl"] for r in rows if r["median_us"]}
+    impls = [i for i in order if i in timed]  # "copy" is also decode's reference row
+    header = ["case", "mode", "tokens", "MB", "baseline us", *impls, "exact/table"]
+    lines_data = []
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["case"], r["mode"]), {})[r["impl"]] = r
+    for (case, mode), by_impl in groups.items():
+        base = by_impl.get(BASELINE[mode])
+        first = base or next(iter(by_impl.values()))
+        mb = f"{int(first['bytes']) / 1e6:.1f}" if mode != "host" else "-"
+        base_cell = f"{BASELINE[mode]} {float(base['median_us']):.1f}" if base and base["median_us"] else \
+            f"{BASELINE[mode]} -"
+        cells = [case, mode, str(first["tokens"]), mb, base_cell]
+        for impl in impls:
+            r = by_impl.get(impl)
+            if r is None or not r["median_us"]:
+                cells.append("-")
+            elif not r["ratio_vs_copy"]:
+                cells.append(f"{float(r['median_us']):.1f}us")
+            elif markdown:
+                cells.append(f"{float(r['median_us']):.1f} ({float(r['ratio_vs_copy']):.3f}x)")
+            else:
+                cells.append(f"{float(r['ratio_vs_copy']):.3f}x")
+        a, b = by_impl.get("ropekit"), by_impl.get("ropekit-table")
+        cells.append(f"{float(a['median_us']) / float(b['median_us']):.3f}"
+                     if a and b and a["median_us"] and b["median_us"] else "-")
+        lines_data.append(cells)
+    t_header = ["target", "limit", "worst", "ok", "cases", "worst case"]
+    t_rows = [[t["what"], f"{t['limit']:.2f}", "-" if t["worst"] is None else f"{t['worst']:.3f}",
+               "not run" if t["ok"] is None else ("yes" if t["ok"] else "NO"), str(t["cases"]), t["case"]]
+              for t in targets]
+    head = (f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | ropekit {meta['ropekit']} @ "
+            f"{meta['commit']} | {meta['date']}")
+    intro = ("baseline us = median microseconds of the mode's baseline (fwd: copy of the same bytes; fwdbwd: "
+             "copy-4pass; decode: copy-q; host: add_); Nx = time / baseline time; exact/table = ropekit / "
+             "ropekit-table")
+    label = f"**{meta['label']}**" if markdown else f"*** {meta['label']} ***"
+    out = [label] if meta["label"] != PERF_LABEL else []
+    out += [head, intro, ""]
+    out += _grid(header, lines_data, markdown)
+    if meta["label"] == PERF_LABEL:
+        out += ["", "Targets (worst ratio over the qualifying ropekit rows):", ""]
+        out += _grid(t_header, t_rows, markdown)
+    else:  # ratios of CPU timings against targets set for a GPU mean nothing (they read "NO (300x)")
+        out += ["", NO_TARGETS_LINE]
+    if meta["label"] != PERF_LABEL:
+        out += ["", label]
+    return "\n".join(out) + "\n"
+
+
+def _grid(header: list[str], data: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return lines + ["| " + " | ".join(row) + " |" for row in data]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *data)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in data]
+
+
+def skip_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (impl, reason) for skipped, failed or mismatching rows."""
+    seen: dict[tuple[str, str], int] = {}
+    for r in rows:
+        note = r["note"]
+        if note.startswith(("skipped", "failed")) or "MISMATCH" in note:
+            key = (r["impl"], note.split("; compiled")[0])
+            seen[key] = seen.get(key, 0) + 1
+    return [f"  {impl}: {note} ({n} row{'s' if n > 1 else ''})" for (impl, note), n in seen.items()]

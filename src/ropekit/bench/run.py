@@ -1,0 +1,143 @@
+"""The run loop: every mode of a case, baselines first, then ropekit and the peers; one row each."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .cases import Case
+from .impls import BASELINE, EXTRA_BASELINES, MODE_IMPLS, Bench, Unsupported, build, build_baseline
+from .inputs import bytes_model, make_inputs
+from .peers import Peers
+from .timing import Timer
+
+MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
+
+
+def _rel_diff(outs: Sequence[Tensor], refs: Sequence[Tensor]) -> float:
+    worst = 0.0
+    for out, ref in zip(outs, refs):
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        diff = float(torch.sub(out.to(ref.dtype), ref).abs().max()) if ref.numel() else 0.0
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: dict[str, Any],
+             impl_globs: list[str] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every mode of ``case``: baselines first, then ropekit and the peers; one row each. Each implementation is
+    built, checked against ropekit's output, timed and freed before the next one (memory stays at the inputs,
+    ropekit's reference output and one implementation)."""
+    rows: list[dict[str, Any]] = []
+    inp = make_inputs(case, device)
+    nbytes = bytes_model(inp)
+    for mode in case.modes:
+        names = [n for n in MODE_IMPLS[mode] if (case.impls is None or n in case.impls)
+                 and (impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs))]
+        order = [(n, True) for n in (BASELINE[mode], *EXTRA_BASELINES.get(mode, ()))] + [(n, False) for n in names]
+        mode_rows: list[dict[str, Any]] = []
+        times: dict[str, float] = {}
+        # fwd/decode/host run without autograd, as inference does; fwd+bwd with it. torch.compile warms up in
+        # the same grad mode as the calls it times.
+        with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
+            refs = None
+            if "ropekit" in names:
+                ref_bench = _try_build(build, "ropekit", inp, mode, peers)
+                if isinstance(ref_bench, Bench):
+                    got = _try_build(ref_bench.result)
+                    refs = tuple(t.detach() for t in got) if isinstance(got, (tuple, list)) else None
+                del ref_bench
+            for name, is_baseline in order:
+                row = _row(env, case, mode, name, nbytes[mode], BASELINE[mode])
+                row["impl_version"] = _impl_version(name, peers, env)
+                mode_rows.append(row)
+                bench = (_try_build(build_baseline, name, inp, nbytes) if is_baseline
+                         else _try_build(build, name, inp, mode, peers))
+                if isinstance(bench, str):
+                    row["note"] = bench
+                    continue
+                row["note"] = bench.note
+                if bench.bytes is not None:
+                    row["bytes"] = bench.bytes
+                try:
+                    if refs is not None and bench.result is not None:
+                        diff = 0.0 if name == "ropekit" else _rel_diff([t.detach() for t in bench.result()], refs)
+                        row["max_rel_diff"] = f"{diff:.2e}"
+                        if not diff <= MISMATCH:
+                            row["note"] = f"MISMATCH vs ropekit; {row['note']}"
+                    us = _time(timer, mode, bench.run)
+                except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the run
+                    row["note"] = f"failed: {_first_line(exc)}; {row['note']}"
+                    continue
+                finally:
+                    del bench
+                    _recover(device)
+                times[name] = us
+                row["median_us"] = f"{us:.3f}"
+                if mode != "host":
+                    row["gbps"] = f"{row['bytes'] / us / 1e3:.4g}"
+            del refs
+        base = times.get(BASELINE[mode])
+        for row in mode_rows:
+            if row["impl"] in times and base:
+                row["ratio_vs_copy"] = f"{times[row['impl']] / base:.4f}"
+            if device.type != "cuda" and mode == "decode":
+                row["note"] = "; ".join(x for x in ("eager (no CUDA graph on CPU)", row["note"]) if x)
+        rows += mode_rows
+        log(f"  {mode:7s} " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()) + " (us)")
+    return rows
+
+
+def _impl_version(name: str, peers: Peers, env: dict[str, Any]) -> str:
+    if name.startswith("ropekit"):
+        return f"ropekit {env['ropekit']}"
+    if name in ("hf", "hf-compile"):
+        return f"transformers {peers.versions.get('transformers', '')}".strip()
+    if name in ("liger", "flash-attn"):
+        return peers.versions.get(name, "")
+    return f"torch {env['torch']}" if name != "triton-launch" else f"triton {env['triton']}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+def _try_build(make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)``, or a string saying why not."""
+    try:
+        return make(*args)
+    except Unsupported as exc:
+        return f"skipped: {exc}"
+    except Exception as exc:  # noqa: BLE001
+        return f"failed: {_first_line(exc)}"
+
+
+def _time(timer: Timer, mode: str, fn: Callable[[], Any]) -> float:
+    if mode == "decode":
+        return timer.graph(fn)
+    if mode == "host":
+        return timer.host(fn)
+    return timer.kernel(fn)
+
+
+def _recover(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _row(env: dict[str, Any], case: Case, mode: str, impl: str, nbytes: int, baseline: str) -> dict[str, Any]:
+    return {
+        "gpu": env["gpu"], "date": env["date"], "torch": env["torch"], "triton": env["triton"],
+        "ropekit": env["ropekit"], "commit": env["commit"], "case": case.name, "mode": mode, "impl": impl,
+        "tokens": case.tokens, "bytes": nbytes, "median_us": "", "gbps": "", "ratio_vs_copy": "",
+        "baseline": baseline, "model": case.model, "dtype": case.dtype, "style": case.style,
+        "positions": case.positions, "batch": case.batch, "seqlen": case.seqlen, "hq": case.hq, "hk": case.hk,
+        "head_dim": case.head_dim, "rotary_dim": case.rotary_dim, "rotary_at": case.rotary_at,
+        "max_rel_diff": "", "label": env["label"], "note": "", "impl_version": "", "series": case.series,
+    }
