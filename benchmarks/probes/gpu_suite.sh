@@ -2,12 +2,12 @@
 # The GPU side of a change, in one command on a CUDA machine: tests, a memory-checker run of the kernel tests,
 # `ropekit check`, host-time breakdown, kernel timings, and optionally `ropekit bench`. Logs go to $LOGS (default out/gpu-suite).
 #
-#   bash scripts/gpu_suite.sh [tests] [memcheck] [check] [host] [tune] [bench:<ropekit bench args>]
+#   bash benchmarks/probes/gpu_suite.sh [tests] [memcheck] [check] [host] [tune] [bench:<ropekit bench args>]
 #   (default: tests check host tune)
 #
 # Peers for the benchmark (Liger, flash-attn's rotary file) are optional; see benchmarks/README.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root (this file is benchmarks/probes/gpu_suite.sh)
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOGS=${LOGS:-out/gpu-suite}
 mkdir -p "$LOGS"
@@ -30,8 +30,8 @@ for step in "${steps[@]}"; do
         | tee "$LOGS/memcheck.log" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     check) python -m ropekit.cli check 2>&1 | tee "$LOGS/check.log" | tail -4 ;;
-    host) python scripts/host_time.py 2>&1 | tee "$LOGS/host.log" ;;
-    tune) python scripts/tune.py --tiles 16384 --sweep 0 2>&1 | tee "$LOGS/tune.log" ;;
+    host) python benchmarks/probes/host_time.py 2>&1 | tee "$LOGS/host.log" ;;
+    tune) python benchmarks/probes/tune.py --tiles 16384 --sweep 0 2>&1 | tee "$LOGS/tune.log" ;;
     bench:*) read -r -a bench_args <<< "${step#bench:}"
       python -m ropekit.cli bench "${bench_args[@]}" 2>&1 | tee "$LOGS/bench.log" | tail -60 ;;
     *) echo "unknown step $step"; status=2 ;;

@@ -1,15 +1,27 @@
 """WebGPU smoke run on a real device: adapter info, then the kernel checklist with its max errors.
 
-    PYTHONPATH=src python tests/webgpu_device_smoke.py [--all-adapters]
+    PYTHONPATH=src python benchmarks/probes/webgpu_device_smoke.py [--all-adapters]
 
 Runs on wgpu's preferred adapter, or on every adapter wgpu enumerates with --all-adapters (e.g. a GPU's Vulkan
 driver and llvmpipe side by side). A plain script (pytest does not collect it). Exit status: 0 all checks passed,
 1 a check failed, 2 no wgpu or no adapter.
 """
 
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
 from __future__ import annotations
 
 import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all-adapters", action="store_true", help="run on every adapter wgpu enumerates")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
 import math
 import sys
 import time
@@ -185,10 +197,7 @@ def run_adapter(runner: webgpu.WebGPURunner, report: Report) -> None:
           f"{(time.perf_counter() - t0) / 3 * 1e3:.1f} ms per call, host copies and transfers included")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--all-adapters", action="store_true", help="run on every adapter wgpu enumerates")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     try:
         import wgpu
     except ImportError:
@@ -217,4 +226,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

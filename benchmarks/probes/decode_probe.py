@@ -5,85 +5,37 @@ Separates what a decode call costs into the kernel's execution (profiler duratio
 graph replay, for the Llama-3-8B shape by default (32/8 heads, D 128, bf16, one token per sequence, per-sequence
 offsets). ``--sweep`` times every block shape instead.
 
-    python scripts/decode_probe.py [--tokens 1,16,64] [--heads 32:8] [--sweep]
+    python benchmarks/probes/decode_probe.py [--tokens 1,16,64] [--heads 32:8] [--sweep]
 """
 
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
 from __future__ import annotations
 
 import argparse
 
-import torch
 
-from ropekit.api import _normalise
-from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
-
-CALLS_PER_GRAPH = 50
-
-
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    """A graph of CALLS_PER_GRAPH calls of ``fn`` (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    return graph
-
-
-def graph_us_interleaved(fns: dict, rounds: int = 31, replays: int = 10) -> dict:
-    """Median microseconds per call of each ``fns`` entry, each captured CALLS_PER_GRAPH times in one graph.
-
-    The graphs are replayed in turn, round after round, so that clock or cache drift over the run spreads over
-    every variant instead of favouring the ones timed first."""
-    graphs = {name: _capture(fn) for name, fn in fns.items()}
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / replays / CALLS_PER_GRAPH)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
-def graph_us(fn) -> float:
-    """Median microseconds per call of ``fn`` captured CALLS_PER_GRAPH times in one graph."""
-    return graph_us_interleaved({"fn": fn})["fn"]
-
-
-def kernel_us(fn) -> dict[str, float]:
-    """Average device time per launch of each kernel ``fn`` runs, from the profiler."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
-            out[e.key[:40]] = e.self_device_time_total / e.count
-    return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,16,64")
     parser.add_argument("--heads", default="32:8", help="HQ:HK (head_dim 128)")
     parser.add_argument("--sweep", action="store_true",
                         help="time every block shape (heads per program x warps), graph replay only, and print "
                              "the fastest per token count")
     parser.add_argument("--dump", help="write the PTX of every compiled rope_kernel specialisation into this folder")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
+import torch
+from _graphs import graph_us_interleaved, kernel_us
+
+from ropekit.api import _normalise
+from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
+
+
+def main(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'tokens':>6} {'variant':<34} {'graph us':>9} {'x copy-q':>8} {'kernel us':>10}")
     HQ, HK = (int(h) for h in args.heads.split(":"))
@@ -129,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -3,10 +3,23 @@
 Decode shape (Llama-3-8B: 32/8 heads, D 128, bf16, one token). Each row is the median over rounds of many calls
 with no synchronisation inside a round, as ``ropekit bench``'s host mode measures.
 
-    python scripts/host_time.py
+    python benchmarks/probes/host_time.py [--profile]
 """
 
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
 from __future__ import annotations
+
+import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile of the fwd+bwd call")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
 
 import statistics
 import timeit
@@ -26,12 +39,7 @@ def per_call_us(fn, number: int = 2000, rounds: int = 9) -> float:
     return statistics.median(times) / number * 1e6
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--profile", action="store_true", help="also print a cProfile of the fwd+bwd call")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     dev = torch.device("cuda")
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, 1, 8, 128, device=dev, dtype=torch.bfloat16)
@@ -119,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -3,12 +3,28 @@
 Prints one row per (case, variant) with the median time (triton.testing.do_bench, L2 flushed between runs) and
 the ratio to a single-kernel copy of the same bytes. Used to pick ``TILE_BYTES`` and to check the heuristics.
 
-    python scripts/tune.py [--tiles 4096,8192,16384,32768] [--quick]
+    python benchmarks/probes/tune.py [--tiles 4096,8192,16384,32768] [--quick]
 """
 
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
 from __future__ import annotations
 
 import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiles", default="16384,32768,65536")
+    parser.add_argument("--sweep", type=int, default=3, help="sweep explicit configs on the first N cases")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", help="regex on case names: tune only those")
+    parser.add_argument("--log", default="tune_sweep.tsv", help="every variant's time, appended")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
 import re
 import time
 
@@ -19,7 +35,6 @@ from triton.testing import do_bench
 import ropekit
 from ropekit.api import _normalise
 from ropekit.triton.launcher import launch_rope
-
 
 # (name, B, S, HQ, HK, D, dtype, api kwargs)
 CASES = [
@@ -55,14 +70,7 @@ def _prepare(B, S, HQ, HK, D, dtype, extra):
     return q, k, kwargs, n.launch_kwargs()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiles", default="16384,32768,65536")
-    parser.add_argument("--sweep", type=int, default=3, help="sweep explicit configs on the first N cases")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cases", help="regex on case names: tune only those")
-    parser.add_argument("--log", default="tune_sweep.tsv", help="every variant's time, appended")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     tiles = [int(t) for t in args.tiles.split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"DRAM {triton.testing.get_dram_gbps():.0f} GB/s")
@@ -92,7 +100,8 @@ def main() -> None:
         print(f"{'':<38} config before the per-card stream rule (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) = {default}")
         best = None
         for label, extra_kw in variants:
-            t = do_bench(lambda: launch_rope(q, k, qo, ko, **launch_kw, **extra_kw), warmup=10,
+            # ko is bound in this iteration (the `del` at its end misleads the linter)
+            t = do_bench(lambda: launch_rope(q, k, qo, ko, **launch_kw, **extra_kw), warmup=10,  # noqa: F821
                          rep=60, return_mode="median")
             best = min(best or (t, label), (t, label))
             with open(args.log, "a") as log:
@@ -168,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -14,36 +14,18 @@ Llama-3.1 rope scaling), then for each dtype:
 
 Prints a table (and writes JSON rows with ``--json``). Example::
 
-    python scripts/hf_patch_gpu.py                       # defaults, CUDA
-    python scripts/hf_patch_gpu.py --device cpu --hidden 128 --layers 2 --batch 2 --seq 64 --gen-new 8 --iters 2
+    python benchmarks/probes/hf_patch_gpu.py                       # defaults, CUDA
+    python benchmarks/probes/hf_patch_gpu.py --device cpu --hidden 128 --layers 2 --batch 2 --seq 64 \
+        --gen-new 8 --iters 2
 """
 
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime
-import json
-import platform
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
-
-import ropekit  # noqa: E402
-from ropekit.integrations.transformers import patch, unpatch  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--commit", help="commit id to print (default: git's HEAD, which a copied tree may not match)")
@@ -66,6 +48,28 @@ def parse_args(argv=None):
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, ...)")
     p.add_argument("--json", default=None, help="write result rows to this JSON file")
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
+import copy
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import ropekit
+from ropekit.integrations.transformers import patch, unpatch
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (for the commit id)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_config(args):
@@ -264,8 +268,7 @@ def environment(device, commit=None):
             "date": datetime.date.today().isoformat()}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     config = build_config(args)
     env = environment(args.device, args.commit)
     print(" ".join(f"{k}={v}" for k, v in env.items()))
@@ -323,4 +326,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(ARGS))

@@ -7,25 +7,37 @@ Each row is the median per-call time of 50 calls captured in one graph (``graph 
 non-PDL neighbours, the marginal time of the call when each is preceded by a copy of q (``after copy``: graph of
 [copy-q, call] x 50 minus graph of copy-q x 50), plus the profiler's device time per launch.
 
-    python scripts/decode_floor.py [--tokens 1,16,64]
+    python benchmarks/probes/decode_floor.py [--tokens 1,16,64]
 """
 
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
 from __future__ import annotations
 
 import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,16,64")
+    parser.add_argument("--heads", default="32:8", help="comma-separated HQ:HK pairs (head_dim 128)")
+    parser.add_argument("--configs", default="",
+                        help="extra ropekit block shapes, ';'-separated (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps); "
+                             "a head block of 0 means every head")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
 import ast
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
+from _graphs import graph_us, graph_us_interleaved, kernel_us
 
-sys.path.insert(0, os.path.dirname(__file__))
-from decode_probe import graph_us, graph_us_interleaved, kernel_us  # noqa: E402
-
-from ropekit.api import _normalise  # noqa: E402
-from ropekit.triton.launcher import launch_rope  # noqa: E402
+from ropekit.api import _normalise
+from ropekit.triton.launcher import launch_rope
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -74,14 +86,7 @@ def marginal_us(fn, before) -> float:
     return graph_us(pair) - graph_us(before)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="1,16,64")
-    parser.add_argument("--heads", default="32:8", help="comma-separated HQ:HK pairs (head_dim 128)")
-    parser.add_argument("--configs", default="",
-                        help="extra ropekit block shapes, ';'-separated (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps); "
-                             "a head block of 0 means every head")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     extra_configs = [tuple(ast.literal_eval(c)) for c in args.configs.split(";") if c.strip()]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     try:
@@ -143,4 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
