@@ -30,16 +30,16 @@ def _fresh_seed(request):
 def plan_calls(monkeypatch):
     """Counts eager calls that a launch plan served (returned outputs rather than handing back to the full path);
     plans start empty."""
-    from ropekit import _eager
+    from ropekit import _fastpath
 
     counter = {"served": 0}
-    original = _eager.Plan.__call__
+    original = _fastpath.Plan.__call__
 
     def counting(self, *args):
         out = original(self, *args)
         counter["served"] += out is not None
         return out
 
-    monkeypatch.setattr(_eager.Plan, "__call__", counting)
-    _eager.clear()
+    monkeypatch.setattr(_fastpath.Plan, "__call__", counting)
+    _fastpath.clear()
     return counter

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ropekit._layout import to_canonical
+from ropekit._spec import to_canonical
 
 # |out - ref| <= atol + rtol * |ref| against a float64 reference. rtol is half an ulp of the output dtype (one
 # rounding at the store); atol covers fp32 math and fp32 sin/cos (~1e-6 of the output scale).

@@ -8,14 +8,13 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from ropekit.api import _normalise
+from ropekit._spec import validate
 from helpers import CPU_TOLERANCES, assert_close_to_ref, make_qk
 from ropekit.reference import rope_reference
 
 
 def _ref(q, k, **kwargs):
-    n = _normalise(q, k, **kwargs)
-    return rope_reference(q, k, **n.launch_kwargs(), out_dtype=torch.float64)
+    return rope_reference(q, k, validate(q, k, **kwargs)._replace(out_dtype=torch.float64))
 
 
 
@@ -118,8 +117,7 @@ def test_in_place_on_tensor_saved_by_another_op_raises():
 
 
 def _op_args(q, k, **kwargs):
-    n = _normalise(q, k, **kwargs)
-    return (q, k, *n.tensors, *n.scalars.values())
+    return (q, k, *validate(q, k, **kwargs))
 
 
 @pytest.mark.parametrize("kwargs", [dict(positions=3), dict(positions=torch.tensor([1, 4]), rotary_dim=8),
@@ -127,7 +125,7 @@ def _op_args(q, k, **kwargs):
 def test_opcheck_out_of_place_and_in_place(kwargs):
     q, k = make_qk(2, 5, 4, 2, 16)
     q.requires_grad_(True)
-    opcheck(torch.ops.ropekit.rope.default, (*_op_args(q, k, **kwargs), None))
+    opcheck(torch.ops.ropekit.rope.default, _op_args(q, k, **kwargs))
     q2, k2 = make_qk(2, 5, 4, 2, 16)
     opcheck(torch.ops.ropekit.rope_.default, _op_args(q2, k2, **kwargs))
 
@@ -244,15 +242,16 @@ def test_bad_input_raises_and_writes_nothing(case, fn):
 
 
 def test_eager_plans_only_for_plain_cuda_tensors():
-    """The fast path of repeated eager calls (ropekit._eager) never engages on CPU, for tensor subclasses, or
+    """The fast path of repeated eager calls (ropekit._fastpath) never engages on CPU, for tensor subclasses, or
     under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_gpu_eager_plans.)"""
-    from ropekit import _eager
+    from ropekit import _fastpath
+
+    from ropekit._spec import FORWARD
 
     q, k = make_qk(1, 3, 2, 2, 8)
-    scalars = (False, False, None, 10000.0, "neox", "bshd", None, "front", 1.0, 1.0, 1.0)
-    optional = (None,) * 6
-    assert _eager.signature(q, k, optional, scalars) is None
-    assert _eager.signature(torch.nn.Parameter(q), None, optional, scalars) is None
-    before = len(_eager._PLANS)
+    options = dict(positions=None, check_positions=False, backend="auto")
+    assert _fastpath.signature(q, k, FORWARD, options) is None
+    assert _fastpath.signature(torch.nn.Parameter(q), None, FORWARD, options) is None
+    before = len(_fastpath._PLANS)
     ropekit.apply_rope(q, k, positions=3)
-    assert len(_eager._PLANS) == before
+    assert len(_fastpath._PLANS) == before

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from ropekit.api import _normalise
+from ropekit._spec import BACKWARD, FORWARD, validate
 from ropekit.triton import kernel as K
 from ropekit.triton import launcher as L
 
@@ -30,9 +30,10 @@ def _compile_for_sm90(q, k, config, **api_kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    launch_kw = _normalise(q, k, **api_kwargs).launch_kwargs()
+    conjugate = api_kwargs.pop("conjugate", False)
+    spec = validate(q, k, **api_kwargs, mode=BACKWARD if conjugate else FORWARD)
     out_k = None if k is None else torch.empty_like(k)
-    _, args, constexprs, num_warps = L._kernel_launch(q, k, torch.empty_like(q), out_k, **launch_kw, config=config)
+    _, args, constexprs, num_warps = L.kernel_launch(q, k, torch.empty_like(q), out_k, spec, config=config)
     consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=True)
     signature, attrs, values = {}, {}, iter(args)
     for index, name in enumerate(K.rope_kernel.arg_names):

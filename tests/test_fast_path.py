@@ -1,4 +1,4 @@
-"""Differential test: the eager fast path (cached launch plans, ``ropekit._eager``) is the same function as the
+"""Differential test: the eager fast path (cached launch plans, ``ropekit._fastpath``) is the same function as the
 full path, and both equal the float64 reference.
 
 A seeded random grid over the options -- layouts, pairings, position modes, frequency sources, partial rotary,
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import _eager
+from ropekit import _fastpath
 from ropekit.testing import kernels_on_cpu
 from helpers import TOLERANCES
 
@@ -31,13 +31,14 @@ DEVICES = [
 ]
 SHAPES = {"cpu": (2, 5, 3, 1, 16), "cuda": (2, 300, 32, 8, 128)}  # B, S, HQ, HK, D
 NUM_CASES = {"cpu": 40, "cuda": int(os.environ.get("ROPEKIT_FAST_PATH_CASES", "80"))}
+CALLS = 4  # per case, each with fresh data: the full path, the call that records the plan, two replays
 GRAD_LAYOUTS = ("contiguous", "permuted", "transposed", "expanded", "sliced")
 
 
 @contextlib.contextmanager
 def device_mode(device: str):
     """Kernels and plans on ``device``: the interpreter on CPU, CUDA as is; plans start empty."""
-    _eager.clear()
+    _fastpath.clear()
     with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
         yield
 
@@ -109,7 +110,7 @@ def _kwargs(case: dict, shape: tuple, device: str, call: int) -> dict:
     thd = case["layout"] == "thd"
     pos, g = case["pos"], torch.Generator().manual_seed(call)
     if pos == "offset":
-        kw["positions"] = [0, 17, 63][call]
+        kw["positions"] = [0, 17, 63, 30][call]
     elif pos == "seqoff":
         kw["positions"] = torch.randint(0, 64, (B,), generator=g).to(device)
     elif pos in ("ids", "ids-row"):
@@ -121,7 +122,7 @@ def _kwargs(case: dict, shape: tuple, device: str, call: int) -> dict:
         cu = torch.tensor([0, *cuts, T], dtype=torch.int32)  # may hold empty sequences
         kw["cu_seqlens"] = cu.to(device)
         if pos == "varlen-offset":
-            kw["positions"] = [5, 0, 40][call]
+            kw["positions"] = [5, 0, 40, 21][call]
         elif pos == "varlen-seqoff":
             kw["positions"] = torch.randint(0, 64, (cu.numel() - 1,), generator=g).to(device)
     freq = case["freq"]
@@ -231,14 +232,15 @@ def test_fast_path_equals_full_path_and_reference(device, plan_calls):
         plan_calls["served"] = 0
         with device_mode(device):
             try:
-                for call in range(3):
+                for call in range(CALLS):
                     run_case(case, shape, device, call)
             except AssertionError as e:
                 failures.append(f"case {index} {case}: {e}")
                 continue
         if _plannable(case):
-            expected_served += 2
-            if plan_calls["served"] < 2:  # calls 2 and 3 (and, with autograd, backward calls from the third on)
+            expected_served += CALLS - 2
+            if plan_calls["served"] < CALLS - 2:  # call 1 notes the signature, call 2 records its plan, the rest
+                # replay it (with autograd, so do the backward calls)
                 failures.append(f"case {index} {case}: plans served only {plan_calls['served']} calls")
     assert not failures, "\n".join(failures[:5]) + f"\n({len(failures)} failing cases)"
     assert expected_served > NUM_CASES[device]  # the grid exercised the fast path
@@ -255,7 +257,7 @@ def test_disabled_fast_path_serves_nothing_and_agrees(device, plan_calls):
                 run_case(case, SHAPES[device], device, call)
     finally:
         ropekit.set_fast_path(previous)
-    assert plan_calls["served"] == 0 and not _eager._PLANS
+    assert plan_calls["served"] == 0 and not _fastpath._PLANS
 
 
 def test_fast_path_switch_from_environment():

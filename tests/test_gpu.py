@@ -5,7 +5,7 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from ropekit.api import _normalise
+from ropekit._spec import validate
 from helpers import TOLERANCES, assert_close_to_ref, make_qk
 from test_api import _ref
 
@@ -59,10 +59,10 @@ def test_autograd_on_cuda():
 
 def test_opcheck_on_cuda():
     q, k = make_qk(2, 8, 4, 2, 32, device="cuda")
-    n = _normalise(q, k, positions=torch.tensor([3, 4], device="cuda"))
-    opcheck(torch.ops.ropekit.rope.default, (q.requires_grad_(True), k, *n.tensors, *n.scalars.values(), None))
+    spec = validate(q, k, positions=torch.tensor([3, 4], device="cuda"))
+    opcheck(torch.ops.ropekit.rope.default, (q.requires_grad_(True), k, *spec))
     q2, k2 = make_qk(2, 8, 4, 2, 32, device="cuda")
-    opcheck(torch.ops.ropekit.rope_.default, (q2, k2, *n.tensors, *n.scalars.values()))
+    opcheck(torch.ops.ropekit.rope_.default, (q2, k2, *spec))
 
 
 def test_compile_fullgraph_on_cuda_no_graph_break():
@@ -166,11 +166,10 @@ def test_token_blocks_over_two_grid_axes_on_cuda():
     T = 3 * 65535 + 7
     q = torch.randn(T, 1, 1, 8, device="cuda")
     pos = torch.randint(0, 1 << 16, (T, 1), device="cuda")
-    n = _normalise(q, None, positions=pos)
-    kw = n.launch_kwargs()
+    spec = validate(q, None, positions=pos)
     out = torch.full((T + 64, 1, 1, 8), float("nan"), device="cuda")
-    launch_rope(q, None, out[:T], None, **kw, config=(1, 1, 1, 1))
-    ref = rope_reference(q.cpu(), None, **{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
-                         out_dtype=torch.float64)[0]
+    launch_rope(q, None, out[:T], None, spec, config=(1, 1, 1, 1))
+    ref = rope_reference(q.cpu(), None, validate(q.cpu(), None, positions=pos.cpu())._replace(
+        out_dtype=torch.float64))[0]
     assert_close_to_ref(out[:T], ref, torch.float32)
     assert torch.isnan(out[T:]).all()

@@ -7,7 +7,7 @@ outputs poisoned with NaN, so any element it fails to write is caught.
 import pytest
 import torch
 
-from ropekit.api import _normalise
+from ropekit._spec import BACKWARD, FORWARD, validate
 from ropekit.reference import rope_reference
 from ropekit.triton.launcher import launch_rope
 from helpers import TOLERANCES, assert_close_to_ref, make_qk, poisoned_like
@@ -18,17 +18,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def run_kernel(q, k, *, inplace=False, config=None, **kwargs):
     """(kernel outputs, float64 reference outputs) for one call; ``config`` overrides the launcher's block
     shape."""
-    n = _normalise(q, k, **kwargs)
-    launch_kw = n.launch_kwargs()
+    conjugate = kwargs.pop("conjugate", False)
+    spec = validate(q, k, **kwargs, mode=BACKWARD if conjugate else FORWARD)
+    on_cpu = [v.cpu() if isinstance(v, torch.Tensor) else v for v in spec]
     ref = rope_reference(q.cpu(), None if k is None else k.cpu(),
-                         **{name: (v.cpu() if isinstance(v, torch.Tensor) else v) for name, v in launch_kw.items()},
-                         out_dtype=torch.float64)
+                         type(spec)(*on_cpu)._replace(out_dtype=torch.float64))
     if inplace:
         q_out, k_out = q, k
     else:
         q_out = poisoned_like(q)
         k_out = None if k is None else poisoned_like(k)
-    launch_rope(q, k, q_out, k_out, **launch_kw, config=config)
+    launch_rope(q, k, q_out, k_out, spec, config=config)
     return ([q_out] if k is None else [q_out, k_out]), ref
 
 
@@ -153,12 +153,12 @@ def test_invalid_positions_become_nan_not_out_of_bounds():
     cos, sin, _ = _freqs(6, 16)
     q, k = make_qk(1, 4, 2, 1, 16, device=DEVICE)
     pos = _dev(torch.tensor([[0, 5, 6, 1]]))
-    n = _normalise(q, k, positions=pos, cos=cos, sin=sin) if DEVICE == "cuda" else None
+    n = validate(q, k, positions=pos, cos=cos, sin=sin) if DEVICE == "cuda" else None
     if n is None:  # on CPU the API refuses; drive the launcher with what the API would pass on a device
-        n = _normalise(q, k, positions=_dev(torch.tensor([[0, 5, 5, 1]])), cos=cos, sin=sin)
-        n.tensors[0].copy_(pos)
+        n = validate(q, k, positions=_dev(torch.tensor([[0, 5, 5, 1]])), cos=cos, sin=sin)
+        n.positions.copy_(pos)
     q_out, k_out = poisoned_like(q), poisoned_like(k)
-    launch_rope(q, k, q_out, k_out, **n.launch_kwargs())
+    launch_rope(q, k, q_out, k_out, n)
     assert torch.isnan(q_out[0, 2]).all() and torch.isnan(k_out[0, 2]).all()
     assert not torch.isnan(q_out[0, [0, 1, 3]]).any()
 
@@ -207,10 +207,7 @@ def test_launch_cache_holds_one_entry_per_compiled_variant():
     def key(S):
         q, k = make_qk(1, S, 2, 1, 8)
         qo, ko = torch.empty_like(q), torch.empty_like(k)
-        grid, args, constexprs, nw = launcher._kernel_launch(
-            q, k, qo, ko, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=8, rotary_start=0,
-            positions=None, seq_offsets=None, pos_offset=0, cu_seqlens=None, inv_freq=torch.ones(4),
-            cos=None, sin=None, table_by_token=False, q_scale=1.0, k_scale=1.0, rotary_scale=1.0, conjugate=False)
+        grid, args, constexprs, nw = launcher.kernel_launch(q, k, qo, ko, validate(q, k, inv_freq=torch.ones(4)))
         return launcher._cache_key(args, constexprs, nw, None)
 
     assert len({key(S) for S in range(17, 400, 4)}) == 1  # odd lengths: no stride or count divisible by 16
@@ -233,11 +230,16 @@ def test_block_config_shapes():
     assert (bt, bq, bk) == (1, 16, 16) and warps == 1
 
 
+def _spec_for(q):
+    """The spec of a full rotation of ``q`` with unit frequencies, built without validating ``q`` (whose batch
+    dimension has no memory behind it)."""
+    return validate(torch.zeros(1, 1, 1, 2), None, inv_freq=torch.ones(1))
+
+
 def test_launcher_refuses_2_to_the_31_tokens_before_launching():
     q = torch.zeros(1, 1, 1, 2).expand(2**31, 1, 1, 2)  # no memory behind the batch dimension
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        launch_rope(q, None, q, None, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=2,
-                    rotary_start=0, inv_freq=torch.ones(1))
+        launch_rope(q, None, q, None, _spec_for(q))
 
 
 def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
@@ -248,8 +250,7 @@ def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
     monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev: seen.update(grid=grid))
     for tokens in (65535, 65536, 131071, 200003):
         q = torch.zeros(1, 1, 1, 2).expand(tokens, 1, 1, 2)  # no memory behind the batch dimension
-        launch_rope(q, None, q, None, layout="bshd", style="neox", freq_mode="inv_freq", rotary_dim=2,
-                    rotary_start=0, inv_freq=torch.ones(1), config=(1, 1, 1, 1))
+        launch_rope(q, None, q, None, _spec_for(q), config=(1, 1, 1, 1))
         n_heads, n_y, n_z = seen["grid"]
         assert n_heads == 1 and n_y <= launcher.MAX_GRID_Y
         assert tokens <= n_y * n_z < tokens + n_z

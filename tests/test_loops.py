@@ -277,13 +277,13 @@ def rope_calls(monkeypatch):
     from ropekit.integrations import patching
 
     calls = []
-    original = patching._rope
+    original = patching.apply_rope
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("style"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(patching, "_rope", spy)
+    monkeypatch.setattr(patching, "apply_rope", spy)
     return calls
 
 

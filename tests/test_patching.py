@@ -66,13 +66,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def rope_calls(monkeypatch):
     """Counts the rotations that went through ropekit."""
     calls = []
-    original = patching._rope
+    original = patching.apply_rope
 
     def spy(*args, **kwargs):
         calls.append(kwargs["style"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(patching, "_rope", spy)
+    monkeypatch.setattr(patching, "apply_rope", spy)
     return calls
 
 

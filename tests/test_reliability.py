@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import _eager
+from ropekit import _fastpath
 from ropekit.testing import kernels_on_cpu
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,7 +29,7 @@ MODES = [
 
 @contextlib.contextmanager
 def mode_context(mode: str):
-    _eager.clear()
+    _fastpath.clear()
     with kernels_on_cpu() if mode == "cpu-kernels" else contextlib.nullcontext():
         yield "cuda" if mode == "cuda" else "cpu"
 
@@ -266,26 +266,26 @@ def test_unhashable_argument_gets_the_validation_error_on_every_call(mode):
 # ------------------------------------------------------------------------------------------- caches
 
 def test_frequency_cache_is_bounded():
-    from ropekit import api
+    from ropekit import frequencies
 
     q = torch.randn(1, 2, 1, 8)
     for i in range(200):
         ropekit.apply_rope(q, base=1000.0 + i)
-    assert len(api._INV_FREQ_CACHE) <= api._INV_FREQ_CACHE_SIZE
+    assert len(frequencies._INV_FREQ_CACHE) <= frequencies._INV_FREQ_CACHE_SIZE
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_plan_cache_is_bounded_and_recent_plans_survive(mode, monkeypatch):
-    monkeypatch.setattr(_eager, "_MAX_PLANS", 8)
+    monkeypatch.setattr(_fastpath, "_MAX_PLANS", 8)
     with mode_context(mode) as device:
         hot = torch.randn(1, 2, 1, 8, device=device)
         for S in range(1, 30):
             ropekit.apply_rope(hot)  # used again and again: stays
             ropekit.apply_rope(torch.randn(1, S + 2, 1, 8, device=device))
-            assert len(_eager._PLANS) <= 8
+            assert len(_fastpath._PLANS) <= 8
         served = []
-        original = _eager.Plan.__call__
-        monkeypatch.setattr(_eager.Plan, "__call__", lambda self, *a: served.append(1) or original(self, *a))
+        original = _fastpath.Plan.__call__
+        monkeypatch.setattr(_fastpath.Plan, "__call__", lambda self, *a: served.append(1) or original(self, *a))
         ropekit.apply_rope(hot)
         assert served
 

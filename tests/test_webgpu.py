@@ -21,7 +21,8 @@ wgpu = pytest.importorskip("wgpu", reason="the WebGPU backend needs wgpu: pip in
 
 import ropekit.webgpu as webgpu  # noqa: E402
 from helpers import assert_close_to_ref  # noqa: E402
-from ropekit.api import default_inv_freq  # noqa: E402
+from ropekit.frequencies import default_inv_freq  # noqa: E402
+from ropekit._spec import BACKWARD, FORWARD, validate  # noqa: E402
 from ropekit.reference import rope_reference  # noqa: E402
 
 # max |out - ref| <= atol + rtol * |ref|. f32 kernels: exact angles, polynomial sin/cos (~1e-7), f32 stores.
@@ -52,9 +53,9 @@ def exact_inv_freq(base, D):
 def reference(x, *, style="interleaved", inv_freq, pos_offset=0, conjugate=False):
     """float64 rotation of x ([S, H, D] or [B, S, H, D])."""
     x4 = x.unsqueeze(0) if x.ndim == 3 else x
-    out = rope_reference(x4, None, layout="bshd", style=style, freq_mode="inv_freq", rotary_dim=x.shape[-1],
-                         rotary_start=0, inv_freq=inv_freq, pos_offset=pos_offset, conjugate=conjugate,
-                         out_dtype=torch.float64)[0]
+    spec = validate(x4, None, positions=pos_offset, inv_freq=inv_freq, style=style,
+                    mode=BACKWARD if conjugate else FORWARD)
+    out = rope_reference(x4, None, spec._replace(out_dtype=torch.float64))[0]
     return out.reshape(x.shape)
 
 

@@ -1,142 +1,144 @@
-"""Gradients: the backward of a rotation is the conjugate (transposed) rotation by the same op and kernel.
+"""Gradients, and the one place that decides how a validated rotation runs (:func:`rotate`).
 
-``ropekit::rope`` gets its autograd formula through ``torch.library.register_autograd`` (so it also holds under
-``torch.compile``); the in-place op is wrapped in :class:`InplaceRope`, which declares its writes with
-``mark_dirty`` so autograd refuses misuse (a leaf, or a tensor saved by another op) instead of computing wrong
-gradients.
+The backward of a rotation is the conjugate (transposed) rotation by the same op and kernel. ``ropekit::rope`` gets
+its autograd formula through ``torch.library.register_autograd`` (so it also holds under ``torch.compile``). Eager
+calls use :class:`EagerRope`, the same formula without the dispatcher's round trips; the in-place op is wrapped in
+:class:`InplaceRope`, which declares its writes with ``mark_dirty`` so autograd refuses misuse (a leaf, or a
+tensor saved by another op) instead of computing wrong gradients.
 """
 
 from __future__ import annotations
-
-from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ropekit import ops
-from ropekit.ops import _TENSOR_ARGS
-
-# The non-tensor arguments of ropekit::rope, in schema order (the tensor ones: ops._TENSOR_ARGS).
-_SCALAR_ARGS = ("pos_offset", "layout", "style", "freq_mode", "rotary_dim", "rotary_start", "table_by_token",
-                "q_scale", "k_scale", "rotary_scale", "conjugate")
+from ropekit._spec import RopeSpec, needs_grad
 
 
-def conjugate_rotation(grads: list[Optional[Tensor]], in_dtypes: list[torch.dtype], tensors: tuple,
-                       scalars: dict[str, Any], eager: bool = False) -> list[Optional[Tensor]]:
+def conjugate_rotation(grads: list[Tensor | None], in_dtypes: list[torch.dtype], spec: RopeSpec,
+                       eager: bool = False) -> list[Tensor | None]:
     """Gradients w.r.t. the inputs of a rotation, given the gradients of its outputs (None where unused).
 
     ``eager``: called from the eager Functions below, which may call the implementation directly; the registered
     formula (traced by AOT autograd with fake tensors) always goes through the registered op."""
-    scalars = dict(scalars, conjugate=not scalars["conjugate"])
     present = [i for i, g in enumerate(grads) if g is not None]
     if not present:
         return [None] * len(grads)
+    spec = spec._replace(conjugate=not spec.conjugate, out_dtype=None)
     # The op rotates its first tensor with q_scale and its second with k_scale: keep each grad with its own.
     if present == [1]:
-        scalars["q_scale"] = scalars["k_scale"]
+        spec = spec._replace(q_scale=spec.k_scale)
+    # The kernel takes any strides but the last: only a gradient whose last dim is not contiguous is copied.
     gs = [grads[i] if grads[i].stride(-1) == 1 else grads[i].contiguous() for i in present]
+    g0, g1 = gs[0], gs[1] if len(gs) > 1 else None
     # Double backward (grad mode on) needs the differentiable registered op; a plain eager backward does not.
-    rotate = ops.rope_out_of_place if eager and not torch.is_grad_enabled() else ops.rope
-    outs = rotate(gs[0], gs[1] if len(gs) > 1 else None, *tensors, **scalars, promote_dtype=None)
-    result: list[Optional[Tensor]] = [None] * len(grads)
+    if eager and not torch.is_grad_enabled():
+        outs = ops.rotate_out_of_place(g0, g1, spec)
+    else:
+        outs = ops.rope(g0, g1, *spec)
+    result: list[Tensor | None] = [None] * len(grads)
     for i, out in zip(present, outs):
         result[i] = out if out.dtype == in_dtypes[i] else out.to(in_dtypes[i])
     return result
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, *rest = inputs
-    tensors = rest[: len(_TENSOR_ARGS)]
-    scalars = dict(zip(_SCALAR_ARGS, rest[len(_TENSOR_ARGS): len(_TENSOR_ARGS) + len(_SCALAR_ARGS)]))
-    ctx.save_for_backward(*tensors)
-    ctx.scalars = scalars
+def _save(ctx, q: Tensor, k: Tensor | None, spec: RopeSpec) -> None:
+    """Keep what the backward needs; the spec's tensors go through ``save_for_backward`` (version checks)."""
+    ctx.save_for_backward(*spec.tensors)
+    ctx.scalars = spec.scalars
     ctx.in_dtypes = [q.dtype] + ([k.dtype] if k is not None else [])
 
 
+def _saved_spec(ctx) -> RopeSpec:
+    return RopeSpec.from_parts(ctx.saved_tensors, ctx.scalars)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, *spec = inputs
+    _save(ctx, q, k, RopeSpec(*spec))
+
+
 def _backward(ctx, grads):
-    grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars)
-    nones = [None] * (len(_TENSOR_ARGS) + len(_SCALAR_ARGS) + 1)
-    return (grads_in[0], grads_in[1] if len(grads_in) > 1 else None, *nones)
+    grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, _saved_spec(ctx))
+    return (grads_in[0], grads_in[1] if len(grads_in) > 1 else None, *[None] * len(RopeSpec._fields))
 
 
 torch.library.register_autograd("ropekit::rope", _backward, setup_context=_setup_context)
 
 
-class Rope(torch.autograd.Function):
+class EagerRope(torch.autograd.Function):
     """Eager autograd for the out-of-place rotation without the dispatcher round trips of the registered op
     (its Python autograd wrapper costs far more host time than the kernel at training sizes). Same kernel and
     same conjugate backward as ``ropekit::rope``'s registered formula, which ``torch.compile`` uses."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Optional[Tensor], tensors: tuple, scalars: dict,
-                promote_dtype: Optional[torch.dtype]) -> tuple:
-        outs = ops.rope_out_of_place(q, k, *tensors, **scalars, promote_dtype=promote_dtype)
-        ctx.save_for_backward(*tensors)
-        ctx.scalars = scalars
-        ctx.in_dtypes = [q.dtype] + ([k.dtype] if k is not None else [])
+    def forward(ctx, q: Tensor, k: Tensor | None, spec: RopeSpec) -> tuple:
+        outs = ops.rotate_out_of_place(q, k, spec)
+        _save(ctx, q, k, spec)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars, eager=True)
-        return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None, None
+        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, _saved_spec(ctx), eager=True)
+        return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None
 
 
 class InplaceRope(torch.autograd.Function):
     """``ropekit::rope_`` with autograd: rotates q (and k) in place and marks them dirty."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Optional[Tensor], tensors: tuple, scalars: dict) -> tuple:
-        ops.rope_(q, k, *tensors, **scalars)
+    def forward(ctx, q: Tensor, k: Tensor | None, spec: RopeSpec) -> tuple:
+        ops.rope_(q, k, *spec)
         dirty = (q,) if k is None else (q, k)
         ctx.mark_dirty(*dirty)
-        ctx.save_for_backward(*tensors)
-        ctx.scalars = scalars
-        ctx.in_dtypes = [t.dtype for t in dirty]
+        _save(ctx, q, k, spec)
         return dirty
 
     @staticmethod
     def backward(ctx, *grads):
-        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, ctx.saved_tensors, ctx.scalars, eager=True)
-        return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None, None
+        grads_in = conjugate_rotation(list(grads), ctx.in_dtypes, _saved_spec(ctx), eager=True)
+        return grads_in[0], (grads_in[1] if len(grads_in) > 1 else None), None
 
 
-class PlannedRope(torch.autograd.Function):
-    """Eager autograd of a call replayed from a launch plan (:mod:`ropekit._eager`): the forward launches the
-    plan's bound kernel; the backward is the conjugate rotation through the public path (itself replayed from a
-    plan keyed by the gradients' layout). Gradients arrive in whatever layout autograd produced (transposed,
-    expanded with zero strides, sliced): the kernel takes any strides but the last, so only a gradient whose
-    last dimension is not contiguous is copied, exactly as for :class:`Rope`."""
+def _in_place_with_grad(q: Tensor, k: Tensor | None, spec: RopeSpec) -> tuple:
+    """In-place rotation recorded by autograd. Compiled: the functional op (which has the autograd formula)
+    and a copy back, which functionalization turns into the same in-place write. Eager: one autograd Function
+    per tensor where either is a view (autograd allows only one output for a Function that writes into a view,
+    e.g. q and k of one packed QKV buffer), else one Function and one launch for both."""
+    if torch.compiler.is_compiling():
+        rotated = ops.rope(q, k, *spec)
+        q.copy_(rotated[0])
+        if k is not None:
+            k.copy_(rotated[1])
+        return (q, k)
+    if k is not None and (q._is_view() or k._is_view()):
+        (q,) = InplaceRope.apply(q, None, spec)
+        (k,) = InplaceRope.apply(k, None, spec._replace(q_scale=spec.k_scale))
+        return (q, k)
+    return InplaceRope.apply(q, k, spec)
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Optional[Tensor], plan, tables: tuple, pos_offset: int, positions,
-                optional: tuple):
-        ctx.plan, ctx.positions, ctx.optional = plan, positions, optional
-        ctx.save_for_backward(*[t for t in optional if isinstance(t, Tensor)])  # in-place changes raise later
-        ctx.inputs = (q.shape, q.dtype, q.device), (None if k is None else (k.shape, k.dtype))
-        return plan.rotate(plan.launch, q, k, tables, pos_offset)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        from ropekit.api import _rope
+def rotate(q: Tensor, k: Tensor | None, spec: RopeSpec, inplace: bool) -> tuple:
+    """Run a validated rotation by the cheapest route that keeps autograd and tracing right: eager calls without
+    autograd skip the dispatcher, eager autograd uses the Functions above, tracing uses the registered ops.
+    Returns ``(q_out, k_out)`` (``k_out`` None without k; in place, q and k themselves)."""
+    compiling = torch.compiler.is_compiling()
+    grad = needs_grad(q, k)
+    if inplace:
+        if grad:
+            outs = _in_place_with_grad(q, k, spec)
+        elif compiling:
+            ops.rope_(q, k, *spec)
+            outs = (q, k)
+        else:
+            ops.rotate_in_place(q, k, spec)
+            outs = (q, k)
+    elif not compiling and not grad:
+        outs = ops.rotate_out_of_place(q, k, spec)
+    elif not compiling:
+        outs = EagerRope.apply(q, k, spec)
+    else:
+        outs = ops.rope(q, k, *spec)
+    return (outs[0], outs[1] if k is not None else None)
 
-        ctx.saved_tensors  # noqa: B018 -- raises if positions or tables were modified in place since forward
-        (q_shape, q_dtype, device), k_info = ctx.inputs
-        gq = grads[0]
-        gk = grads[1] if k_info is not None else None
-        if gq is None:  # only k's output was used: rotate zeros for q (rare; keeps one code path)
-            gq = torch.zeros(q_shape, dtype=gk.dtype, device=device)
-        if k_info is not None and gk is None:
-            gk = torch.zeros(k_info[0], dtype=gq.dtype, device=device)
-        gq = gq if gq.stride(-1) == 1 else gq.contiguous()
-        if gk is not None and gk.stride(-1) != 1:
-            gk = gk.contiguous()
-        positions, inv_freq, cos, sin, angles, cu_seqlens = ctx.optional
-        kw = dict(ctx.plan.call_kwargs, conjugate=not ctx.plan.call_kwargs["conjugate"], promote_dtype=None)
-        outs = _rope(gq, gk, positions=ctx.positions, inv_freq=inv_freq, cos=cos, sin=sin, angles=angles,
-                     cu_seqlens=cu_seqlens, names=("grad of q_rot", "grad of k_rot"), **kw)
-        dq, dk = (outs, None) if k_info is None else outs
-        dq = dq if dq.dtype == q_dtype else dq.to(q_dtype)
-        if dk is not None and dk.dtype != k_info[1]:
-            dk = dk.to(k_info[1])
-        return dq, dk, None, None, None, None, None

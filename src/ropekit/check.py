@@ -112,12 +112,12 @@ def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwa
     ref_q, ref_k = fn(q.double(), k.double(), **cpu_kwargs)
     qd, kd = q.to(device), k.to(device)
     if backend == "triton-interpreter":
-        from ropekit.api import _normalise
+        from ropekit._spec import BACKWARD, FORWARD, validate
         from ropekit.triton.launcher import launch_rope
 
-        n = _normalise(qd, kd, **kwargs, conjugate=backward)
+        spec = validate(qd, kd, **kwargs, mode=BACKWARD if backward else FORWARD)
         out_q, out_k = (qd, kd) if inplace else (torch.full_like(qd, float("nan")), torch.full_like(kd, float("nan")))
-        launch_rope(qd, kd, out_q, out_k, **n.launch_kwargs())
+        launch_rope(qd, kd, out_q, out_k, spec)
     elif inplace:
         out_q, out_k = ropekit.apply_rope_(qd, kd, **kwargs)
     else:

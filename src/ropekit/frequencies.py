@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,6 +97,31 @@ _INTERLEAVED_MODEL_TYPES = {"glm", "glm4", "gptj", "codegen", "deepseek_v2", "de
 # Families whose configs carry a rotary fraction default other than 1.
 _PARTIAL_DEFAULTS = {"gpt_neox": 0.25, "glm": 0.5, "glm4": 0.5}
 STYLES = ("neox", "interleaved")
+
+_INV_FREQ_CACHE: OrderedDict = OrderedDict()
+_INV_FREQ_CACHE_SIZE = 64
+
+
+def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """``base ** (-2i / R)`` for i < R/2, formed in float64 and rounded once to fp32 [R/2]: the frequencies of
+    ``apply_rope(..., base=...)``.
+
+    Rounded once, the values are the same whether computed eagerly or inside a ``torch.compile`` graph (they agree
+    with transformers' fp32 formula except where that formula is itself an ulp off; :func:`from_hf_config`
+    reproduces transformers bit for bit). Cached per (base, R, device) in eager mode (the 64 most recently used),
+    so calls stay free of host work and allocations."""
+    key = (base, rotary_dim, device)
+    cached = _INV_FREQ_CACHE.get(key)
+    if cached is not None:
+        _INV_FREQ_CACHE.move_to_end(key)
+        return cached
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    inv_freq = torch.pow(base, -exponent).to(torch.float32).to(device)
+    if not torch.compiler.is_compiling():
+        _INV_FREQ_CACHE[key] = inv_freq
+        if len(_INV_FREQ_CACHE) > _INV_FREQ_CACHE_SIZE:
+            _INV_FREQ_CACHE.popitem(last=False)
+    return inv_freq
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ropekit._layout import LAYOUTS, layout_ndim, to_canonical
+from ropekit._spec import LAYOUTS, layout_ndim, to_canonical
 from ropekit.api import apply_rope
 from ropekit.frequencies import (RopeFrequencies, _integer, _length_arg, _positions_arg, from_hf_config,
                                  rope_frequencies)

@@ -23,12 +23,7 @@ import math
 
 import torch
 
-from ropekit._layout import to_canonical
-
-
-MAX_POSITION = 2**31 - 1
-"""The largest position ropekit rotates: in-kernel angles are within ~5e-7 rad of exact up to here (about 1e-7
-below 2**24). Larger positions raise on the host where their values are known; elsewhere the tokens come out NaN."""
+from ropekit._spec import MAX_POSITION, RopeSpec, to_canonical
 
 
 def token_positions(
@@ -146,32 +141,11 @@ def rotate(
     return y
 
 
-def rope_reference(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    *,
-    layout: str,
-    style: str,
-    freq_mode: str,
-    rotary_dim: int,
-    rotary_start: int,
-    positions: torch.Tensor | None = None,
-    seq_offsets: torch.Tensor | None = None,
-    pos_offset: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    inv_freq: torch.Tensor | None = None,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    table_by_token: bool = False,
-    q_scale: float = 1.0,
-    k_scale: float = 1.0,
-    rotary_scale: float = 1.0,
-    conjugate: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> list[torch.Tensor]:
-    """The rotation of ``q`` (and ``k``) in float64, returned in float64 when ``out_dtype`` is float64, else
-    rounded once to ``out_dtype`` (default: each input's dtype). Arguments are the normalised ones of
-    ``ropekit::rope`` (see :mod:`ropekit.ops`)."""
+def rope_reference(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> list[torch.Tensor]:
+    """The rotation of ``q`` (and ``k``) described by ``spec`` in float64, returned in float64 when
+    ``spec.out_dtype`` is float64, else rounded once to ``spec.out_dtype`` (None: each input's dtype)."""
+    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout, style, freq_mode, rotary_dim,
+     rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
     qc = to_canonical(q, layout)
     B, S = qc.shape[:2]
     pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
@@ -188,7 +162,7 @@ def rope_reference(
             continue
         y = rotate(to_canonical(x, layout), tables, rotary_dim=rotary_dim, rotary_start=rotary_start, neox=neox,
                    scale=scale, rotary_scale=rotary_scale, conjugate=conjugate, valid=valid)
-        dtype = x.dtype if out_dtype is None else torch.promote_types(x.dtype, out_dtype)
+        dtype = x.dtype if out_dtype is None else out_dtype
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
         to_canonical(out, layout).copy_(y)
         outs.append(out)

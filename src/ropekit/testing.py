@@ -11,7 +11,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from ropekit import _config, _eager
+from ropekit import _config, _fastpath
 
 
 @contextlib.contextmanager
@@ -29,4 +29,4 @@ def kernels_on_cpu() -> Iterator[None]:
         yield
     finally:
         _config.kernels_on_cpu = previous
-        _eager.clear()
+        _fastpath.clear()

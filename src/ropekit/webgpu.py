@@ -44,7 +44,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from ropekit.reference import MAX_POSITION
+from ropekit._spec import MAX_POSITION, RopeSpec, needs_grad
 
 __all__ = [
     "ANGLE_MODES",
@@ -517,7 +517,7 @@ def _check_shader_base(base: float, head_dim: int) -> None:
 
 def _default_inv_freq(base: float, head_dim: int) -> torch.Tensor:
     # The frequencies every other ropekit backend uses (transformers' float32 formula).
-    from ropekit.api import default_inv_freq
+    from ropekit.frequencies import default_inv_freq
 
     return default_inv_freq(float(base), head_dim, torch.device("cpu"))
 
@@ -661,6 +661,7 @@ def check_rows(runner: Optional[WebGPURunner] = None) -> list[dict]:
             runner = default_runner()
         except (ImportError, RuntimeError):
             return []
+    from ropekit._spec import BACKWARD, FORWARD, validate
     from ropekit.reference import rope_reference
 
     generator = torch.Generator().manual_seed(0)
@@ -674,11 +675,38 @@ def check_rows(runner: Optional[WebGPURunner] = None) -> list[dict]:
             inv_freq = base ** -(torch.arange(0, D, 2, dtype=torch.float64) / D)
         else:
             inv_freq = _default_inv_freq(base, D)
-        refs = rope_reference(q, k, layout="bshd", style=style, freq_mode="inv_freq", rotary_dim=D, rotary_start=0,
-                              inv_freq=inv_freq, pos_offset=offset, conjugate=conjugate, out_dtype=torch.float64)
+        spec = validate(q, k, positions=offset, inv_freq=inv_freq, style=style,
+                        mode=BACKWARD if conjugate else FORWARD)._replace(out_dtype=torch.float64)
+        refs = rope_reference(q, k, spec)
         # NaN (an unwritten or poisoned element) counts as an infinite error.
         error = max(torch.nan_to_num((out.to(torch.float64) - ref).abs(), nan=math.inf).max().item()
                     for out, ref in zip((q_out, k_out), refs))
         rows.append({"backend": "webgpu", "device": runner.description, "case": name, "max_error": error,
                      "tolerance": tolerance, "passed": error <= tolerance})
     return rows
+
+
+def rotate(q: torch.Tensor, k: Optional[torch.Tensor], spec: RopeSpec, inplace: bool) -> tuple:
+    """``apply_rope(..., backend="webgpu")``: the rotation ``spec`` describes, by the WGSL kernels, for the
+    options they implement; the others raise ``ValueError`` naming them. Returns ``(q_out, k_out)``."""
+    unsupported = [name for name, bad in (
+        ("a positions tensor (only an int offset)", spec.positions is not None or spec.seq_offsets is not None),
+        ("cu_seqlens", spec.cu_seqlens is not None),
+        (f"layout={spec.layout!r} (only 'bshd' or 'thd')", spec.layout not in ("bshd", "thd")),
+        ("rotary_dim < head_dim", spec.rotary_dim != q.shape[-1]),
+        ("q_scale/k_scale/rotary_scale other than 1", (spec.q_scale, spec.k_scale, spec.rotary_scale) != (1, 1, 1)),
+        ("raw angles or per-token cos/sin", spec.freq_mode == "angles" or spec.table_by_token),
+        ("out_dtype other than the inputs' dtype", spec.out_dtype is not None),
+        ("autograd (inputs that require grad)", needs_grad(q, k)),
+    ) if bad]
+    if unsupported:
+        raise ValueError(f"backend='webgpu' does not support {', '.join(unsupported)}")
+    outs = apply_rope(q, k, pos_offset=spec.pos_offset, inv_freq=spec.inv_freq if spec.cos is None else None,
+                      cos=spec.cos, sin=spec.sin, style=spec.style, conjugate=spec.conjugate)
+    outs = (outs, None) if k is None else outs
+    if inplace:
+        for x, out in zip((q, k), outs):
+            if x is not None:
+                x.copy_(out)
+        outs = (q, k)
+    return outs

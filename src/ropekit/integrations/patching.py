@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ropekit.api import _rope
+from ropekit.api import apply_rope
 from ropekit.modules import RotaryEmbedding, hf_tables
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_patched", "patch", "unpatch"]
@@ -148,9 +148,9 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
     if q.shape[-1] < rotary_dim or k.shape[-1] != q.shape[-1] or q.stride(-1) != 1 or k.stride(-1) != 1:
         return None
     style = "neox" if kind == "neox" else "interleaved"
-    promote = cos.dtype  # transformers' output dtype is promote(q, cos)
-    q_out, k_out = _rope(q, k, promote_dtype=promote, positions=plan.positions, inv_freq=plan.inv_freq,
-                         style=style, layout=layout, rotary_dim=rotary_dim, rotary_scale=plan.scale)
+    out_dtype = torch.promote_types(q.dtype, cos.dtype)  # transformers' output dtype
+    q_out, k_out = apply_rope(q, k, positions=plan.positions, inv_freq=plan.inv_freq, style=style, layout=layout,
+                              rotary_dim=rotary_dim, rotary_scale=plan.scale, out_dtype=out_dtype)
     if kind == "interleaved_to_halves":
         q_out = torch.cat((q_out[..., 0::2], q_out[..., 1::2]), dim=-1)
         k_out = torch.cat((k_out[..., 0::2], k_out[..., 1::2]), dim=-1)

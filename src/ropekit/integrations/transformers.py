@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ropekit.api import _FLOAT_DTYPES, _rope
-from ropekit._layout import to_canonical
+from ropekit._spec import FLOAT_DTYPES, to_canonical
+from ropekit.api import apply_rope
 
 __all__ = ["apply_rotary_pos_emb", "rotate_half", "patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
 
@@ -56,8 +56,8 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsquee
     fast = (
         isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor)
         and q.dim() == 4 and k.dim() == 4 and cos.dim() in (2, 3) and cos.shape == sin.shape
-        and q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype
-        and cos.dtype in _FLOAT_DTYPES and sin.dtype in _FLOAT_DTYPES
+        and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype
+        and cos.dtype in FLOAT_DTYPES and sin.dtype in FLOAT_DTYPES
         and q.device == k.device == cos.device == sin.device
         and q.shape[-1] % 2 == 0 and k.shape[-1] == q.shape[-1] == cos.shape[-1]
         and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
@@ -82,9 +82,9 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsquee
         return _eager(q, k, cos, sin, unsqueeze_dim)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
-    promote = torch.promote_types(cos.dtype, sin.dtype)
-    return _rope(q, k, promote_dtype=promote, cos=cos_t, sin=sin_t, style="neox", layout=layout,
-                 rotary_dim=q.shape[-1])
+    out_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    return apply_rope(q, k, cos=cos_t, sin=sin_t, style="neox", layout=layout, rotary_dim=q.shape[-1],
+                      out_dtype=out_dtype)
 
 
 def __getattr__(name: str):

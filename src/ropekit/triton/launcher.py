@@ -1,8 +1,9 @@
 """Launcher of :func:`ropekit.triton.kernel.rope_kernel`: strides, modes and block sizes, no copies.
 
 ``launch_rope`` writes into the given outputs (which may be the inputs: in place) and allocates nothing, so it is
-CUDA-graph capturable. It takes the normalised arguments of ``ropekit::rope`` (see :mod:`ropekit.ops`); the public
-API validates them first. Benchmarks may call it directly to skip the dispatcher.
+CUDA-graph capturable. It takes a validated :class:`ropekit._spec.RopeSpec` (the arguments of ``ropekit::rope``).
+Benchmarks may call it directly to skip the dispatcher. :mod:`ropekit.triton.bound` binds a compiled launch for
+the eager fast path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from ropekit._layout import to_canonical
+from ropekit._spec import RopeSpec, to_canonical
 from ropekit.triton import kernel as K
 
 _FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.FREQ_ANGLES}
@@ -110,49 +111,21 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     return block_t, block_hq, block_hk, num_warps
 
 
-def launch_rope(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    q_out: torch.Tensor,
-    k_out: torch.Tensor | None,
-    *,
-    layout: str,
-    style: str,
-    freq_mode: str,
-    rotary_dim: int,
-    rotary_start: int,
-    positions: torch.Tensor | None = None,
-    seq_offsets: torch.Tensor | None = None,
-    pos_offset: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    inv_freq: torch.Tensor | None = None,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    table_by_token: bool = False,
-    q_scale: float = 1.0,
-    k_scale: float = 1.0,
-    rotary_scale: float = 1.0,
-    conjugate: bool = False,
-    tile_bytes: int = TILE_BYTES,
-    config: tuple[int, int, int, int] | None = None,
-) -> None:
-    """Rotate ``q`` (and ``k``) into ``q_out`` (and ``k_out``); outputs may alias their inputs exactly.
-
-    ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only)."""
-    launch = _kernel_launch(q, k, q_out, k_out, layout=layout, style=style, freq_mode=freq_mode,
-                            rotary_dim=rotary_dim, rotary_start=rotary_start, positions=positions,
-                            seq_offsets=seq_offsets, pos_offset=pos_offset, cu_seqlens=cu_seqlens, inv_freq=inv_freq,
-                            cos=cos, sin=sin, table_by_token=table_by_token, q_scale=q_scale, k_scale=k_scale,
-                            rotary_scale=rotary_scale, conjugate=conjugate, tile_bytes=tile_bytes, config=config)
+def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
+                spec: RopeSpec, *, tile_bytes: int = TILE_BYTES,
+                config: tuple[int, int, int, int] | None = None) -> None:
+    """Rotate ``q`` (and ``k``) as ``spec`` says into ``q_out`` (and ``k_out``); outputs may alias their inputs
+    exactly. ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only)."""
+    launch = kernel_launch(q, k, q_out, k_out, spec, tile_bytes, config)
     if launch is not None:
         _launch(*launch, q.device)
 
 
-def _kernel_launch(q, k, q_out, k_out, *, layout, style, freq_mode, rotary_dim, rotary_start, positions,
-                   seq_offsets, pos_offset, cu_seqlens, inv_freq, cos, sin, table_by_token, q_scale, k_scale,
-                   rotary_scale, conjugate, tile_bytes=TILE_BYTES, config=None):
+def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
     """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments; None when
     there is nothing to rotate."""
+    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout, style, freq_mode, rotary_dim,
+     rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
     B, S, HQ, D = qc.shape
     has_k = k is not None
@@ -226,8 +199,7 @@ _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
 # Runtime arguments by role, as positions in the kernel's signature (derived from its parameter names, so that a
 # new argument cannot shift a hard-coded index).
 _ARG_INDEX = {name: i for i, name in enumerate(K.rope_kernel.arg_names)}
-POINTER_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "ko_ptr", "pos_ptr", "seq_off_ptr", "cu_ptr", "freq_ptr", "cos_ptr",
-                "sin_ptr")
+POINTER_ARGS = tuple(n for n in K.rope_kernel.arg_names if n.endswith("_ptr"))
 _POINTERS = tuple(_ARG_INDEX[n] for n in POINTER_ARGS)
 _POS_OFFSET = _ARG_INDEX["pos_offset"]
 _FLOAT_ARGS = ("q_scale", "k_scale", "rotary_scale")
@@ -235,6 +207,8 @@ _INT_ARGS = tuple(i for i, n in enumerate(K.rope_kernel.arg_names)
                   if i not in _POINTERS and i != _POS_OFFSET and n not in _CONSTEXPR_NAMES and n not in _FLOAT_ARGS)
 _MAX_COMPILED = 256
 _COMPILED: OrderedDict = OrderedDict()
+# What Triton's own launch path reads to pick the device (no torch.cuda wrapper).
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _int_class(v: int) -> int:
@@ -278,109 +252,6 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
             _COMPILED.popitem(last=False)
 
 
-class BoundLaunch:
-    """One compiled specialisation of ``rope_kernel`` with its grid and every argument fixed except the ten data
-    pointers (q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, as ints) and the
-    position offset: the eager fast path of :mod:`ropekit.api` calls it for repeated calls of one signature.
-
-    It calls Triton's compiled launcher directly, with integer pointers (no ``data_ptr()`` or pointer-attribute
-    query per tensor), on the current stream of the kernel's device. The caller guarantees that the tensors
-    behind the pointers have the shapes, strides, dtypes, device and 16-byte alignment the launch was bound with.
-    """
-
-    __slots__ = ("_run", "_grid", "_function", "_packed", "_head", "_mid1", "_mid2", "_tail", "_device_index",
-                 "_compiled")
-
-    def __init__(self, compiled, grid, args, constexprs, device_index: int):
-        self._compiled = compiled
-        self._run = compiled.run
-        self._grid = grid
-        self._function = compiled.function
-        self._packed = compiled.packed_metadata
-        # The fixed arguments between the variable slots (checked below the class), so that a call is one tuple build.
-        self._head = tuple(args[4:20])
-        self._mid1 = tuple(args[21:23])
-        self._mid2 = tuple(args[26:28])
-        self._tail = (*args[31:], *constexprs)
-        self._device_index = device_index
-
-    def __call__(self, q: int, q_out: int, k: int, k_out: int, positions: int, seq_offsets: int, cu_seqlens: int,
-                 inv_freq: int, cos: int, sin: int, pos_offset: int) -> None:
-        args = (q, q_out, k, k_out, *self._head, positions, *self._mid1, seq_offsets, pos_offset, cu_seqlens,
-                *self._mid2, inv_freq, cos, sin, *self._tail)
-        if _current_device() != self._device_index:
-            with torch.cuda.device(self._device_index):
-                self._launch(args)
-        else:
-            self._launch(args)
-
-    def _launch(self, args: tuple) -> None:
-        if _launch_hooks_idle():
-            stream = _current_raw_stream(self._device_index)
-            self._run(*self._grid, stream, self._function, self._packed, None, None, None, *args)
-        else:  # a profiler hooked Triton's launches: go through Triton's own launch path
-            self._compiled[self._grid](*args)
-
-
-# BoundLaunch.__call__ interleaves its fixed argument runs with the variable slots in this order; a change of the
-# kernel's signature that moves them must change both.
-if (*_POINTERS, _POS_OFFSET) != (0, 1, 2, 3, 20, 23, 25, 28, 29, 30, 24):
-    raise ImportError("rope_kernel's pointer/offset arguments moved: update BoundLaunch to the new signature")
-
-
-class InterpretedLaunch:
-    """:class:`BoundLaunch`'s twin for CPU tensors under the Triton interpreter (the fast path's CPU-testable
-    form): the same call, with tensors instead of integer addresses in the pointer slots, through
-    ``rope_kernel[grid]`` (the interpreter needs tensors)."""
-
-    __slots__ = ("_grid", "_args", "_kwargs")
-
-    def __init__(self, grid, args, constexprs, num_warps: int):
-        self._grid = grid
-        self._args = [None if i in _POINTERS else a for i, a in enumerate(args)]  # hold no tensor of the first call
-        self._kwargs = dict(zip(_CONSTEXPR_NAMES, constexprs), num_warps=num_warps)
-
-    def __call__(self, q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin,
-                 pos_offset: int) -> None:
-        args = list(self._args)
-        for i, t in zip(_POINTERS, (q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin)):
-            args[i] = t
-        args[_POS_OFFSET] = pos_offset
-        K.rope_kernel[self._grid](*args, **self._kwargs)
-
-
-def _launch_hooks_idle() -> bool:
-    """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
-    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
-    return (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True))
-
-
-try:
-    from triton import knobs as _knobs
-
-    _RUNTIME_KNOBS = _knobs.runtime
-except ImportError:  # older Triton: hooks live on CompiledKernel
-    from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
-
-# What Triton's own launch path reads (its CUDA driver calls these torch functions), without the wrappers.
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-
-
-def bind_rope(q, k, q_out, k_out, **kwargs) -> BoundLaunch | InterpretedLaunch | None:
-    """A :class:`BoundLaunch` for :func:`launch_rope`'s arguments (an :class:`InterpretedLaunch` for CPU
-    tensors), or None where there is none to bind: nothing to rotate, a specialisation not compiled yet (the
-    first call goes through :func:`launch_rope`), or a Triton without the launcher attributes this relies on."""
-    launch = _kernel_launch(q, k, q_out, k_out, **kwargs)
-    if launch is None:
-        return None
-    grid, args, constexprs, num_warps = launch
-    if q.device.type == "cpu":
-        return InterpretedLaunch(grid, args, constexprs, num_warps)
-    if q.device.type != "cuda" or _current_raw_stream is None:
-        return None
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    compiled = _COMPILED.get(_cache_key(args, constexprs, num_warps, q.device.index))
-    if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-        return None
-    return BoundLaunch(compiled, grid, args, constexprs, device_index)
+# The compiled kernel's cached handle takes the constexprs positionally after the runtime arguments.
+if tuple(K.rope_kernel.arg_names[-len(_CONSTEXPR_NAMES):]) != _CONSTEXPR_NAMES:
+    raise ImportError("rope_kernel's constexpr parameters changed: update _CONSTEXPR_NAMES and kernel_launch")

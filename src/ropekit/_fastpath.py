@@ -1,0 +1,273 @@
+"""Eager fast path: a launch plan per call signature, so a repeated call costs a dictionary lookup and a launch.
+
+A call's *signature* is everything validation and the kernel's specialisation depend on: every argument's type,
+shape, strides, dtype, device and 16-byte alignment, and every other option, but not data pointers or an int
+position offset. The first call of a signature goes through the full path (:func:`ropekit._spec.validate`,
+:func:`ropekit.autograd.rotate`) and is noted; the second also records a :class:`Plan` holding the compiled kernel
+bound to its grid and arguments (:class:`ropekit.triton.bound.BoundLaunch`), so a signature seen once -- packed
+sequences whose token count changes every step -- costs only the note. Later calls of a recorded signature skip
+validation and argument building: they read the data pointers, allocate the outputs and launch. Calls that need
+autograd (out of place) get plans of their own, replayed through :class:`PlannedRope`, whose backward is the
+conjugate rotation through :func:`rotate` (itself replayed from a plan keyed by the gradients' layout).
+
+What a plan re-checks per call is what can change within a signature: the int position offset (negative, past a
+cos/sin table or past the largest position sends the call back to the full path, which raises or handles it), and
+for in-place calls whether q and k share memory in a way the full path has not checked. In-place replays declare
+their writes to autograd (version counters), as the full path does.
+
+The same code runs on CPU tensors under :func:`ropekit.testing.kernels_on_cpu` (the Triton interpreter), with
+tensors instead of integer addresses as the kernel's pointer arguments, so CPU-only CI tests the fast path
+against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fast_path` turns plans off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ropekit import _config
+from ropekit._memory import span_bytes
+from ropekit._spec import MAX_POSITION, TENSOR_FIELDS, Mode, RopeSpec, needs_grad, to_canonical, validate
+from ropekit.autograd import rotate as rotate_spec
+from ropekit.ops import uses_kernels
+
+_PLANS: OrderedDict = OrderedDict()
+_MAX_PLANS = 1024
+_SEEN: OrderedDict = OrderedDict()  # signatures seen once, not yet worth a plan
+_MAX_SEEN = 1024
+_CONST_FREQ = -1  # a plan slot filled by the plan's own cached default frequencies
+# The public options each of the spec's tensors can be a view of.
+_SOURCES = {"positions": ("positions",), "seq_offsets": ("positions",), "cu_seqlens": ("cu_seqlens",),
+            "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",)}
+
+
+def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
+    """A public call (``options``: its keywords, see :func:`ropekit.apply_rope`) on the ``"auto"`` backend:
+    replay the plan of its signature, or validate, run and note the signature. Returns what the public function
+    returns."""
+    sig = None
+    if _config.fast_path and not options["check_positions"]:
+        sig = signature(q, k, mode, options)
+        if sig is not None:
+            try:
+                plan = _PLANS.get(sig[0])
+            except TypeError:  # an unhashable argument: the full path names it
+                plan = sig = None
+            if plan is not None:
+                _PLANS.move_to_end(sig[0])
+                outs = plan(q, k, sig[1], options, mode)
+                if outs is not None:
+                    return outs
+                sig = None  # the plan exists; this call's offset or memory needed the full path
+    spec = validate(q, k, mode=mode, **options)
+    outs = rotate_spec(q, k, spec, mode.inplace)
+    if sig is not None:
+        _sighted(sig[0], q, k, options, spec, outs, mode)
+    return outs[0] if k is None else outs
+
+
+def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
+    """(key, handles) of a call, or None when the fast path does not apply: not a kernel call (CUDA, or CPU under
+    ``kernels_on_cpu``; float64 runs the reference), tensor subclasses, tracing, in-place calls that need autograd.
+
+    The handles are q's, k's and the tensor options' data pointers in that order (0 for an absent k) -- the
+    tensors themselves on CPU, where the interpreter needs them. Calls that need autograd get keys (and plans) of
+    their own."""
+    if type(q) is not Tensor or (k is not None and type(k) is not Tensor) or not uses_kernels(q):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    grad = needs_grad(q, k)
+    if grad and mode.inplace:  # in place with autograd: the full path (mark_dirty and its checks)
+        return None
+    raw = q.is_cuda
+    p = q.data_ptr()
+    handles = [p if raw else q]
+    parts = [mode, grad, (q.shape, q.stride(), q.dtype, q.get_device(), p & 15)]
+    if k is None:
+        handles.append(0)
+        parts.append(None)
+    else:
+        p = k.data_ptr()
+        handles.append(p if raw else k)
+        parts.append((k.shape, k.stride(), k.dtype, k.get_device(), p & 15))
+    for name, v in options.items():
+        if type(v) is Tensor:
+            p = v.data_ptr()
+            handles.append(p if raw else v)
+            parts.append((v.shape, v.stride(), v.dtype, v.get_device(), p & 15))
+        elif isinstance(v, Tensor):  # a subclass: the full path
+            return None
+        else:  # an int position offset is checked per call (its type is the key); other options are the key
+            parts.append(type(v) if name == "positions" else v)
+    if mode.inplace:  # torch refuses in-place writes to inference tensors outside inference mode: so does the full path
+        parts.append((q.is_inference(), k is not None and k.is_inference(), torch.is_inference_mode_enabled()))
+    return tuple(parts), handles
+
+
+def clear() -> None:
+    """Forget every plan and sighting (tests; the plans hold no tensors of the calls that made them)."""
+    _PLANS.clear()
+    _SEEN.clear()
+
+
+def _sighted(key, q, k, options, spec, outs, mode) -> None:
+    """Note a signature's full-path call; on its second call, record its plan."""
+    if key in _SEEN:
+        del _SEEN[key]
+        _remember(key, q, k, options, spec, outs, mode)
+        return
+    _SEEN[key] = None
+    if len(_SEEN) > _MAX_SEEN:
+        _SEEN.popitem(last=False)
+
+
+class Plan:
+    """The bound launch of one call signature and where each of the kernel's positions .. sin pointer slots comes
+    from: an index into the call's handles (q's for an absent tensor, the launcher's dummy) or ``_CONST_FREQ``."""
+
+    __slots__ = ("launch", "slots", "const_freq", "const_freq_handle", "int_offset", "max_offset", "q_out", "k_out",
+                 "grad", "handle", "q_span", "k_span", "qk_delta")
+
+    def __call__(self, q: Tensor, k: Tensor | None, handles: list, options: dict, mode: Mode):
+        """Launch and return the outputs as the full path would, or None to send the call down the full path."""
+        pos_offset = 0
+        if self.int_offset:
+            pos_offset = int(options["positions"])
+            if not 0 <= pos_offset <= self.max_offset:
+                return None
+        const = self.const_freq_handle
+        tables = tuple(handles[i] if i != _CONST_FREQ else const for i in self.slots)
+        if self.grad:
+            return PlannedRope.apply(q, k, self, tables, pos_offset, options, mode)
+        if mode.inplace:
+            q_h, k_h = handles[0], handles[1]
+            if k is None:  # the launcher passes q's pointers in k's slots
+                self.launch(q_h, q_h, q_h, q_h, *tables, pos_offset)
+                torch.autograd.graph.increment_version(q)
+                return q
+            if not self._disjoint(q, k):
+                return None
+            self.launch(q_h, q_h, k_h, k_h, *tables, pos_offset)
+            torch.autograd.graph.increment_version(q)
+            torch.autograd.graph.increment_version(k)
+            return q, k
+        return self.rotate(q, k, tables, pos_offset)
+
+    def _disjoint(self, q: Tensor, k: Tensor) -> bool:
+        """q and k of an in-place call occupy disjoint address ranges, or sit at the relative offset the full
+        path proved safe when it recorded this plan (interleaved views of one packed buffer)."""
+        qp, kp = q.data_ptr(), k.data_ptr()
+        return kp >= qp + self.q_span or qp >= kp + self.k_span or kp - qp == self.qk_delta
+
+    def rotate(self, q: Tensor, k: Tensor | None, tables: tuple, pos_offset: int):
+        """Out-of-place rotation of ``q`` (and ``k``) with the bound launch; the outputs are fresh tensors."""
+        q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
+        q_h, qo_h = self.handle(q), self.handle(q_out)
+        if k is None:  # the launcher passes q's pointers in k's slots
+            self.launch(q_h, qo_h, q_h, qo_h, *tables, pos_offset)
+            return q_out
+        k_out = torch.empty(self.k_out[0], dtype=self.k_out[1], device=q.device)
+        self.launch(q_h, qo_h, self.handle(k), self.handle(k_out), *tables, pos_offset)
+        return q_out, k_out
+
+
+class PlannedRope(torch.autograd.Function):
+    """Eager autograd of a call replayed from a plan: the forward launches the plan's bound kernel; the backward
+    is the conjugate rotation through :func:`rotate`. Gradients arrive in whatever layout autograd produced
+    (transposed, expanded with zero strides, sliced): the kernel takes any strides but the last, so only a
+    gradient whose last dimension is not contiguous is copied, exactly as for the full path."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor | None, plan: Plan, tables: tuple, pos_offset: int, options: dict,
+                mode: Mode):
+        ctx.options, ctx.mode = options, mode
+        ctx.save_for_backward(*[v for v in options.values() if isinstance(v, Tensor)])  # in-place changes raise
+        ctx.inputs = (q.shape, q.dtype, q.device), (None if k is None else (k.shape, k.dtype))
+        return plan.rotate(q, k, tables, pos_offset)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.saved_tensors  # noqa: B018 -- raises if positions or tables were modified in place since forward
+        (q_shape, q_dtype, device), k_info = ctx.inputs
+        gq = grads[0]
+        gk = grads[1] if k_info is not None else None
+        if gq is None:  # only k's output was used: rotate zeros for q (rare; keeps one code path)
+            gq = torch.zeros(q_shape, dtype=gk.dtype, device=device)
+        if k_info is not None and gk is None:
+            gk = torch.zeros(k_info[0], dtype=gq.dtype, device=device)
+        gq = gq if gq.stride(-1) == 1 else gq.contiguous()
+        if gk is not None and gk.stride(-1) != 1:
+            gk = gk.contiguous()
+        outs = rotate(gq, gk, ctx.mode.gradient(), dict(ctx.options, out_dtype=None))
+        dq, dk = (outs, None) if k_info is None else outs
+        dq = dq if dq.dtype == q_dtype else dq.to(q_dtype)
+        if dk is not None and dk.dtype != k_info[1]:
+            dk = dk.to(k_info[1])
+        return dq, dk, None, None, None, None, None
+
+
+def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, outs: tuple, mode: Mode) -> None:
+    """Keep a plan for ``key`` after a call of it ran the full path successfully with ``spec`` and produced
+    ``outs``; skip signatures a plan cannot replay (a spec tensor that is a copy of the user's, not a view)."""
+    from ropekit.triton.bound import bind_rope
+
+    # The call's handle index of each tensor option, as signature() lays them out.
+    handle_index = {}
+    for name, v in options.items():
+        if isinstance(v, Tensor):
+            handle_index[name] = 2 + len(handle_index)
+
+    def source(field: str, t: Tensor | None) -> int | None:
+        """Where the kernel's tensor ``t`` comes from in a call: q's handle for an absent one (the launcher's
+        dummy), else the option it is a view of (same data pointer), else None (a copy: no plan)."""
+        if t is None:
+            return 0
+        for name in _SOURCES[field]:
+            arg = options[name]
+            if isinstance(arg, Tensor) and arg.data_ptr() == t.data_ptr():
+                return handle_index[name]
+        return None
+
+    const_freq = None
+    slots = [source(field, t) for field, t in zip(TENSOR_FIELDS, spec.tensors)]
+    freq = RopeSpec._fields.index("inv_freq")
+    if slots[freq] is None and options["inv_freq"] is None and spec.inv_freq is not None:
+        const_freq, slots[freq] = spec.inv_freq, _CONST_FREQ  # the cached default frequencies
+    if any(s is None for s in slots):
+        return
+    q_out, k_out = outs
+    launch = bind_rope(q, k, q_out, k_out, spec)
+    if launch is None:
+        return
+    plan = Plan()
+    plan.launch, plan.slots, plan.grad = launch, tuple(slots), key[1]
+    # What the launch takes for a tensor: its address on CUDA (a C call, no Python frame), the tensor under the
+    # interpreter.
+    plan.handle = Tensor.data_ptr if q.is_cuda else _same
+    plan.const_freq = const_freq
+    plan.const_freq_handle = plan.handle(const_freq) if const_freq is not None else 0
+    positions = options["positions"]
+    plan.int_offset = positions is not None and not isinstance(positions, Tensor)
+    # The full path refuses offsets whose positions run past MAX_POSITION or a position-indexed table: replay
+    # those bounds (with packed sequences, conservatively: S is at least the longest sequence).
+    seqlen = to_canonical(q, spec.layout).shape[1]
+    max_offset = MAX_POSITION - max(seqlen, 1) + 1
+    if spec.cos is not None and not spec.table_by_token and spec.positions is None and spec.seq_offsets is None:
+        max_offset = min(max_offset, spec.cos.shape[1] - seqlen)
+    plan.max_offset = max_offset
+    plan.q_span = plan.k_span = plan.qk_delta = 0
+    if mode.inplace and k is not None:  # the full path checked that q and k do not overlap at this relative offset
+        plan.q_span, plan.k_span = span_bytes(q), span_bytes(k)
+        plan.qk_delta = k.data_ptr() - q.data_ptr()
+    plan.q_out = (q_out.shape, q_out.dtype)
+    plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
+    _PLANS[key] = plan
+    if len(_PLANS) > _MAX_PLANS:  # least recently used out
+        _PLANS.popitem(last=False)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t

@@ -1,0 +1,425 @@
+"""The one description of a rotation: layouts, pairings, :class:`RopeSpec` and :func:`validate`.
+
+:func:`validate` turns a public call's arguments into a :class:`RopeSpec`, the only thing the layers below the
+public API receive: the registered ops (whose schema is generated from the spec's fields), autograd, the fast
+path, the launcher, the float64 reference and the WebGPU adapter. Every check that can fail runs here, before
+anything is written.
+
+This module imports nothing of ropekit above the leaves (``_config``, ``_memory``, ``frequencies``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import typing
+from typing import NamedTuple, Union
+
+import torch
+from torch import Tensor
+
+from ropekit import _config
+from ropekit._memory import has_internal_overlap, overlap
+from ropekit.frequencies import STYLES, default_inv_freq
+
+LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
+ROTARY_AT = ("front", "back")
+BACKENDS = ("auto", "webgpu")
+FREQ_MODES = ("inv_freq", "table", "angles")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+
+MAX_POSITION = 2**31 - 1
+"""The largest position ropekit rotates: in-kernel angles are within ~5e-7 rad of exact up to here (about 1e-7
+below 2**24). Larger positions raise on the host where their values are known; elsewhere the tokens come out NaN."""
+
+Positions = Union[None, int, Tensor]
+
+
+def layout_ndim(layout: str) -> int:
+    return 3 if layout == "thd" else 4
+
+
+def layout_shape(layout: str) -> str:
+    return {"bshd": "[B, S, H, D]", "bhsd": "[B, H, S, D]", "sbhd": "[S, B, H, D]", "thd": "[T, H, D]"}[layout]
+
+
+def to_canonical(x: Tensor, layout: str) -> Tensor:
+    """A [B, S, H, D] view of ``x`` given in ``layout`` (``thd`` becomes [1, T, H, D]); never a copy."""
+    if layout == "bshd":
+        return x
+    if layout == "bhsd":
+        return x.permute(0, 2, 1, 3)
+    if layout == "sbhd":
+        return x.permute(1, 0, 2, 3)
+    if layout == "thd":
+        return x.unsqueeze(0)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+class RopeSpec(NamedTuple):
+    """A validated rotation of ``q`` (and ``k``), in the normalised form every backend takes.
+
+    The fields are the arguments of ``ropekit::rope`` after q and k, in schema order (:func:`op_schema`); adding
+    an option means adding a field here and its check in :func:`validate`.
+
+    * positions: ``positions`` [B, S] per-token ids, or ``seq_offsets`` [B] added to each sequence's 0..S-1 (to the
+      index inside each ``cu_seqlens`` sequence with packed tokens), or the int ``pos_offset``.
+    * frequencies: ``freq_mode`` "inv_freq" (``inv_freq`` [R/2], angles formed in the kernel), "table"
+      (``cos``/``sin`` [Bt, rows, W]) or "angles" (raw angles in ``cos`` [Bt, rows, W]); W is R/2 or R; rows are
+      positions, or the tokens' ``s`` when ``table_by_token``.
+    * ``rotary_dim`` R columns from ``rotary_start`` are rotated; ``conjugate`` rotates by -theta (the backward).
+    * outputs have dtype ``out_dtype`` (None: each input's dtype).
+    """
+
+    positions: Tensor | None
+    seq_offsets: Tensor | None
+    cu_seqlens: Tensor | None
+    inv_freq: Tensor | None
+    cos: Tensor | None
+    sin: Tensor | None
+    pos_offset: int
+    layout: str
+    style: str
+    freq_mode: str
+    rotary_dim: int
+    rotary_start: int
+    table_by_token: bool
+    q_scale: float
+    k_scale: float
+    rotary_scale: float
+    conjugate: bool
+    out_dtype: torch.dtype | None
+
+    @property
+    def tensors(self) -> tuple:
+        """The tensor fields (positions .. sin), in order."""
+        return self[:NUM_TENSOR_FIELDS]
+
+    @property
+    def scalars(self) -> tuple:
+        """The non-tensor fields (pos_offset .. out_dtype), in order."""
+        return self[NUM_TENSOR_FIELDS:]
+
+    @classmethod
+    def from_parts(cls, tensors: tuple, scalars: tuple) -> RopeSpec:
+        return cls(*tensors, *scalars)
+
+
+NUM_TENSOR_FIELDS = 6
+TENSOR_FIELDS = RopeSpec._fields[:NUM_TENSOR_FIELDS]
+_SCHEMA_TYPES = {Tensor | None: "Tensor?", int: "int", str: "str", float: "float", bool: "bool",
+                 torch.dtype | None: "ScalarType?"}
+
+
+def op_schema(inplace: bool) -> str:
+    """The ``torch.library`` schema of ``ropekit::rope`` (out of place: returns the outputs) or ``ropekit::rope_``
+    (writes q and k), generated from :class:`RopeSpec`'s fields."""
+    hints = typing.get_type_hints(RopeSpec)
+    fields = ", ".join(f"{_SCHEMA_TYPES[hints[name]]} {name}" for name in RopeSpec._fields)
+    if inplace:
+        return f"(Tensor(a!) q, Tensor(b!)? k, {fields}) -> ()"
+    return f"(Tensor q, Tensor? k, {fields}) -> Tensor[]"
+
+
+class Mode(NamedTuple):
+    """How a public function rotates: in place or not, forward or conjugate, and what errors call its inputs."""
+
+    inplace: bool
+    conjugate: bool
+    names: tuple[str, str]
+
+    def gradient(self) -> Mode:
+        """The rotation that gives this one's input gradients: the conjugate, out of place."""
+        return Mode(False, not self.conjugate, ("grad of q_rot", "grad of k_rot"))
+
+
+FORWARD = Mode(False, False, ("q", "k"))
+FORWARD_INPLACE = Mode(True, False, ("q", "k"))
+BACKWARD = Mode(False, True, ("dq_rot", "dk_rot"))
+
+
+# --- validation ----------------------------------------------------------------------------------------------
+
+
+def _is_real(value) -> bool:
+    """A real Python number (not a bool); the exact-type test first because ABC checks cost microseconds."""
+    t = type(value)
+    return t is float or t is int or (isinstance(value, numbers.Real) and t is not bool)
+
+
+def _host_readable(t: Tensor) -> bool:
+    """Whether the values of ``t`` can be checked on the host without a device sync. CPU tensors that run the
+    kernels (:func:`ropekit.testing.kernels_on_cpu`) stand in for device tensors, so they are not read either."""
+    return t.device.type == "cpu" and not _config.kernels_on_cpu
+
+
+def _check_tensor(name: str, x, ref: Tensor, dtypes: tuple, what: str, ref_name: str = "q") -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must be {what}, got {x.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {x.device}")
+
+
+def _resolve_table(name: str, table, q: Tensor, batch: int, seqlen: int, rotary_dim: int | None,
+                   head_dim: int) -> tuple[Tensor, bool, int]:
+    """A cos/sin/angles table as a 3-D [Bt, rows, W] view, whether rows are tokens, and the rotary_dim."""
+    _check_tensor(name, table, q, FLOAT_DTYPES, "a float16/bfloat16/float32/float64 tensor")
+    if table.dim() == 2:  # [P, W]: one row per position
+        table3, by_token = table.unsqueeze(0), False
+    elif table.dim() == 3:  # [B|1, S, W]: one row per token, already gathered
+        if table.shape[0] not in (1, batch) or table.shape[1] != seqlen:
+            raise ValueError(f"{name} with 3 dims holds one row per token and must be [B, S, W] or [1, S, W] "
+                             f"with B={batch}, S={seqlen}; got {tuple(table.shape)}")
+        table3, by_token = table, True
+    else:
+        raise ValueError(f"{name} must be [P, W] (rows indexed by position) or [B, S, W] (one row per token), "
+                         f"got shape {tuple(table.shape)}")
+    width = table3.shape[-1]
+    if rotary_dim is None:
+        rotary_dim = width if width == head_dim else 2 * width
+    if width not in (rotary_dim // 2, rotary_dim):
+        raise ValueError(f"{name} last dim must be rotary_dim/2 = {rotary_dim // 2} (one value per pair) or "
+                         f"rotary_dim = {rotary_dim} (one per column), got {width}")
+    return table3, by_token, rotary_dim
+
+
+def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_freq: Tensor | None = None,
+             base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None,
+             angles: Tensor | None = None, style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None,
+             rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
+             cu_seqlens: Tensor | None = None, check_positions: bool = False, out_dtype: torch.dtype | None = None,
+             backend: str = "auto", mode: Mode = FORWARD) -> RopeSpec:
+    """Check a public call's arguments (the public API's keywords and defaults; see :func:`ropekit.apply_rope`)
+    and return its :class:`RopeSpec`. ``mode`` says whether the call rotates in place (its targets are checked
+    too), by -theta, and what errors call q and k. Raises ``TypeError``/``ValueError``/``IndexError`` naming the
+    argument."""
+    qn, kn = mode.names
+    # --- q and k ---------------------------------------------------------------------------------------------
+    if not isinstance(q, Tensor):
+        raise TypeError(f"{qn} must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{qn} must be a floating tensor (float16, bfloat16, float32 or float64), got {q.dtype}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    ndim = layout_ndim(layout)
+    if q.dim() != ndim:
+        raise ValueError(f"{qn} must have {ndim} dims for layout {layout!r} ({layout_shape(layout)}), "
+                         f"got shape {tuple(q.shape)}")
+    qc = to_canonical(q, layout)
+    B, S, HQ, D = qc.shape
+    if k is not None:
+        _check_tensor(kn, k, q, (q.dtype,), f"of {qn}'s dtype {q.dtype}", qn)
+        if k.dim() != ndim:
+            raise ValueError(f"{kn} must have {ndim} dims for layout {layout!r}, got shape {tuple(k.shape)}")
+        kc = to_canonical(k, layout)
+        if kc.shape[0] != B or kc.shape[1] != S:
+            raise ValueError(f"{kn} must have {qn}'s batch and sequence sizes ({B}, {S}) in layout {layout!r}, "
+                             f"got {tuple(kc.shape[:2])}")
+        if kc.shape[3] != D:
+            raise ValueError(f"{kn} head_dim {kc.shape[3]} must equal {qn} head_dim {D}")
+    for name, x in ((qn, q), (kn, k)):
+        if x is not None and x.numel() > 0 and x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+    if D % 2:
+        raise ValueError(f"head_dim must be even, got {D}")
+    if not isinstance(style, str) or style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    if not isinstance(rotary_at, str) or rotary_at not in ROTARY_AT:
+        raise ValueError(f"rotary_at must be 'front' or 'back', got {rotary_at!r}")
+    for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("rotary_scale", rotary_scale)):
+        if not _is_real(value) or not math.isfinite(value):
+            raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool)):
+        raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype) or out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be None or a floating dtype (float16, bfloat16, float32, float64), "
+                            f"got {out_dtype!r}")
+        if mode.inplace and out_dtype != q.dtype:
+            raise ValueError(f"an in-place rotation writes {qn}'s own dtype {q.dtype}; got out_dtype={out_dtype}")
+        if out_dtype == q.dtype:
+            out_dtype = None  # one spelling of "the input dtype", so equal calls get equal specs
+
+    # --- frequencies -----------------------------------------------------------------------------------------
+    sources = [n for n, v in (("inv_freq", inv_freq), ("cos/sin", cos if cos is not None else sin),
+                              ("angles", angles)) if v is not None]
+    if len(sources) > 1:
+        raise ValueError(f"give one frequency source, got {' and '.join(sources)}")
+    table_by_token, table_rows = False, None
+    if inv_freq is not None:
+        _check_tensor("inv_freq", inv_freq, q, (torch.float32, torch.float64), "a float32 or float64 tensor")
+        if inv_freq.dim() != 1:
+            raise ValueError(f"inv_freq must be 1-D [rotary_dim/2], got shape {tuple(inv_freq.shape)}")
+        rotary_dim = 2 * inv_freq.shape[0] if rotary_dim is None else rotary_dim
+        if inv_freq.shape[0] != rotary_dim // 2:
+            raise ValueError(f"inv_freq must have rotary_dim/2 = {rotary_dim // 2} entries, got "
+                             f"{inv_freq.shape[0]}")
+        freq_mode = "inv_freq"
+    elif cos is not None or sin is not None:
+        if cos is None or sin is None:
+            raise ValueError("cos and sin must be given together")
+        cos, table_by_token, rotary_dim = _resolve_table("cos", cos, q, B, S, rotary_dim, D)
+        sin, _, _ = _resolve_table("sin", sin, q, B, S, rotary_dim, D)
+        if sin.shape != cos.shape:
+            raise ValueError(f"sin shape {tuple(sin.shape)} must equal cos shape {tuple(cos.shape)}")
+        if sin.stride() != cos.stride():  # the kernel addresses both tables with one set of strides
+            cos, sin = cos.contiguous(), sin.contiguous()
+        freq_mode, table_rows = "table", cos.shape[1]
+    elif angles is not None:
+        cos, table_by_token, rotary_dim = _resolve_table("angles", angles, q, B, S, rotary_dim, D)
+        freq_mode, table_rows = "angles", cos.shape[1]
+    else:
+        if not _is_real(base) or not 1.0 < base < math.inf:
+            raise ValueError(f"base must be a finite real number > 1, got {base!r}")
+        rotary_dim = D if rotary_dim is None else rotary_dim
+        freq_mode = "inv_freq"
+    if rotary_dim % 2 or not 2 <= rotary_dim <= D:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={D}], got {rotary_dim}")
+    if freq_mode == "inv_freq" and inv_freq is None:
+        inv_freq = default_inv_freq(float(base), rotary_dim, q.device)
+
+    # --- positions -------------------------------------------------------------------------------------------
+    seq_offsets = pos_tensor = None
+    pos_offset = 0
+    if cu_seqlens is not None:
+        if layout != "thd":
+            raise ValueError(f"cu_seqlens needs layout='thd', got layout={layout!r}")
+        _check_tensor("cu_seqlens", cu_seqlens, q, INT_DTYPES, "an int32 or int64 tensor")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1] with at least 2 entries, got shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        if (_host_readable(cu_seqlens) or check_positions) and not torch.compiler.is_compiling():
+            cu = cu_seqlens.cpu()
+            if cu[0] != 0 or cu[-1] != S or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
+                                 f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+    num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    if positions is None:
+        pass
+    elif type(positions) is int or (isinstance(positions, numbers.Integral) and not isinstance(positions, bool)):
+        pos_offset = int(positions)
+        if pos_offset < 0:
+            raise ValueError(f"positions (an offset) must be >= 0, got {pos_offset}")
+        if table_by_token:
+            raise ValueError("positions cannot be combined with per-token cos/sin/angles rows (3-D tables are already "
+                             "gathered per token); pass [P, W] tables to index them by position")
+    elif isinstance(positions, Tensor):
+        _check_tensor("positions", positions, q, INT_DTYPES, "an int32 or int64 tensor")
+        if table_by_token:
+            raise ValueError("positions cannot be combined with per-token cos/sin rows (3-D tables are already "
+                             "gathered per token); pass [P, W] tables to index them by position")
+        if positions.dim() == 1 and positions.shape[0] == num_seqs and (cu_seqlens is not None or layout != "thd"):
+            seq_offsets = positions
+        elif layout == "thd" and positions.dim() == 1 and positions.shape[0] == S:
+            pos_tensor = positions.unsqueeze(0)
+        elif layout != "thd" and positions.dim() == 2 and positions.shape[1] == S and positions.shape[0] in (1, B):
+            pos_tensor = positions.expand(B, S)
+        else:
+            want = (f"[{num_seqs}] per-sequence offsets or [T={S}] per-token positions" if layout == "thd"
+                    else f"[B={B}] per-sequence offsets or [B, S] = [{B}, {S}] (or [1, {S}]) per-token positions")
+            raise ValueError(f"positions must be {want}, got shape {tuple(positions.shape)}")
+        if pos_tensor is not None and cu_seqlens is not None:
+            cu_seqlens = None  # per-token positions already say everything
+    else:
+        raise TypeError(f"positions must be None, an int offset or an integer tensor, got "
+                        f"{type(positions).__name__}")
+    _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,
+                           cu_seqlens)
+    if mode.inplace:
+        check_inplace_targets(q, k, mode.names)
+
+    return RopeSpec(
+        positions=pos_tensor, seq_offsets=seq_offsets, cu_seqlens=cu_seqlens, inv_freq=inv_freq,
+        cos=cos if freq_mode != "inv_freq" else None, sin=sin if freq_mode == "table" else None,
+        pos_offset=pos_offset, layout=layout, style=style, freq_mode=freq_mode, rotary_dim=rotary_dim,
+        rotary_start=0 if rotary_at == "front" else D - rotary_dim, table_by_token=table_by_token,
+        q_scale=float(q_scale), k_scale=float(k_scale), rotary_scale=float(rotary_scale),
+        conjugate=mode.conjugate, out_dtype=out_dtype)
+
+
+def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,
+                           cu_seqlens) -> None:
+    """Raise for a position < 0, past a position-indexed table or past ``MAX_POSITION``, wherever the values are
+    known on the host (an int offset, CPU tensors, or ``check_positions``: one sync). Otherwise the kernel writes
+    NaN for the offending tokens. Empty sequences have no positions to check."""
+    if torch.compiler.is_compiling():  # values are unknown while tracing; the kernel marks bad tokens NaN
+        return
+    limit = None if table_by_token else table_rows
+
+    def readable(t: Tensor) -> bool:
+        return check_positions or _host_readable(t)
+
+    lengths = None  # [num_seqs] int64 on the host, for packed sequences whose boundaries can be read
+    if cu_seqlens is not None and readable(cu_seqlens):
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to("cpu", torch.int64)
+    if pos_tensor is not None:
+        if not readable(pos_tensor) or pos_tensor.numel() == 0:
+            return
+        name, lo, hi = "positions", int(pos_tensor.min()), int(pos_tensor.max())
+    elif seq_offsets is not None:
+        if not readable(seq_offsets) or (cu_seqlens is not None and lengths is None):
+            return
+        offsets = seq_offsets.to("cpu", torch.int64)
+        lens = lengths if cu_seqlens is not None else torch.full_like(offsets, S)
+        used = lens > 0
+        if not bool(used.any()):
+            return
+        name = "positions (per-sequence offsets)"
+        lo, hi = int(offsets[used].min()), int((offsets + lens - 1)[used].max())
+    else:
+        if cu_seqlens is None:
+            longest = S
+        elif lengths is None:
+            return
+        else:
+            longest = int(lengths.max()) if lengths.numel() else 0
+        if longest == 0:
+            return
+        name, lo, hi = "positions", pos_offset, pos_offset + longest - 1
+    if lo < 0:
+        raise IndexError(f"{name} must be >= 0, got {lo}")
+    if limit is not None and hi >= limit:
+        raise IndexError(f"{name} reach {hi} but the cos/sin table has {limit} rows")
+    if hi > MAX_POSITION:
+        raise ValueError(f"{name} reach {hi}, past the largest supported position 2**31 - 1 = {MAX_POSITION} "
+                         "(ropekit's angles are exact to ~5e-7 rad up to there)")
+
+
+def check_inplace_targets(q: Tensor, k: Tensor | None, names: tuple[str, str]) -> None:
+    """Refuse, before anything is written, what an in-place rotation cannot do correctly: tensors whose own
+    elements overlap (one element would be rotated twice), q and k sharing memory (their stores would race),
+    inference tensors outside inference mode, and leaves that require grad (autograd would notice only after
+    the kernel ran)."""
+    pairs = ((names[0], q),) if k is None else ((names[0], q), (names[1], k))
+    for name, x in pairs:
+        if has_internal_overlap(x):
+            raise ValueError(f"{name} cannot be rotated in place: its strides {tuple(x.stride())} for shape "
+                             f"{tuple(x.shape)} reach some elements more than once (an expand()ed or overlapping "
+                             "as_strided view); rotate a .clone() or use apply_rope")
+    if torch.compiler.is_compiling():  # no addresses while tracing; autograd and torch raise at trace time
+        return
+    for name, x in pairs:
+        if x.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name} is an inference tensor: it can be rotated in place only inside "
+                               "torch.inference_mode(); use apply_rope, or rotate a .clone()")
+    if k is not None and overlap(q, k):
+        raise ValueError(f"{names[0]} and {names[1]} share memory; an in-place rotation would write some elements "
+                         "twice. Pass non-overlapping views (e.g. the q and k parts of a packed QKV buffer)")
+    if not torch.is_grad_enabled():
+        return
+    for name, x in pairs:
+        if not x.requires_grad:
+            continue
+        root = x._base if x._base is not None else x
+        if root.is_leaf:
+            raise RuntimeError(f"apply_rope_ cannot rotate {name} in place: it is a leaf tensor that requires grad "
+                               "(or a view of one); use apply_rope, or rotate a non-leaf tensor")
+
+
+def needs_grad(q: Tensor, k: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
