@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 
+from _options import decode_parser
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="1,16,64")
-    parser.add_argument("--heads", default="32:8", help="comma-separated HQ:HK pairs (head_dim 128)")
+    parser = decode_parser(__doc__, "comma-separated HQ:HK pairs (head_dim 128)")
     parser.add_argument("--configs", default="",
                         help="extra ropekit block shapes, ';'-separated (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps); "
                              "a head block of 0 means every head")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 
+from _options import decode_parser
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="1,16,64")
-    parser.add_argument("--heads", default="32:8", help="HQ:HK (head_dim 128)")
+    parser = decode_parser(__doc__, "HQ:HK (head_dim 128)")
     parser.add_argument("--sweep", action="store_true",
                         help="time every block shape (heads per program x warps), graph replay only, and print "
                              "the fastest per token count")
