@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from _graphs import graph_us, graph_us_interleaved, kernel_us
 
-from ropekit.api import _normalise
+from ropekit._spec import validate
 from ropekit.triton.launcher import launch_rope
 
 try:
@@ -123,12 +123,12 @@ def main(args: argparse.Namespace) -> None:
             variants["triton copy-qk, 1 prog/token w4 PDL"] = lambda: copy_qk_kernel[(T,)](
                 q, qo, k, ko, QN=HQ * 128, KN=HK * 128, PDL=True, num_warps=4, launch_pdl=True)
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=cos, sin=sin))):
-            kw = _normalise(q, k, **kwargs).launch_kwargs()
+            kw = validate(q, k, **kwargs)
             for cfg in (None, *extra_configs):
                 if cfg:  # 0 heads per block: every head (the next power of two)
                     cfg = (cfg[0], cfg[1] or 1 << (HQ - 1).bit_length(), cfg[2] or 1 << (HK - 1).bit_length(), *cfg[3:])
                 variants[f"ropekit {label} {cfg or 'default'}"] = (
-                    lambda kw=kw, c=cfg: launch_rope(q, k, qo, ko, **kw, config=c))
+                    lambda kw=kw, c=cfg: launch_rope(q, k, qo, ko, kw, config=c))
         if liger_rotary_pos_emb is not None:
             ql, kl = q.transpose(1, 2), k.transpose(1, 2)  # Liger takes [B, H, S, D]
             variants["liger (in place)"] = lambda: liger_rotary_pos_emb(ql, kl, cos, sin)

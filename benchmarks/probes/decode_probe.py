@@ -31,7 +31,7 @@ if __name__ == "__main__":
 import torch
 from _graphs import graph_us_interleaved, kernel_us
 
-from ropekit.api import _normalise
+from ropekit._spec import validate
 from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
 
 
@@ -48,8 +48,7 @@ def main(args: argparse.Namespace) -> None:
         variants = {"copy-q": lambda: qo.copy_(q)}
         default = block_config(T, HQ, HK, 128, 2, _num_programs_wanted(q.device))
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=emb, sin=emb))):
-            n = _normalise(q, k, **kwargs)
-            launch_kw = n.launch_kwargs()
+            launch_kw = validate(q, k, **kwargs)
             configs = {f"default {default}": None}
             hq2, hk2 = 1 << (HQ - 1).bit_length(), 1 << (HK - 1).bit_length()
             shapes = [(bt, bh, min(bh, hk2), nw) for bt in (1, 2, 4) for bh in (1, 2, 4, 8, 16, 32, 64)
@@ -58,7 +57,7 @@ def main(args: argparse.Namespace) -> None:
             for cfg in shapes:
                 configs[f"T{cfg[0]} H{cfg[1]}/{cfg[2]} w{cfg[3]}"] = cfg
             for label_cfg, cfg in configs.items():
-                variants[f"{label} {label_cfg}"] = (lambda kw=launch_kw, c=cfg: launch_rope(q, k, qo, ko, **kw,
+                variants[f"{label} {label_cfg}"] = (lambda kw=launch_kw, c=cfg: launch_rope(q, k, qo, ko, kw,
                                                                                            config=c))
         timed = graph_us_interleaved(variants)
         base = timed["copy-q"]

@@ -27,8 +27,9 @@ import timeit
 import torch
 
 import ropekit
-from ropekit import _eager
-from ropekit.triton.launcher import _current_raw_stream, _launch_hooks_idle
+from ropekit import _fastpath
+from ropekit._spec import FORWARD
+from ropekit.triton.bound import _current_raw_stream, _launch_hooks_idle
 
 
 def per_call_us(fn, number: int = 2000, rounds: int = 9) -> float:
@@ -47,14 +48,16 @@ def main(args: argparse.Namespace) -> None:
     pos = torch.tensor([[4095]], device=dev)
     cos = torch.randn(1, 1, 128, device=dev, dtype=torch.bfloat16)
     sin = torch.randn(1, 1, 128, device=dev, dtype=torch.bfloat16)
-    ropekit.apply_rope(q, k, positions=4095)  # compile, record plans
+    ropekit.apply_rope(q, k, positions=4095)  # compile (the warm-up of each timed row records its plan)
     ropekit.apply_rope_(q, k, positions=4095)
     ropekit.apply_rope(q, k, positions=pos)
     ropekit.apply_rope(q, k, cos=cos, sin=sin)
-    scalars = (False, False, None, 10000.0, "neox", "bshd", None, "front", 1.0, 1.0, 1.0)
-    optional = (4095, None, None, None, None, None)
-    key, ptrs = _eager.signature(q, k, optional, scalars)
-    plan = _eager._PLANS[key]
+    ropekit.apply_rope(q, k, positions=4095)  # the second call of a signature records its plan
+    options = dict(positions=4095, inv_freq=None, base=10000.0, cos=None, sin=None, angles=None, style="neox",
+                   layout="bshd", rotary_dim=None, rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
+                   cu_seqlens=None, check_positions=False, out_dtype=None, backend="auto")
+    key, ptrs = _fastpath.signature(q, k, FORWARD, options)
+    plan = _fastpath._PLANS[key]
     launch = plan.launch
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     qp, kp, qop, kop = q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr()
@@ -96,8 +99,8 @@ def main(args: argparse.Namespace) -> None:
         ("  backward part: rope_backward(gq, gk, positions=int)",
          lambda: ropekit.rope_backward(gq, gk, positions=4095)),
         ("  forward only, inputs require grad", lambda: ropekit.apply_rope(ql, kl, positions=4095)),
-        ("  part: signature (key + pointers)", lambda: _eager.signature(q, k, optional, scalars)),
-        ("  part: plan lookup", lambda: _eager._PLANS.get(key)),
+        ("  part: signature (key + pointers)", lambda: _fastpath.signature(q, k, FORWARD, options)),
+        ("  part: plan lookup", lambda: _fastpath._PLANS.get(key)),
         ("  part: torch.empty(shape, dtype, device)",
          lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)),
         ("  part: bound launch (Triton's launcher)", lambda: launch(qp, qop, kp, kop, qp, qp, qp, fp, qp, qp, 4095)),

@@ -33,7 +33,7 @@ import triton
 from triton.testing import do_bench
 
 import ropekit
-from ropekit.api import _normalise
+from ropekit._spec import validate
 from ropekit.triton.launcher import launch_rope
 
 # (name, B, S, HQ, HK, D, dtype, api kwargs)
@@ -66,8 +66,7 @@ def _prepare(B, S, HQ, HK, D, dtype, extra):
         kwargs.update(cos=ang.cos().float(), sin=ang.sin().float())
     if extra.get("ids"):
         kwargs.update(positions=torch.randint(0, S, (B, S), device="cuda"))
-    n = _normalise(q, k, **kwargs)
-    return q, k, kwargs, n.launch_kwargs()
+    return q, k, kwargs, validate(q, k, **kwargs)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -101,7 +100,7 @@ def main(args: argparse.Namespace) -> None:
         best = None
         for label, extra_kw in variants:
             # ko is bound in this iteration (the `del` at its end misleads the linter)
-            t = do_bench(lambda: launch_rope(q, k, qo, ko, **launch_kw, **extra_kw), warmup=10,  # noqa: F821
+            t = do_bench(lambda: launch_rope(q, k, qo, ko, launch_kw, **extra_kw), warmup=10,  # noqa: F821
                          rep=60, return_mode="median")
             best = min(best or (t, label), (t, label))
             with open(args.log, "a") as log:
@@ -158,12 +157,11 @@ def main(args: argparse.Namespace) -> None:
         print(f"{'decode ' + str(tokens) + ' tok, graph replay':<38} {'rope/copy q':<14} {t_r * 1e3:>9.2f} "
               f"{t_r / t_c:>7.3f} (copy {t_c * 1e3:.2f} us)")
         x = torch.randn(16, device="cuda")
-        n = _normalise(q, k, positions=pos)
-        launch_kw = n.launch_kwargs()
+        launch_kw = validate(q, k, positions=pos)
         for fn, label in ((lambda: ropekit.apply_rope_(q, k, positions=pos), "apply_rope_"),
                           (lambda: ropekit.apply_rope(q, k, positions=pos), "apply_rope"),
-                          (lambda: _normalise(q, k, positions=pos), "validate only"),
-                          (lambda: launch_rope(q, k, q, k, **launch_kw), "launch only"),
+                          (lambda: validate(q, k, positions=pos), "validate only"),
+                          (lambda: launch_rope(q, k, q, k, launch_kw), "launch only"),
                           (lambda: x.add_(1), "x.add_(1)")):
             for _ in range(100):
                 fn()

@@ -4,13 +4,47 @@ Public entry points: :func:`apply_rope`, :func:`apply_rope_` (in place), :func:`
 :func:`from_hf_config` and :class:`RotaryEmbedding` (frequencies of any transformers model), and
 :func:`ropekit.integrations.transformers.apply_rotary_pos_emb` (a drop-in for transformers' function);
 :func:`set_fast_path` turns the eager launch plans off (debugging).
+
+The names are imported on first use, so that ``import ropekit.<submodule>`` (and the ``ropekit`` command's
+``--help``) loads only what that submodule needs.
 """
 
-from ropekit._config import set_fast_path
-from ropekit._version import __version__
-from ropekit.api import apply_rope, apply_rope_, rope_backward
-from ropekit.frequencies import RopeFrequencies, from_hf_config, rope_frequencies
-from ropekit.modules import RotaryEmbedding
+from __future__ import annotations
 
-__all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "RopeFrequencies", "from_hf_config",
-           "rope_frequencies", "RotaryEmbedding", "set_fast_path"]
+import importlib
+from typing import TYPE_CHECKING
+
+from ropekit._version import __version__
+
+# public name -> module that defines it
+_EXPORTS = {
+    "apply_rope": "ropekit.api",
+    "apply_rope_": "ropekit.api",
+    "rope_backward": "ropekit.api",
+    "RopeFrequencies": "ropekit.frequencies",
+    "from_hf_config": "ropekit.frequencies",
+    "rope_frequencies": "ropekit.frequencies",
+    "RotaryEmbedding": "ropekit.modules",
+    "set_fast_path": "ropekit._config",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from ropekit._config import set_fast_path
+    from ropekit.api import apply_rope, apply_rope_, rope_backward
+    from ropekit.frequencies import RopeFrequencies, from_hf_config, rope_frequencies
+    from ropekit.modules import RotaryEmbedding
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ropekit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

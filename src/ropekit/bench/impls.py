@@ -155,24 +155,20 @@ def build_launcher(inp: Inputs) -> Bench:
     if triton is None:
         raise Unsupported("triton not importable")
     _need_triton_device(inp.device)
+    from ropekit._spec import validate
     from ropekit.triton.launcher import launch_rope
 
-    lkw: dict[str, Any] = dict(layout=inp.layout, style=c.style, freq_mode="inv_freq", rotary_dim=c.rotary_dim,
-                               rotary_start=inp.rotary_start, inv_freq=inp.inv_freq, cu_seqlens=inp.cu_seqlens)
-    if isinstance(inp.positions, int):
-        lkw["pos_offset"] = inp.positions
-    elif c.positions == "batch":
-        lkw["seq_offsets"] = inp.positions
-    elif c.positions == "ids":
-        lkw["positions"] = inp.positions
+    spec = validate(inp.q, inp.k, positions=inp.positions, inv_freq=inp.inv_freq, style=c.style, layout=inp.layout,
+                    rotary_dim=c.rotary_dim, rotary_at="back" if inp.rotary_start else "front",
+                    cu_seqlens=inp.cu_seqlens)
     q_out, k_out = torch.empty_like(inp.q), torch.empty_like(inp.k)
 
     def launch() -> None:
-        launch_rope(inp.q, inp.k, q_out, k_out, **lkw)
+        launch_rope(inp.q, inp.k, q_out, k_out, spec)
 
     def result() -> tuple[Tensor, Tensor]:
         qo, ko = torch.empty_like(inp.q), torch.empty_like(inp.k)
-        launch_rope(inp.q, inp.k, qo, ko, **lkw)
+        launch_rope(inp.q, inp.k, qo, ko, spec)
         return qo, ko
 
     return Bench(run=launch, result=result, note="raw launcher, preallocated outputs, exact angles")
