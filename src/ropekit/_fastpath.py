@@ -22,6 +22,7 @@ against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fas
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 
 import torch
@@ -38,6 +39,12 @@ _MAX_PLANS = 1024
 _SEEN: OrderedDict = OrderedDict()  # signatures seen once, not yet worth a plan
 _MAX_SEEN = 1024
 _CONST_FREQ = -1  # a plan slot filled by the plan's own cached default frequencies
+# The public options, in the order of the public signature (and of validate's keywords, which a test holds the
+# public functions to); the ones that may be tensors, and where they sit.
+_OPTIONS = tuple(name for name in inspect.signature(validate).parameters if name not in ("q", "k", "mode"))
+_TENSOR_OPTIONS = ("positions", "inv_freq", "cos", "sin", "angles", "cu_seqlens")
+_TENSOR_SLOTS = tuple(sorted(_OPTIONS.index(name) for name in _TENSOR_OPTIONS))
+_POSITIONS_SLOT = _OPTIONS.index("positions")
 # The public options each of the spec's tensors can be a view of.
 _SOURCES = {"positions": ("positions",), "seq_offsets": ("positions",), "cu_seqlens": ("cu_seqlens",),
             "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",)}
@@ -85,23 +92,28 @@ def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     raw = q.is_cuda
     p = q.data_ptr()
     handles = [p if raw else q]
-    parts = [mode, grad, (q.shape, q.stride(), q.dtype, q.get_device(), p & 15)]
+    q_part = (q.shape, q.stride(), q.dtype, q.get_device(), p & 15)
     if k is None:
         handles.append(0)
-        parts.append(None)
+        k_part = None
     else:
         p = k.data_ptr()
         handles.append(p if raw else k)
-        parts.append((k.shape, k.stride(), k.dtype, k.get_device(), p & 15))
-    for name, v in options.items():
+        k_part = (k.shape, k.stride(), k.dtype, k.get_device(), p & 15)
+    values = list(options.values())  # in the order of _OPTIONS (the public signature's)
+    for i in _TENSOR_SLOTS:
+        v = values[i]
+        if v is None:
+            continue
         if type(v) is Tensor:
             p = v.data_ptr()
             handles.append(p if raw else v)
-            parts.append((v.shape, v.stride(), v.dtype, v.get_device(), p & 15))
+            values[i] = (v.shape, v.stride(), v.dtype, v.get_device(), p & 15)
         elif isinstance(v, Tensor):  # a subclass: the full path
             return None
-        else:  # an int position offset is checked per call (its type is the key); other options are the key
-            parts.append(type(v) if name == "positions" else v)
+        elif i == _POSITIONS_SLOT:  # an int position offset is checked per call: its type is the key
+            values[i] = type(v)
+    parts = [mode, grad, q_part, k_part, *values]
     if mode.inplace:  # torch refuses in-place writes to inference tensors outside inference mode: so does the full path
         parts.append((q.is_inference(), k is not None and k.is_inference(), torch.is_inference_mode_enabled()))
     return tuple(parts), handles
@@ -216,8 +228,8 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
 
     # The call's handle index of each tensor option, as signature() lays them out.
     handle_index = {}
-    for name, v in options.items():
-        if isinstance(v, Tensor):
+    for name in _TENSOR_OPTIONS:
+        if isinstance(options[name], Tensor):
             handle_index[name] = 2 + len(handle_index)
 
     def source(field: str, t: Tensor | None) -> int | None:
