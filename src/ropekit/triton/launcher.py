@@ -19,25 +19,22 @@ from ropekit.triton import kernel as K
 
 _FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.FREQ_ANGLES}
 
+# Block shapes (measurements: docs/perf-notes.md, "Block shape per card"; the sweeps: benchmarks/probes/).
 # Bytes of Q (or K) each program reads per pass, and elements of one token's head tile [BLOCK_H, head_dim]: small
-# programs of one token (D 128: 8 heads, 2 KB) with 64 bytes per thread were best across the block sweep on Hopper
-# once every load is issued before the angle math (scripts/tune.py --sweep; see BENCHMARKS.md).
+# programs of one token (D 128: 8 heads, 2 KB) with 64 bytes per thread, every load issued before the angle math,
+# were best across the block sweep on Hopper (tune.py --sweep).
 TILE_BYTES = 2048
 HEAD_TILE_ELEMS = 1024
 BYTES_PER_THREAD = 64
-# On the H100 (3.35 TB/s) one 16-byte vector per thread (4 warps per 2 KB program) streams faster: 0.97-1.005x
-# copy instead of 0.97-1.011x for positions 0..S-1 or per-sequence offsets with the whole head rotated. Where a
-# token's angle waits on a gathered position (ids, varlen search) or pass-through columns add traffic, it is
-# slower (THD 1.29x), and on the H200 (4.8 TB/s) it is slower everywhere (1.25-1.29x): there programs need four
-# vectors per thread in flight. So it applies to those position modes, to large grids, on cards with less DRAM
-# bandwidth than STREAM_DRAM_GBPS (BENCHMARKS.md, "Block shape per card").
+# One 16-byte vector per thread streams faster on cards with less DRAM bandwidth than STREAM_DRAM_GBPS (the H100),
+# but only for large grids whose angles need no gathered position and no pass-through columns; on faster memory
+# (the H200) programs need more bytes per thread in flight, and a gathered position stalls short programs.
 STREAM_BYTES_PER_THREAD = 16
 STREAM_DRAM_GBPS = 4000
 STREAM_MIN_PROGRAMS_FACTOR = 8
 # Decode grids (fewer programs than the card runs at once) are latency-bound: a thread's instruction path grows
-# with the elements it handles, and more, smaller programs cost launch time. One token's 8 heads per program with
-# one 16-byte vector per thread was within 0.05 us of the fastest shape at 1-256 tokens on the H100, where fewer
-# heads per program or one program per token over every head were slower (scripts/decode_probe.py --sweep).
+# with the elements it handles, and more, smaller programs cost launch time, so one token's 8 heads per program
+# with one 16-byte vector per thread (decode_probe.py --sweep).
 LATENCY_BYTES_PER_THREAD = 16
 LATENCY_BOUND_FACTOR = 2
 INTERPRETER_TILE_BYTES = 65536
