@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from ropekit._spec import RopeSpec
-from ropekit.triton import kernel as K
+from ropekit.triton import kernel
 from ropekit.triton.launcher import _COMPILED, _CONSTEXPR_NAMES, _cache_key, _current_device, kernel_launch
 
 # What a call fills, by the kernel's parameter names, in the order BoundLaunch.__call__ takes them.
 VARYING_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "ko_ptr", "pos_ptr", "seq_off_ptr", "cu_ptr", "freq_ptr", "cos_ptr",
                 "sin_ptr", "pos_offset")
-_INDEX = {name: i for i, name in enumerate(K.rope_kernel.arg_names)}
+_INDEX = {name: i for i, name in enumerate(kernel.rope_kernel.arg_names)}
 (_Q, _QO, _K, _KO, _POS, _SEQ_OFF, _CU, _FREQ, _COS, _SIN, _POS_OFFSET) = (_INDEX[n] for n in VARYING_ARGS)
 _VARYING = frozenset(_INDEX[n] for n in VARYING_ARGS)
 
@@ -96,7 +96,7 @@ class InterpretedLaunch(_Bound):
         self._kwargs = dict(zip(_CONSTEXPR_NAMES, constexprs), num_warps=num_warps)
 
     def __call__(self, *values) -> None:
-        K.rope_kernel[self._grid](*self._fill(*values), **self._kwargs)
+        kernel.rope_kernel[self._grid](*self._fill(*values), **self._kwargs)
 
 
 def _launch_hooks_idle() -> bool:

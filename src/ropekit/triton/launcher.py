@@ -15,9 +15,9 @@ from collections import OrderedDict
 import torch
 
 from ropekit._spec import RopeSpec, to_canonical
-from ropekit.triton import kernel as K
+from ropekit.triton import kernel
 
-_FREQ_MODES = {"inv_freq": K.FREQ_INV_FREQ, "table": K.FREQ_TABLE, "angles": K.FREQ_ANGLES}
+_FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ, "table": kernel.FREQ_TABLE, "angles": kernel.FREQ_ANGLES}
 
 # Block shapes (measurements: docs/perf-notes.md, "Block shape per card"; the sweeps: benchmarks/probes/).
 # Bytes of Q (or K) each program reads per pass, and elements of one token's head tile [BLOCK_H, head_dim]: small
@@ -136,12 +136,12 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         raise ValueError(f"at most 2**31 - 1 tokens (batch * seqlen) per call, got {num_tokens}; split the call")
 
     if positions is not None:
-        pos_mode, pos_t = K.POS_PER_TOKEN, positions
+        pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
         pos_sb, pos_ss = positions.stride()
     else:
         pos_t, pos_sb, pos_ss = q, 0, 0
-        pos_mode = K.POS_VARLEN if cu_seqlens is not None else K.POS_PER_SEQ if seq_offsets is not None \
-            else K.POS_RANGE
+        pos_mode = kernel.POS_VARLEN if cu_seqlens is not None else kernel.POS_PER_SEQ if seq_offsets is not None \
+            else kernel.POS_RANGE
     n_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     n_search_steps = max(1, math.ceil(math.log2(max(n_seqs, 1)))) + 1
 
@@ -158,7 +158,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
     if q.device.type != "cuda":  # the CPU interpreter pays per program: fewer, larger ones
         tile_bytes = max(tile_bytes, INTERPRETER_TILE_BYTES)
-    stream = (q.device.type == "cuda" and pos_mode in (K.POS_RANGE, K.POS_PER_SEQ) and rotary_dim == D
+    stream = (q.device.type == "cuda" and pos_mode in (kernel.POS_RANGE, kernel.POS_PER_SEQ) and rotary_dim == D
               and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream)
@@ -195,12 +195,12 @@ _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG")
 # Runtime arguments by role, as positions in the kernel's signature (derived from its parameter names, so that a
 # new argument cannot shift a hard-coded index).
-_ARG_INDEX = {name: i for i, name in enumerate(K.rope_kernel.arg_names)}
-POINTER_ARGS = tuple(n for n in K.rope_kernel.arg_names if n.endswith("_ptr"))
+_ARG_INDEX = {name: i for i, name in enumerate(kernel.rope_kernel.arg_names)}
+POINTER_ARGS = tuple(n for n in kernel.rope_kernel.arg_names if n.endswith("_ptr"))
 _POINTERS = tuple(_ARG_INDEX[n] for n in POINTER_ARGS)
 _POS_OFFSET = _ARG_INDEX["pos_offset"]
 _FLOAT_ARGS = ("q_scale", "k_scale", "rotary_scale")
-_INT_ARGS = tuple(i for i, n in enumerate(K.rope_kernel.arg_names)
+_INT_ARGS = tuple(i for i, n in enumerate(kernel.rope_kernel.arg_names)
                   if i not in _POINTERS and i != _POS_OFFSET and n not in _CONSTEXPR_NAMES and n not in _FLOAT_ARGS)
 _MAX_COMPILED = 256
 _COMPILED: OrderedDict = OrderedDict()
@@ -229,7 +229,7 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
     time); the cached handle skips that. The first call for a specialisation goes through Triton (compiling if
     needed), so behaviour is Triton's own. The cache is bounded (least recently used out)."""
     if device.type != "cuda":
-        K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
+        kernel.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
         return
     if device.index is not None and device.index != _current_device():
         # Triton launches (and compiles) for the current device: make it the tensors' device.
@@ -242,7 +242,7 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
         _COMPILED.move_to_end(key)
         compiled[grid](*args, *constexprs)
         return
-    compiled = K.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
+    compiled = kernel.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
     if compiled is not None and hasattr(compiled, "__getitem__"):
         _COMPILED[key] = compiled
         if len(_COMPILED) > _MAX_COMPILED:
@@ -250,5 +250,5 @@ def _launch(grid, args, constexprs, num_warps, device) -> None:
 
 
 # The compiled kernel's cached handle takes the constexprs positionally after the runtime arguments.
-if tuple(K.rope_kernel.arg_names[-len(_CONSTEXPR_NAMES):]) != _CONSTEXPR_NAMES:
+if tuple(kernel.rope_kernel.arg_names[-len(_CONSTEXPR_NAMES):]) != _CONSTEXPR_NAMES:
     raise ImportError("rope_kernel's constexpr parameters changed: update _CONSTEXPR_NAMES and kernel_launch")
