@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ropekit import webgpu
-from ropekit.api import default_inv_freq
+from ropekit._spec import BACKWARD, FORWARD, validate
+from ropekit.frequencies import default_inv_freq
 from ropekit.reference import rope_reference
 
 CPU = torch.device("cpu")
@@ -38,9 +39,9 @@ CPU = torch.device("cpu")
 
 def reference(x, *, style, inv_freq, pos_offset, conjugate=False):
     x4 = x.unsqueeze(0) if x.ndim == 3 else x
-    out = rope_reference(x4, None, layout="bshd", style=style, freq_mode="inv_freq", rotary_dim=x.shape[-1],
-                         rotary_start=0, inv_freq=inv_freq, pos_offset=pos_offset, conjugate=conjugate,
-                         out_dtype=torch.float64)[0]
+    spec = validate(x4, None, positions=pos_offset, inv_freq=inv_freq, style=style,
+                    mode=BACKWARD if conjugate else FORWARD)
+    out = rope_reference(x4, None, spec._replace(out_dtype=torch.float64))[0]
     return out.reshape(x.shape)
 
 
@@ -123,11 +124,11 @@ def run_adapter(runner: webgpu.WebGPURunner, report: Report) -> None:
     print("  angle error |(cos, sin) - exact| over 256 positions from 2^k - 128 (base 500000, D 128):")
     print(f"  {'k':>4} {'shader':>10} {'host':>10} {'shader_base':>12}")
     for power in (8, 12, 16, 20, 24, 28, 31):
-        offset = 2**power - S // 2
+        offset = min(2**power - S // 2, 2**31 - S)  # the last window ends at the largest position
         theta = torch.arange(offset, offset + S, dtype=torch.float64)[:, None]
         errors = []
         for angles, freqs in (("shader", inv32), ("host", inv32), ("shader_base", exact)):
-            out = torch.from_numpy(runner.apply_rope(unit, pos_offset=offset, base=500000.0, angles=angles))
+            out = torch.from_numpy(runner.apply_rope(unit, pos_offset=offset, base=500000.0, angles=angles, style="interleaved"))
             angle = theta * freqs
             ref = torch.stack([angle.cos(), angle.sin()], -1).reshape(S, 1, D)
             errors.append(max_error(out, ref))
