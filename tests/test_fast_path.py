@@ -20,8 +20,7 @@ import torch
 
 import ropekit
 from ropekit import _fastpath
-from ropekit.testing import kernels_on_cpu
-from helpers import TOLERANCES
+from ropekit.testing import kernels_on_cpu, tolerance
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -167,7 +166,7 @@ def _ref_kwargs(kw: dict) -> dict:
 
 
 def _check(out, ref, dtype, what):
-    tol = TOLERANCES[dtype]
+    tol = tolerance(dtype)._asdict()
     assert out.dtype == dtype, (what, out.dtype)
     assert not torch.isnan(out).any(), f"{what}: NaN"
     torch.testing.assert_close(out.detach().cpu().double(), ref, **tol, msg=lambda m: f"{what}: {m}")

@@ -6,7 +6,7 @@ from torch.library import opcheck
 
 import ropekit
 from ropekit._spec import validate
-from helpers import TOLERANCES, assert_close_to_ref, make_qk
+from ropekit.testing import assert_close_to_ref, make_qk, tolerance
 from test_api import _ref
 
 pytestmark = pytest.mark.gpu
@@ -91,7 +91,7 @@ def test_compile_backward_on_cuda():
     sq, sk = f(q, k)
     (sq + 2 * sk).backward()
     want_q = ropekit.rope_backward(torch.ones_like(q), positions=5)
-    torch.testing.assert_close(q.grad, want_q, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(q.grad, want_q, **tolerance(torch.float32)._asdict())
 
 
 def test_cuda_graph_capture_and_replay():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ropekit
-from helpers import assert_close_to_ref, make_qk
+from ropekit.testing import assert_close_to_ref, make_qk
 from test_api import _ref
 
 pytestmark = pytest.mark.gpu

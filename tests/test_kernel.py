@@ -9,8 +9,8 @@ import torch
 
 from ropekit._spec import BACKWARD, FORWARD, validate
 from ropekit.reference import rope_reference
+from ropekit.testing import assert_close_to_ref, make_qk, poisoned_like, tolerance
 from ropekit.triton.launcher import launch_rope
-from helpers import TOLERANCES, assert_close_to_ref, make_qk, poisoned_like
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -180,8 +180,8 @@ def test_conjugate_undoes_forward_in_kernel():
     q, k = make_qk(2, 4, 4, 2, 32, device=DEVICE)
     (qr, kr), _ = run_kernel(q, k, positions=123, style="interleaved")
     (qb, kb), _ = run_kernel(qr, kr, positions=123, style="interleaved", conjugate=True)
-    torch.testing.assert_close(qb, q, **TOLERANCES[torch.float32])
-    torch.testing.assert_close(kb, k, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(qb, q, **tolerance(torch.float32)._asdict())
+    torch.testing.assert_close(kb, k, **tolerance(torch.float32)._asdict())
 
 
 def test_launch_cache_key_covers_every_argument(monkeypatch):

@@ -20,28 +20,20 @@ from typing import Callable, Optional
 
 import torch
 
+from ropekit.testing import max_relative_error, max_relative_tolerance
+
 
 @dataclass
 class CheckRow:
     backend: str
     device: str
     case: str
-    max_error: float  # max |out - ref| / max |ref|
+    max_error: float  # max |out - ref| / max |ref| (ropekit.testing.max_relative_error)
     tolerance: float
 
     @property
     def passed(self) -> bool:
         return self.max_error == self.max_error and self.max_error <= self.tolerance  # NaN fails
-
-
-# max |out - ref| / max |ref|: half an ulp of the output dtype plus fp32 math and sin/cos (~2e-6).
-_TOL = {torch.float32: 2e-6, torch.float16: 2.0**-11 + 2e-6, torch.bfloat16: 2.0**-8 + 2e-6,
-        torch.float64: 1e-12}
-
-
-def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.detach().cpu().double()
-    return ((out.detach().cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def _case_table(device: str, small: bool) -> list[tuple[str, torch.dtype, dict, Callable]]:
@@ -122,9 +114,8 @@ def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwa
         out_q, out_k = ropekit.apply_rope_(qd, kd, **kwargs)
     else:
         out_q, out_k = fn(qd, kd, **kwargs)
-    err = max(_rel_error(out_q, ref_q), _rel_error(out_k, ref_k))
-    tol = _TOL[dtype] * (2 if backend == "triton-interpreter" and dtype == torch.bfloat16 else 1)
-    return CheckRow(backend, device, name, err, tol)
+    err = max_relative_error((out_q, out_k), (ref_q, ref_k))
+    return CheckRow(backend, device, name, err, max_relative_tolerance(dtype, backend))
 
 
 def _property_rows() -> list[CheckRow]:
@@ -134,9 +125,11 @@ def _property_rows() -> list[CheckRow]:
     q = torch.randn(2, 64, 4, 64, dtype=torch.float64)
     rot = ropekit.apply_rope(q, positions=123456)
     back = ropekit.rope_backward(rot, positions=123456)
-    rows = [CheckRow("cpu", "cpu", "property: conjugate undoes forward", _rel_error(back, q), 1e-12)]
+    f64 = max_relative_tolerance(torch.float64, "cpu")
+    rows = [CheckRow("cpu", "cpu", "property: conjugate undoes forward", max_relative_error(back, q), f64)]
     norms = lambda x: x[..., :32] ** 2 + x[..., 32:] ** 2  # noqa: E731
-    rows.append(CheckRow("cpu", "cpu", "property: pair norms preserved", _rel_error(norms(rot), norms(q)), 1e-12))
+    rows.append(CheckRow("cpu", "cpu", "property: pair norms preserved", max_relative_error(norms(rot), norms(q)),
+                         f64))
     a, b = torch.randn(1, 1, 1, 64, dtype=torch.float64), torch.randn(1, 1, 1, 64, dtype=torch.float64)
     dots = [(ropekit.apply_rope(a, positions=m + 10) * ropekit.apply_rope(b, positions=m)).sum()
             for m in (0, 1000, 2**20)]
