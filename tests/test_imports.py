@@ -1,0 +1,119 @@
+"""The dependency rule of docs/design.md: lower layers never import higher ones, and ``import ropekit`` needs no
+triton.
+
+Each check runs in a fresh Python process with a ``sys.meta_path`` finder installed first that refuses the
+modules the imported one must not depend on. The process fails if the import fails or if anything tried to
+import a refused module (even where the importer caught the ImportError), and names what did.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+LEAVES = ("ropekit._config", "ropekit._memory", "ropekit.frequencies")
+SPEC = (*LEAVES, "ropekit._spec")
+# Everything importable from ropekit, bottom to top; subpackages stand for all their modules.
+ALL = (*SPEC, "ropekit.reference", "ropekit.triton", "ropekit.ops", "ropekit.autograd", "ropekit._fastpath",
+       "ropekit.api", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations", "ropekit.testing",
+       "ropekit.check", "ropekit.plot", "ropekit.bench", "ropekit.cli")
+TOP = ("ropekit.check", "ropekit.bench", "ropekit.cli")
+ABOVE_API = ("ropekit.modules", "ropekit.integrations", "ropekit.testing", "ropekit.plot", *TOP)
+
+
+def _except(*allowed: str) -> tuple[str, ...]:
+    """Every ropekit module except ``allowed`` (and the packages that contain them)."""
+    return tuple(m for m in ALL if m not in allowed)
+
+
+# module -> ropekit modules (prefixes: a package covers its submodules) it must not import, directly or not.
+# The package ``ropekit`` itself is always allowed: its __init__ imports its public names lazily.
+RULES = {
+    "ropekit._config": _except(*LEAVES),
+    "ropekit._memory": _except(*LEAVES),
+    "ropekit.frequencies": _except(*LEAVES),
+    "ropekit._spec": _except(*SPEC),
+    "ropekit.reference": _except(*SPEC, "ropekit.reference"),
+    "ropekit.triton.kernel": ALL,  # no ropekit module (ropekit.triton's __init__ and the kernel only)
+    "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound"),
+    "ropekit.triton.bound": _except(*SPEC, "ropekit.triton"),
+    "ropekit.ops": ("ropekit.autograd", "ropekit._fastpath", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
+    "ropekit.autograd": ("ropekit._fastpath", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
+    "ropekit._fastpath": ("ropekit.api", "ropekit.webgpu", *ABOVE_API),
+    "ropekit.api": ABOVE_API,
+    "ropekit.modules": TOP,
+    "ropekit.integrations.transformers": TOP,
+}
+
+_FINDER = """
+import sys
+
+class Refuse:
+    def __init__(self, blocked, allowed):
+        self.blocked, self.allowed, self.refused = blocked, allowed, []
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.allowed:
+            return None
+        if any(name == b or name.startswith(b + ".") for b in self.blocked):
+            self.refused.append(name)
+            raise ModuleNotFoundError(f"{name} is refused by the dependency rule", name=name)
+        return None
+
+refuse = Refuse(BLOCKED, ALLOWED)
+sys.meta_path.insert(0, refuse)
+"""
+
+
+def _run(blocked: tuple[str, ...], body: str, allowed: tuple[str, ...] = ()) -> None:
+    code = (f"BLOCKED, ALLOWED = {tuple(blocked)!r}, {tuple(allowed)!r}\n" + _FINDER + textwrap.dedent(body)
+            + 'if refuse.refused:\n    sys.exit(f"tried to import refused modules: {sorted(set(refuse.refused))}")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("module", sorted(RULES))
+def test_module_imports_nothing_above_its_layer(module):
+    # The packages on the way to the module (ropekit.triton for ropekit.triton.kernel) are not refused.
+    parents = tuple(".".join(module.split(".")[:i]) for i in range(2, module.count(".") + 1))
+    _run(RULES[module], f"import {module}\n", allowed=(module, *parents))
+
+
+def test_import_ropekit_and_rotate_on_cpu_without_triton():
+    _run(("triton",), """
+        import torch
+        import ropekit
+
+        x = torch.randn(1, 4, 2, 8)
+        for _ in range(2):  # the second call of a signature is where a launch plan would be recorded
+            out = ropekit.apply_rope(x)
+        assert out.shape == x.shape and not out.isnan().any()
+        """)
+
+
+@pytest.mark.parametrize("module", ["ropekit.check", "ropekit.testing"])
+def test_module_imports_without_triton(module):
+    _run(("triton",), f"import {module}\n")
+
+
+def test_public_functions_share_the_options_of_validate():
+    import ropekit
+    from ropekit._spec import validate
+
+    def options(fn):
+        return [(p.name, p.kind, p.default, p.annotation) for p in inspect.signature(fn).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+    want = [o for o in options(validate) if o[0] != "mode"]
+    assert want, "validate has no keyword options"
+    for fn in (ropekit.apply_rope, ropekit.apply_rope_, ropekit.rope_backward):
+        assert options(fn) == want, fn.__name__
