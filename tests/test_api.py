@@ -8,13 +8,15 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from ropekit._spec import validate
+from ropekit._spec import BACKWARD, FORWARD, validate
 from ropekit.reference import rope_reference
 from ropekit.testing import assert_close_to_ref, make_qk
 
 
-def _ref(q, k, **kwargs):
-    return rope_reference(q, k, validate(q, k, **kwargs)._replace(out_dtype=torch.float64))
+def _ref(q, k, conjugate=False, **kwargs):
+    """The float64 reference of ``apply_rope(q, k, **kwargs)`` (of ``rope_backward`` with ``conjugate``)."""
+    spec = validate(q, k, **kwargs, mode=BACKWARD if conjugate else FORWARD)
+    return rope_reference(q, k, spec._replace(out_dtype=torch.float64))
 
 
 
@@ -245,7 +247,6 @@ def test_eager_plans_only_for_plain_cuda_tensors():
     """The fast path of repeated eager calls (ropekit._fastpath) never engages on CPU, for tensor subclasses, or
     under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_gpu_eager_plans.)"""
     from ropekit import _fastpath
-
     from ropekit._spec import FORWARD
 
     q, k = make_qk(1, 3, 2, 2, 8)
@@ -255,3 +256,20 @@ def test_eager_plans_only_for_plain_cuda_tensors():
     before = len(_fastpath._PLANS)
     ropekit.apply_rope(q, k, positions=3)
     assert len(_fastpath._PLANS) == before
+
+
+@pytest.mark.parametrize("name", ["apply_rope", "apply_rope_", "rope_backward"])
+def test_public_functions_forward_every_option(name, monkeypatch):
+    """Each public function hands every keyword, as given, to the layer below (a forgotten one would silently
+    take validate's default)."""
+    import inspect
+
+    from ropekit import _fastpath
+
+    fn = getattr(ropekit, name)
+    options = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    sentinels = {p.name: object() for p in options}
+    seen = {}
+    monkeypatch.setattr(_fastpath, "rotate", lambda q, k, mode, opts: seen.update(opts))
+    fn(torch.zeros(1, 1, 1, 2), None, **dict(sentinels, backend="auto"))
+    assert seen == dict(sentinels, backend="auto")

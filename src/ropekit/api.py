@@ -18,8 +18,8 @@ __all__ = ["apply_rope", "apply_rope_", "rope_backward"]
 
 
 def _rope(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
-    """The body of the public functions; ``options`` is their keyword arguments (``locals()`` without q, k)."""
-    del options[mode.names[0]], options[mode.names[1]]
+    """The body of the public functions; ``options`` is their keyword arguments after q and k (spelled out, not
+    ``locals()``, which torch.compile cannot trace in every supported torch version)."""
     if options["backend"] == "auto":
         return _fastpath.rotate(q, k, mode, options)
     spec = validate(q, k, mode=mode, **options)
@@ -104,7 +104,11 @@ def apply_rope(
     >>> q_rot, k_rot = ropekit.apply_rope(q, k, positions=torch.tensor([0, 100]), base=500000.0)
     >>> ropekit.apply_rope_(q, k, positions=100)             # in place: rotates inside qkv
     """
-    return _rope(q, k, FORWARD, locals())
+    options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
+                   style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
+                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
+                   check_positions=check_positions, out_dtype=out_dtype, backend=backend)
+    return _rope(q, k, FORWARD, options)
 
 
 def apply_rope_(
@@ -123,7 +127,11 @@ def apply_rope_(
     twice, q and k sharing memory (interleaved q and k views of one packed QKV buffer are fine), and inference
     tensors outside ``torch.inference_mode()``.
     """
-    return _rope(q, k, FORWARD_INPLACE, locals())
+    options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
+                   style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
+                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
+                   check_positions=check_positions, out_dtype=out_dtype, backend=backend)
+    return _rope(q, k, FORWARD_INPLACE, options)
 
 
 def rope_backward(
@@ -138,4 +146,8 @@ def rope_backward(
     ``q_scale``/``k_scale`` and ``rotary_scale``. Pass the same arguments as to the forward call; see
     :func:`apply_rope` for each. Autograd uses the same kernel.
     """
-    return _rope(dq_rot, dk_rot, BACKWARD, locals())
+    options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
+                   style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
+                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
+                   check_positions=check_positions, out_dtype=out_dtype, backend=backend)
+    return _rope(dq_rot, dk_rot, BACKWARD, options)
