@@ -123,16 +123,16 @@ def max_relative_tolerance(dtype: torch.dtype, backend: str | None = None) -> fl
 
 def max_relative_error(outs: torch.Tensor | Sequence[torch.Tensor], refs: torch.Tensor | Sequence[torch.Tensor]
                        ) -> float:
-    """``max |out - ref| / max |ref|`` in float64, the worst over pairs of tensors; NaN in an output (an unwritten
-    or poisoned element) counts as an infinite error."""
+    """``max |out - ref| / max |ref|`` in float64 on the reference's device, the worst over pairs of tensors; NaN
+    in an output (an unwritten or poisoned element) counts as an infinite error."""
     if isinstance(outs, torch.Tensor):
         outs, refs = (outs,), (refs,)
     worst = 0.0
     for out, ref in zip(outs, refs, strict=True):
-        ref = ref.detach().cpu().double()
+        ref = ref.detach().double()
         if ref.numel() == 0:
             continue
-        diff = torch.nan_to_num((out.detach().cpu().double() - ref).abs(), nan=float("inf"))
+        diff = torch.nan_to_num((out.detach().to(ref.device).double() - ref).abs(), nan=float("inf"))
         worst = max(worst, (diff.max() / ref.abs().max().clamp_min(1e-30)).item())
     return worst
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+
+from ropekit.testing import max_relative_error
 
 from .cases import Case
 from .impls import BASELINE, EXTRA_BASELINES, MODE_IMPLS, Bench, Unsupported, build, build_baseline
@@ -16,15 +17,6 @@ from .peers import Peers
 from .timing import Timer
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
-
-
-def _rel_diff(outs: Sequence[Tensor], refs: Sequence[Tensor]) -> float:
-    worst = 0.0
-    for out, ref in zip(outs, refs):
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        diff = float(torch.sub(out.to(ref.dtype), ref).abs().max()) if ref.numel() else 0.0
-        worst = max(worst, diff / scale if scale > 0 else diff)
-    return worst
 
 
 def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: dict[str, Any],
@@ -65,7 +57,8 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                     row["bytes"] = bench.bytes
                 try:
                     if refs is not None and bench.result is not None:
-                        diff = 0.0 if name == "ropekit" else _rel_diff([t.detach() for t in bench.result()], refs)
+                        outs = [t.detach() for t in bench.result()]
+                        diff = 0.0 if name == "ropekit" else max_relative_error(outs, refs)
                         row["max_rel_diff"] = f"{diff:.2e}"
                         if not diff <= MISMATCH:
                             row["note"] = f"MISMATCH vs ropekit; {row['note']}"
