@@ -224,7 +224,8 @@ def _check_training(api, device, dtype, loss, positions, qk_norm=False):
     init = torch.nn.Linear(E, (HQ + 2 * HK) * D).to(device=device, dtype=dtype)
     assert not torch.equal(got_w["weight"], init.weight), "the optimizer steps changed nothing"
     for name, w in got_w.items():
-        torch.testing.assert_close(w.float(), want_w[name].float(), **tol["weight"], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(w.float(), want_w[name].float(), **tol["weight"],
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("positions", ["none", "int", "offsets", "ids"])
@@ -345,7 +346,8 @@ def test_llama_adamw_steps_fp32(device, attn, rope_calls):
     assert weights.keys() == ref_weights.keys()
     for name, w in weights.items():
         w0 = initial[name]
-        torch.testing.assert_close(w, ref_weights[name], rtol=0, atol=1e-2 * ADAM_LR, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(w, ref_weights[name], rtol=0, atol=1e-2 * ADAM_LR,
+                                   msg=lambda m, name=name: f"{name}: {m}")
         assert rel_err(w - w0, ref_weights[name] - w0) < 1e-4, name
     rk_hf.patch(model)
     _assert_unpatched(model, reference, modeling, original_fn, batches[0])
@@ -410,7 +412,7 @@ def test_llama_greedy_decode(device, attn, rope_calls):
     # 1.2e-7 on logits of scale 0.5; a decode position off by one moves them by 2e-3).
     assert len(out.logits) == len(want.logits) == 16
     for step, (got, ref) in enumerate(zip(out.logits, want.logits)):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"decode step {step}: {m}")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m, step=step: f"decode step {step}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -482,11 +484,11 @@ def test_cuda_graph_decode_loop(dtype):
         exact = step(q, k, v, p, oracle_k, oracle_v, oracle)
         torch.cuda.synchronize()
         # graph replay runs the very kernels of the eager step: identical results
-        torch.testing.assert_close(static_out, want, rtol=0, atol=0, msg=lambda m: f"step {t}: {m}")
-        torch.testing.assert_close(k_cache, eager_k, rtol=0, atol=0, msg=lambda m: f"step {t} cache: {m}")
+        torch.testing.assert_close(static_out, want, rtol=0, atol=0, msg=lambda m, t=t: f"step {t}: {m}")
+        torch.testing.assert_close(k_cache, eager_k, rtol=0, atol=0, msg=lambda m, t=t: f"step {t} cache: {m}")
         # and the rotation is right: within one output rounding of the oracle (the attention is fp32 after it)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 * BF16_ULP, atol=BF16_ULP)
-        torch.testing.assert_close(static_out, exact, **tol, msg=lambda m: f"step {t} vs oracle: {m}")
+        torch.testing.assert_close(static_out, exact, **tol, msg=lambda m, t=t: f"step {t} vs oracle: {m}")
         torch.testing.assert_close(k_cache.float(), oracle_k.float(), **tol)
 
 

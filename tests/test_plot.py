@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from ropekit.frequencies import from_hf_config, rope_frequencies
-from ropekit.plot import (binned_relative_position_curve, main, parse_method, plot_frequencies,
-                          relative_position_curve)
+from ropekit.plot import binned_relative_position_curve, main, parse_method, plot_frequencies, relative_position_curve
 from test_frequencies import MODEL_CONFIGS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

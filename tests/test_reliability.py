@@ -62,7 +62,7 @@ def test_training_steps_past_the_first(mode, loss):
     with mode_context(mode) as device:
         B, S, H, D = 2, 6, 2, 16
         positions = torch.randint(0, 1000, (B, S))
-        for step in range(4):  # plans engage from the second call; the bug was at step 2
+        for _step in range(4):  # plans engage from the second call; the bug was at step 2
             q = torch.randn(B, S, H, D, dtype=torch.float64)
             k = torch.randn(B, S, H, D, dtype=torch.float64)
             q_d = q.to(device, torch.float32).requires_grad_(True)
@@ -85,7 +85,7 @@ def test_transformers_drop_in_then_eager_attention_for_several_steps(mode):
         inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
         emb = torch.cat([positions[..., None] * inv] * 2, -1)
         cos, sin = emb.cos().float().to(device), emb.sin().float().to(device)
-        for step in range(3):
+        for _step in range(3):
             qkv = torch.randn(B, S, 3, H, D, dtype=torch.float64)
             x = qkv.to(device, torch.float32).requires_grad_(True)
             q, k = x[:, :, 0].transpose(1, 2), x[:, :, 1].transpose(1, 2)  # HF's [B, H, S, D] views
@@ -103,7 +103,7 @@ def test_transformers_drop_in_then_eager_attention_for_several_steps(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_in_place_rotation_is_visible_to_autograd(mode):
     with mode_context(mode) as device:
-        for call in range(3):  # the full path, then plans
+        for _call in range(3):  # the full path, then plans
             q = torch.randn(1, 4, 2, 8, device=device)
             w = torch.randn(1, 4, 2, 8, device=device, requires_grad=True)
             z = (q * w).sum()  # saves q for w's gradient
@@ -136,7 +136,7 @@ IN_PLACE_REFUSALS = {
 def test_in_place_refuses_overlap_before_writing(mode, case):
     make, exc, match = IN_PLACE_REFUSALS[case]
     with mode_context(mode) as device:
-        for call in range(2):
+        for _call in range(2):
             q, k = make(device)
             q_before, k_before = q.clone(), k.clone()
             with pytest.raises(exc, match=match):
@@ -186,7 +186,7 @@ def test_in_place_with_autograd_on_packed_views(mode, compiled):
 
     with mode_context(mode) as device:
         fn = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
-        for call in range(3):
+        for _call in range(3):
             base = _packed(device)
             positions = torch.randint(0, 100, (2, 4), device=device)
             leaf = base.clone().requires_grad_(True)

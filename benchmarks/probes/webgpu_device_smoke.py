@@ -128,7 +128,8 @@ def run_adapter(runner: webgpu.WebGPURunner, report: Report) -> None:
         theta = torch.arange(offset, offset + S, dtype=torch.float64)[:, None]
         errors = []
         for angles, freqs in (("shader", inv32), ("host", inv32), ("shader_base", exact)):
-            out = torch.from_numpy(runner.apply_rope(unit, pos_offset=offset, base=500000.0, angles=angles, style="interleaved"))
+            out = torch.from_numpy(runner.apply_rope(unit, pos_offset=offset, base=500000.0, angles=angles,
+                                                     style="interleaved"))
             angle = theta * freqs
             ref = torch.stack([angle.cos(), angle.sin()], -1).reshape(S, 1, D)
             errors.append(max_error(out, ref))

@@ -28,7 +28,8 @@ _EXPORTS = {
     "set_fast_path": "ropekit._config",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "RopeFrequencies", "from_hf_config",
+           "rope_frequencies", "RotaryEmbedding", "set_fast_path"]
 
 if TYPE_CHECKING:
     from ropekit._config import set_fast_path

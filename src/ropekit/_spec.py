@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 import typing
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ MAX_POSITION = 2**31 - 1
 """The largest position ropekit rotates: in-kernel angles are within ~5e-7 rad of exact up to here (about 1e-7
 below 2**24). Larger positions raise on the host where their values are known; elsewhere the tokens come out NaN."""
 
-Positions = Union[None, int, Tensor]
+Positions = int | Tensor | None
 
 
 def layout_ndim(layout: str) -> int:

@@ -15,8 +15,8 @@ import importlib.util
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -145,7 +145,7 @@ class SkippedBackend:
     reason: str  # why, and how to enable it
 
 
-def _triton_missing() -> Optional[str]:
+def _triton_missing() -> str | None:
     """Why the Triton cases cannot run here (None when they can)."""
     if importlib.util.find_spec("triton") is None:
         return 'triton is not installed; enable with: pip install "ropekit[triton]"'
@@ -168,7 +168,7 @@ def _webgpu_runner():
         return None, f"no wgpu adapter found: {exc}"
 
 
-def run_all(small: Optional[bool] = None) -> tuple[list[CheckRow], list[SkippedBackend]]:
+def run_all(small: bool | None = None) -> tuple[list[CheckRow], list[SkippedBackend]]:
     """All check rows for the backends available here, and the backends skipped (with the reason)."""
     if torch.cuda.is_available():
         backend, device = "cuda", "cuda"
@@ -209,7 +209,7 @@ def _webgpu_case_count() -> int:
     return len(_CHECK_CASES)
 
 
-def run_checks(small: Optional[bool] = None) -> list[CheckRow]:
+def run_checks(small: bool | None = None) -> list[CheckRow]:
     """All check rows for the backends available here (:func:`run_all` also says what was skipped)."""
     return run_all(small)[0]
 
@@ -237,7 +237,7 @@ def format_table(rows: list[CheckRow], skipped: list[SkippedBackend]) -> list[st
     return lines
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ropekit check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     args = parser.parse_args(argv)
@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if any(not r.passed for r in rows) else 0
 
 
-def env_main(argv: Optional[list[str]] = None) -> int:
+def env_main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="ropekit env", description="versions and devices").parse_args(argv)
     import ropekit
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # subcommand -> (module, help). Each module exposes ``main(argv: list[str]) -> int``.
 _SUBCOMMANDS = {

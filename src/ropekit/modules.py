@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from ropekit._spec import LAYOUTS, layout_ndim, to_canonical
 from ropekit.api import apply_rope
-from ropekit.frequencies import (RopeFrequencies, _integer, _length_arg, _positions_arg, from_hf_config,
-                                 rope_frequencies)
+from ropekit.frequencies import RopeFrequencies, _integer, _length_arg, _positions_arg, from_hf_config, rope_frequencies
 
 __all__ = ["RotaryEmbedding", "hf_tables"]
 

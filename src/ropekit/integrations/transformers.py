@@ -6,13 +6,16 @@ module never imports transformers.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ropekit._spec import FLOAT_DTYPES, to_canonical
 from ropekit.api import apply_rope
+
+if TYPE_CHECKING:  # served lazily by __getattr__ below, so that importing this module never imports transformers
+    from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
 
 __all__ = ["apply_rotary_pos_emb", "rotate_half", "patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
 
@@ -28,7 +31,7 @@ def _eager(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def _per_token_table(table: Tensor, x: Tensor, layout: str) -> Optional[Tensor]:
+def _per_token_table(table: Tensor, x: Tensor, layout: str) -> Tensor | None:
     """``table`` (already unsqueezed) broadcast to ``x`` as a [B, S, D] view, or None when it varies by head or
     does not broadcast."""
     try:

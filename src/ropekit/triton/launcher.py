@@ -51,12 +51,12 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dram_gbps(device_index: int) -> float:
     """The card's DRAM bandwidth from its memory clock and bus width (what triton.testing.get_dram_gbps
     computes); 0 where Triton does not report them."""
