@@ -273,3 +273,21 @@ def test_public_functions_forward_every_option(name, monkeypatch):
     monkeypatch.setattr(_fastpath, "rotate", lambda q, k, mode, opts: seen.update(opts))
     fn(torch.zeros(1, 1, 1, 2), None, **dict(sentinels, backend="auto"))
     assert seen == dict(sentinels, backend="auto")
+
+
+def test_out_dtype_rounds_once_and_in_place_refuses_another_dtype():
+    q, k = make_qk(2, 5, 4, 2, 16, dtype=torch.bfloat16)
+    q_rot, k_rot = ropekit.apply_rope(q, k, positions=5, out_dtype=torch.float32)
+    ref_q, ref_k = _ref(q, k, positions=5)
+    assert q_rot.dtype == k_rot.dtype == torch.float32
+    assert_close_to_ref(q_rot, ref_q, torch.float32, backend="cpu")
+    assert_close_to_ref(k_rot, ref_k, torch.float32, backend="cpu")
+    assert ropekit.apply_rope(q, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    before = q.clone()
+    with pytest.raises(ValueError, match="in-place rotation writes q's own dtype"):
+        ropekit.apply_rope_(q, k, out_dtype=torch.float32)
+    assert torch.equal(q, before)
+    ropekit.apply_rope_(q, k, out_dtype=torch.bfloat16)  # its own dtype: fine
+    for bad in (torch.int32, "float32", 4):
+        with pytest.raises(TypeError, match="out_dtype"):
+            ropekit.apply_rope(q, out_dtype=bad)

@@ -3,9 +3,9 @@ full path, and both equal the float64 reference.
 
 A seeded random grid over the options -- layouts, pairings, position modes, frequency sources, partial rotary,
 scales, dtypes, packed-QKV views, in and out of place, with and without autograd, gradients in any layout, and
-the explicit backward. Every configuration is called three times with fresh data and fresh argument tensors (a
-plan is recorded by the first call and serves the second and third), each result compared with the float64
-reference of the same call. On CPU (CI) the kernels and plans run under the Triton interpreter
+the explicit backward. Every configuration is called four times with fresh data and fresh argument tensors (the
+first call notes its signature, the second records a plan, which serves the third and fourth), each result
+compared with the float64 reference of the same call. On CPU (CI) the kernels and plans run under the Triton interpreter
 (``ropekit.testing.kernels_on_cpu``) at small shapes; on a GPU (``-m gpu`` or the ``cuda`` ids) at real shapes.
 """
 
@@ -268,3 +268,30 @@ def test_fast_path_switch_from_environment():
         env = dict(os.environ, ROPEKIT_DISABLE_FAST_PATH=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_dtype_through_plans(device, plan_calls):
+    """``out_dtype`` (the transformers drop-in's type promotion) gives the same outputs on the full path and on
+    replayed plans, out of place, with autograd (gradients in the inputs' dtype) and in ``rope_backward``."""
+    B, S, HQ, HK, D = SHAPES[device]
+    with device_mode(device):
+        for call in range(CALLS):
+            q = torch.randn(B, S, HQ, D, device=device, dtype=torch.bfloat16)
+            k = torch.randn(B, S, HK, D, device=device, dtype=torch.bfloat16)
+            pos = 3 + call
+            q_rot, k_rot = ropekit.apply_rope(q, k, positions=pos, out_dtype=torch.float32)
+            ref_q, ref_k = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=pos)
+            assert q_rot.dtype == k_rot.dtype == torch.float32
+            _check(q_rot, ref_q, torch.float32, f"q call {call}")
+            _check(k_rot, ref_k, torch.float32, f"k call {call}")
+            leaf = q.clone().requires_grad_(True)
+            out = ropekit.apply_rope(leaf, positions=pos, out_dtype=torch.float32)
+            g = torch.randn_like(out)
+            (dq,) = torch.autograd.grad(out, leaf, g)
+            assert dq.dtype == torch.bfloat16
+            want = ropekit.rope_backward(g.cpu().double(), positions=pos)
+            _check(dq, want, torch.bfloat16, f"dq call {call}")
+            back = ropekit.rope_backward(q, positions=pos, out_dtype=torch.float32)
+            _check(back, ropekit.rope_backward(q.cpu().double(), positions=pos), torch.float32, f"backward {call}")
+    assert plan_calls["served"] >= 3 * (CALLS - 2)
