@@ -23,6 +23,7 @@ LEAVES = ("ropekit._config", "ropekit._memory", "ropekit.frequencies")
 SPEC = (*LEAVES, "ropekit._spec")
 # Everything importable from ropekit, bottom to top; subpackages stand for all their modules.
 ALL = (*SPEC, "ropekit.reference", "ropekit.triton", "ropekit.ops", "ropekit.autograd", "ropekit._fastpath",
+       "ropekit.distributed",
        "ropekit.api", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations", "ropekit.testing",
        "ropekit.check", "ropekit.plot", "ropekit.bench", "ropekit.cli")
 TOP = ("ropekit.check", "ropekit.bench", "ropekit.cli")
@@ -45,9 +46,11 @@ RULES = {
     "ropekit.triton.kernel": ALL,  # no ropekit module (ropekit.triton's __init__ and the kernel only)
     "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound"),
     "ropekit.triton.bound": _except(*SPEC, "ropekit.triton"),
-    "ropekit.ops": ("ropekit.autograd", "ropekit._fastpath", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
-    "ropekit.autograd": ("ropekit._fastpath", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
-    "ropekit._fastpath": ("ropekit.api", "ropekit.webgpu", *ABOVE_API),
+    "ropekit.ops": ("ropekit.autograd", "ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.webgpu",
+                    *ABOVE_API),
+    "ropekit.autograd": ("ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
+    "ropekit._fastpath": ("ropekit.distributed", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
+    "ropekit.distributed": ("ropekit.api", "ropekit.webgpu", *ABOVE_API),
     "ropekit.api": ABOVE_API,
     "ropekit.modules": TOP,
     "ropekit.integrations.transformers": TOP,

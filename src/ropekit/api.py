@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ropekit import _fastpath
+from ropekit import _fastpath, distributed
 from ropekit._spec import BACKWARD, FORWARD, FORWARD_INPLACE, Mode, Positions, validate
 
 __all__ = ["apply_rope", "apply_rope_", "rope_backward"]
@@ -21,6 +21,8 @@ def _rope(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     """The body of the public functions; ``options`` is their keyword arguments after q and k (spelled out, not
     ``locals()``, which torch.compile cannot trace in every supported torch version)."""
     if options["backend"] == "auto":
+        if type(q) is not Tensor and distributed.is_dtensor(q):
+            return distributed.rotate_dtensor(q, k, mode, options)
         return _fastpath.rotate(q, k, mode, options)
     spec = validate(q, k, mode=mode, **options)
     from ropekit.webgpu import rotate as rotate_webgpu
