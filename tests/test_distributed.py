@@ -303,7 +303,10 @@ def _check_llama(rank: int, world: int, device: torch.device) -> None:
     import torch.distributed.nn.functional as dist_fn
 
     torch.manual_seed(7)
-    dtype = torch.float64
+    # float64 on CPU (the reference path: equal to rounding); float32 on CUDA, where the Triton kernels rotate and the
+    # sharded attention sums in another order
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    rtol, atol = (1e-12, 1e-12) if dtype == torch.float64 else (2e-4, 1e-6)
     vocab, hidden, heads, kv_heads, head_dim, layers = 64, 64, 4, 2, 16, 2
     S = 16 * world
     model = _TinyLlama(vocab, hidden, heads, kv_heads, head_dim, layers).to(device, dtype)
@@ -330,11 +333,11 @@ def _check_llama(rank: int, world: int, device: torch.device) -> None:
     loss_local.backward()
     loss = loss_local.detach().clone()
     dist.all_reduce(loss)
-    torch.testing.assert_close(loss, loss_full.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, loss_full.detach(), rtol=rtol, atol=0)
     for name, p in model.named_parameters():
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        torch.testing.assert_close(grad, want[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 class _TinyLlama(torch.nn.Module):
