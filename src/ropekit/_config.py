@@ -7,6 +7,8 @@
   instead of the float64 reference, plans included, with device-resident semantics (position values are not
   read on the host). It exists so that CPU-only CI exercises the CUDA dispatch and the fast path; see
   :func:`ropekit.testing.kernels_on_cpu`.
+* ``float32_path_on_cpu``: CPU tensors take the float32 torch path that devices without Triton kernels or float64
+  use (MPS, XPU, ...), so that CPU-only CI tests it; see :func:`ropekit.testing.float32_path_on_cpu`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 
 fast_path: bool = os.environ.get("ROPEKIT_DISABLE_FAST_PATH", "0").strip().lower() in ("", "0", "false", "no")
 kernels_on_cpu: bool = False
+float32_path_on_cpu: bool = False
 
 
 def set_fast_path(enabled: bool) -> bool:

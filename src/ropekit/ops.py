@@ -2,8 +2,9 @@
 
 Both take ``q``, ``k`` and the fields of a validated :class:`ropekit._spec.RopeSpec`, in the order of the schema
 that :func:`ropekit._spec.op_schema` generates from it. CUDA tensors run the Triton kernel (float64 ones the
-reference, which keeps float64 math); every other device runs the float64 reference, except CPU tensors under
-:func:`ropekit.testing.kernels_on_cpu` (the Triton interpreter).
+reference, which keeps float64 math); CPU tensors the float64 reference (the Triton interpreter under
+:func:`ropekit.testing.kernels_on_cpu`); other devices (MPS, XPU, ...) the float32 torch path with host-exact
+angles (:func:`ropekit.reference.rope_float32`).
 
 :func:`rotate_out_of_place` and :func:`rotate_in_place` are the ops' bodies, callable without the dispatcher by
 eager calls that need neither autograd nor tracing (its round trips cost more host time than a decode kernel).
@@ -19,10 +20,19 @@ from ropekit._spec import RopeSpec, op_schema
 
 
 def uses_kernels(x: Tensor) -> bool:
-    """Whether ``x`` is rotated by the Triton kernels (fp32 math) rather than the float64 reference."""
+    """Whether ``x`` is rotated by the Triton kernels (fp32 math) rather than a torch path."""
     if x.dtype == torch.float64:
         return False
     return x.device.type == "cuda" or (_config.kernels_on_cpu and x.device.type == "cpu")
+
+
+def uses_float32_path(x: Tensor) -> bool:
+    """Whether ``x`` is rotated by the float32 torch path (:func:`ropekit.reference.rope_float32`): devices other
+    than CPU and CUDA, which may lack float64 (MPS), and CPU tensors under
+    :func:`ropekit.testing.float32_path_on_cpu`. float64 inputs keep float64 math wherever they exist."""
+    if x.dtype == torch.float64:
+        return False
+    return x.device.type not in ("cpu", "cuda") or (_config.float32_path_on_cpu and x.device.type == "cpu")
 
 
 def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec: RopeSpec) -> None:
@@ -36,9 +46,10 @@ def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec:
             if k is not None:
                 torch.autograd.graph.increment_version(k)
         return
-    from ropekit.reference import rope_reference
+    from ropekit.reference import rope_float32, rope_reference
 
-    results = rope_reference(q, k, spec._replace(out_dtype=q_out.dtype))
+    rotate = rope_float32 if uses_float32_path(q) else rope_reference
+    results = rotate(q, k, spec._replace(out_dtype=q_out.dtype))
     q_out.copy_(results[0])
     if k is not None:
         k_out.copy_(results[1])

@@ -117,15 +117,17 @@ def rotate(
     rotary_scale: float = 1.0,
     conjugate: bool = False,
     valid: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Rotate canonical ``x`` [B, S, H, D] in float64; returns a float64 tensor of the same shape.
+    """Rotate canonical ``x`` [B, S, H, D] in ``dtype`` (the tables' dtype: float64 for the reference); returns a
+    tensor of ``dtype`` and ``x``'s shape.
 
     ``valid`` [B, S] marks tokens with a usable position; the others become NaN (the kernels do the same).
     """
     c_lo, c_hi, s_lo, s_hi = (t[:, :, None, :] * rotary_scale for t in tables)
     if conjugate:
         s_lo, s_hi = -s_hi, -s_lo
-    y = x.to(torch.float64).clone()
+    y = x.to(dtype).clone()
     rot = y[..., rotary_start : rotary_start + rotary_dim]
     if neox:
         lo, hi = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
@@ -144,24 +146,38 @@ def rotate(
 def rope_reference(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> list[torch.Tensor]:
     """The rotation of ``q`` (and ``k``) described by ``spec`` in float64, returned in float64 when
     ``spec.out_dtype`` is float64, else rounded once to ``spec.out_dtype`` (None: each input's dtype)."""
+    return _rope_torch(q, k, spec, math_dtype=torch.float64, angle_device=q.device)
+
+
+def rope_float32(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> list[torch.Tensor]:
+    """The same rotation with float32 math on ``q``'s device, for devices without float64 (MPS and other torch
+    backends without Triton kernels): positions and angles are formed and reduced in float64 on the CPU (exact at
+    any position; reading device positions is a host sync), cos/sin rounded to float32 there, and the rotation
+    runs on the device in float32 with one rounding to the output dtype -- the kernels' precision."""
+    return _rope_torch(q, k, spec, math_dtype=torch.float32, angle_device=torch.device("cpu"))
+
+
+def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: torch.device) -> list[torch.Tensor]:
     (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout, style, freq_mode, rotary_dim,
      rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
     qc = to_canonical(q, layout)
     B, S = qc.shape[:2]
     pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
-                          cu_seqlens=cu_seqlens, device=q.device)
+                          cu_seqlens=cu_seqlens, device=angle_device)
     valid = (pos >= 0) & (pos <= MAX_POSITION)
     if freq_mode != "inv_freq" and not table_by_token:
         valid &= pos < cos.shape[1]
     neox = style == "neox"
     tables = rotation_tables(pos, half=rotary_dim // 2, neox=neox, freq_mode=freq_mode, inv_freq=inv_freq,
                              cos=cos, sin=sin, table_by_token=table_by_token)
+    tables = tuple(t.to(device=q.device, dtype=math_dtype) for t in tables)
+    valid = valid.to(q.device)
     outs = []
     for x, scale in ((q, q_scale), (k, k_scale)):
         if x is None:
             continue
         y = rotate(to_canonical(x, layout), tables, rotary_dim=rotary_dim, rotary_start=rotary_start, neox=neox,
-                   scale=scale, rotary_scale=rotary_scale, conjugate=conjugate, valid=valid)
+                   scale=scale, rotary_scale=rotary_scale, conjugate=conjugate, valid=valid, dtype=math_dtype)
         dtype = x.dtype if out_dtype is None else out_dtype
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
         to_canonical(out, layout).copy_(y)

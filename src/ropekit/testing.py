@@ -41,6 +41,20 @@ def kernels_on_cpu() -> Iterator[None]:
         _fastpath.clear()
 
 
+@contextlib.contextmanager
+def float32_path_on_cpu() -> Iterator[None]:
+    """Within the block, CPU tensors (except float64) take the float32 torch path of devices without Triton
+    kernels or float64 (MPS, XPU, ...): angles exact in float64 on the host, the rotation in float32."""
+    from ropekit import _config
+
+    previous = _config.float32_path_on_cpu
+    _config.float32_path_on_cpu = True
+    try:
+        yield
+    finally:
+        _config.float32_path_on_cpu = previous
+
+
 class Tolerance(NamedTuple):
     """``|out - ref| <= atol + rtol * |ref|`` element by element, against the float64 reference, for inputs of
     unit scale (standard normal). ``rtol`` is the one rounding at the store, ``atol`` the error of the math
@@ -66,6 +80,8 @@ UNIT_MAX = 5.0
 #   "cpu": the float64 reference path (CPU tensors, and float64 tensors everywhere): float64 math (~1e-15) and
 #       one rounding to nearest: half an ulp of the output dtype (2**-24 for float32), atol 1e-6 for the
 #       rounding of values near zero and of float32 tables the caller passes.
+#   "float32-path": the torch path of devices without Triton kernels or float64 (MPS, ...): angles exact in
+#       float64 on the host, cos/sin rounded to float32, products in float32, one rounding: as "kernels".
 #   "webgpu": the WGSL kernels with frequencies from the host (float64-formed table or inverse frequencies):
 #       f32 math like "kernels" and f16 stores rounded to nearest; float32 and float16 only.
 #   "webgpu-shader-frequencies": the WGSL kernels forming the frequencies themselves (f32 exp2/log2): an angle
@@ -88,6 +104,7 @@ TOLERANCES: dict[str, dict[torch.dtype, Tolerance]] = {
         torch.float16: Tolerance(rtol=2.0**-11, atol=1e-6),
         torch.bfloat16: Tolerance(rtol=2.0**-8, atol=1e-6),
     },
+    "float32-path": _KERNELS,
     "webgpu": {torch.float32: _KERNELS[torch.float32], torch.float16: _KERNELS[torch.float16]},
     "webgpu-shader-frequencies": {torch.float32: Tolerance(rtol=0.0, atol=1e-4)},
 }

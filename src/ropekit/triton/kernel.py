@@ -46,10 +46,11 @@ _MAX_POSITION = tl.constexpr(2**31 - 1)
 def _sincos_reduced(angle, FAST_TRIG: tl.constexpr):
     """fp32 (cos, sin) of a float64 angle, reduced to [-pi, pi] in float64 first.
 
-    With ``FAST_TRIG`` (compiled for NVIDIA GPUs) the reduced angle goes to the hardware approximations
-    ``cos.approx``/``sin.approx``, whose absolute error on [-pi, pi] is below 2**-20.9 (~5e-7): within the 2e-6
-    budget once the reduction is exact, and several times cheaper than the libdevice functions, which matters at
-    head_dim 256 and in decode. The interpreter (and other targets) use ``tl.cos``/``tl.sin``."""
+    With ``FAST_TRIG`` (NVIDIA GPUs only: inline PTX; see ``launcher.fast_trig``) the reduced angle goes to the
+    hardware approximations ``cos.approx``/``sin.approx``, whose absolute error on [-pi, pi] is below 2**-20.9
+    (~5e-7): within the 2e-6 budget once the reduction is exact, and several times cheaper than the libdevice
+    functions, which matters at head_dim 256 and in decode. The interpreter (and other targets, ROCm included)
+    use ``tl.cos``/``tl.sin``."""
     two_pi = tl.full([], _TWO_PI, tl.float64)
     two_pi_lo = tl.full([], _TWO_PI_LO, tl.float64)
     inv_two_pi = tl.full([], _INV_TWO_PI, tl.float64)

@@ -69,6 +69,13 @@ def _dram_gbps(device_index: int) -> float:
         return 0.0
 
 
+def fast_trig(device_type: str, hip_version: str | None) -> bool:
+    """Whether kernels for this device use the hardware ``sin.approx``/``cos.approx`` (inline NVIDIA PTX): on
+    NVIDIA GPUs only. ROCm builds of torch also call their devices "cuda"; there (``torch.version.hip`` set) and
+    under the interpreter the kernel calls ``tl.sin``/``tl.cos``."""
+    return device_type == "cuda" and hip_version is None
+
+
 def _num_programs_wanted(device: torch.device) -> int:
     """Programs that keep every SM busy; the CPU interpreter wants as few as possible."""
     if device.type != "cuda":
@@ -185,7 +192,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
         _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
-        _next_pow2(max(D - rotary_dim, 1)), q.device.type == "cuda",
+        _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
     )
     return grid, args, constexprs, num_warps
 

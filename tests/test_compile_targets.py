@@ -1,9 +1,12 @@
-"""The Triton kernel compiles for Hopper (sm_90) with the installed Triton, on a machine without a GPU.
+"""The Triton kernel compiles for NVIDIA Hopper (sm_90) and AMD CDNA3 (gfx942) with the installed Triton, on a
+machine without a GPU.
 
 The interpreter runs the kernel's Python, not Triton's compiler: what only compilation sees (a global value Triton
-refuses, an op it cannot lower, a register spill) would otherwise reach users first. Triton ships ptxas, so the
-whole pipeline down to the cubin runs here. A few specialisations are compiled, spanning the constexpr branches, in
-a subprocess without ``TRITON_INTERPRET`` (under it, ``triton.jit`` builds interpreter functions instead).
+refuses, an op it cannot lower, a register spill, inline assembly for the wrong target) would otherwise reach users
+first. Triton ships ptxas and its AMD linker, so the whole pipeline down to the cubin / hsaco runs here. Each target
+gets the constexprs the launcher would choose on that GPU (``launcher.fast_trig``: the NVIDIA-only hardware sin/cos
+is off on ROCm). A few specialisations are compiled, spanning the constexpr branches, in a subprocess without
+``TRITON_INTERPRET`` (under it, ``triton.jit`` builds interpreter functions instead).
 """
 
 import json
@@ -24,17 +27,23 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
           torch.int32: "i32"}
 
 
-def _compile_for_sm90(q, k, config, **api_kwargs):
-    """Compile the specialisation the launcher would launch for these (CPU) tensors, as the GPU's JIT would:
-    16-byte aligned pointers and ints divisible by 16 marked so, fast trigonometry on."""
+# target -> (Triton's target, what torch.version.hip reads on such a machine, warp size)
+TARGETS = {"sm90": (("cuda", 90, 32), None), "gfx942": (("hip", "gfx942", 64), "6.2")}
+
+
+def _compile_for(target: str, q, k, config, **api_kwargs):
+    """Compile the specialisation the launcher would launch for these (CPU) tensors on ``target``, as the GPU's
+    JIT would: 16-byte aligned pointers and ints divisible by 16 marked so, FAST_TRIG as the launcher picks it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    gpu_target, hip_version = TARGETS[target]
 
     conjugate = api_kwargs.pop("conjugate", False)
     spec = validate(q, k, **api_kwargs, mode=BACKWARD if conjugate else FORWARD)
     out_k = None if k is None else torch.empty_like(k)
     _, args, constexprs, num_warps = L.kernel_launch(q, k, torch.empty_like(q), out_k, spec, config=config)
-    consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=True)
+    consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=L.fast_trig("cuda", hip_version))
     signature, attrs, values = {}, {}, iter(args)
     for index, name in enumerate(K.rope_kernel.arg_names):
         if name in consts:
@@ -51,7 +60,7 @@ def _compile_for_sm90(q, k, config, **api_kwargs):
             if value % 16 == 0 and name != "pos_offset":
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(K.rope_kernel, signature, consts, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(source, target=GPUTarget(*gpu_target), options={"num_warps": num_warps})
 
 
 SPECIALISATIONS = [
@@ -67,17 +76,19 @@ SPECIALISATIONS = [
 ]
 
 
-def _compile_case(case) -> str:
-    """'ok', or why the case did not compile to a cubin without local memory."""
+def _compile_case(target: str, case) -> str:
+    """'ok', or why the case did not compile to a binary (cubin without local memory / hsaco) for ``target``."""
     _, shape, hk, dtype, config, kwargs = case
     q = torch.randn(*shape, dtype=dtype)
     if kwargs.get("layout") == "thd":
         q = q[0]
     k = None if hk == 0 else torch.randn(*q.shape[:-2], hk, q.shape[-1], dtype=dtype)
     try:
-        compiled = _compile_for_sm90(q, k, config, **kwargs)
+        compiled = _compile_for(target, q, k, config, **dict(kwargs))
     except Exception as exc:  # noqa: BLE001 - reported to the test in the parent process
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {str(exc)[:500]}"
+    if target == "gfx942":
+        return "ok" if compiled.asm.get("hsaco") else "no hsaco"
     if not compiled.asm.get("cubin"):
         return "no cubin"
     if "ld.local" in compiled.asm["ptx"]:
@@ -94,10 +105,18 @@ def compile_results():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("case", SPECIALISATIONS, ids=[c[0] for c in SPECIALISATIONS])
-def test_kernel_compiles_for_sm90(case, compile_results):
-    assert compile_results[case[0]] == "ok"
+def test_kernel_compiles_for_each_target(case, target, compile_results):
+    assert compile_results[f"{target}/{case[0]}"] == "ok"
+
+
+def test_hardware_sin_cos_only_on_nvidia():
+    assert L.fast_trig("cuda", None)  # CUDA build of torch, NVIDIA GPU
+    assert not L.fast_trig("cuda", "6.2")  # ROCm build: its GPUs are "cuda" devices too
+    assert not L.fast_trig("cpu", None)  # the interpreter
 
 
 if __name__ == "__main__":
-    print(json.dumps({case[0]: _compile_case(case) for case in SPECIALISATIONS}))
+    print(json.dumps({f"{target}/{case[0]}": _compile_case(target, case) for target in TARGETS
+                      for case in SPECIALISATIONS}))
