@@ -228,3 +228,29 @@ _NOT_MODELS = {"None": None, "str": "llama", "int": 3, "list": [torch.nn.Linear(
 def test_non_models_raise_type_error_naming_the_argument(fn, name):
     with pytest.raises(TypeError, match=rf"{fn.__name__}: model must be a torch.nn.Module"):
         fn(_NOT_MODELS[name])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "glm"])
+def test_compiled_patched_model_matches_and_traces_ropekit(model_type, rope_calls):
+    """torch.compile(fullgraph=True) of a patched model: the patched attention's rotation (which finds its plan on
+    the cos tensor the patched rotary module returned) is traced through ropekit, with the logits and gradients
+    of the unpatched model."""
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 128, (2, 24))
+    ref_logits, ref_grads = forward_backward(model, ids)
+    patch(model)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        for _ in range(2):  # the second call runs the compiled graph
+            model.zero_grad(set_to_none=True)
+            out = compiled(ids, labels=ids)
+            out.loss.backward()
+            torch.testing.assert_close(out.logits.detach().float(), ref_logits, rtol=1e-5, atol=1e-5)
+            for name, p in model.named_parameters():
+                if name in ref_grads:
+                    assert rel_err(p.grad, ref_grads[name]) < 1e-5, name
+    finally:
+        unpatch(model)
+        torch._dynamo.reset()
+    assert len(rope_calls) >= COMMON["num_hidden_layers"]  # traced (once per layer), not bypassed
