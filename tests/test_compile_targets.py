@@ -73,6 +73,8 @@ SPECIALISATIONS = [
           rotary_at="back", angles=torch.rand(64, 16), q_scale=0.5)),
     ("q-only-per-token-conjugate", (2, 16, 4, 128), 0, torch.bfloat16, (4, 4, 1, 4),
      dict(positions=torch.randint(0, 99, (2, 16)), conjugate=True)),
+    ("mrope-interleaved-bf16", (2, 16, 16, 128), 4, torch.bfloat16, None,
+     dict(positions=torch.randint(0, 99, (3, 2, 16)), sections=(24, 20, 20), section_layout="interleaved")),
 ]
 
 

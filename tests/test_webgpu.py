@@ -462,6 +462,8 @@ def test_bad_inputs_raise_the_same_exception_on_both_backends(case):
 UNSUPPORTED = {
     "per-sequence offsets": (lambda: (_q(), None, dict(positions=torch.tensor([1, 2]))), "a positions tensor"),
     "per-token positions": (lambda: (_q(), None, dict(positions=torch.arange(4)[None])), "a positions tensor"),
+    "multi-axis positions": (lambda: (_q(), None, dict(positions=torch.arange(8).view(2, 1, 4), sections=(4, 4))),
+                             "multi-axis positions"),
     "cu_seqlens": (lambda: (torch.randn(4, 3, 16), None, dict(layout="thd", cu_seqlens=torch.tensor([0, 1, 4]))),
                    "cu_seqlens"),
     "layout bhsd": (lambda: (_q(), None, dict(layout="bhsd")), "layout='bhsd'"),
@@ -496,7 +498,7 @@ REFUSED_FIELDS = {"positions": "per-token positions", "seq_offsets": "per-sequen
                   "cu_seqlens": "cu_seqlens", "layout": "layout bhsd", "rotary_dim": "partial rotary",
                   "rotary_start": "rotary_at back", "table_by_token": "per-token cos/sin of several batch rows",
                   "q_scale": "q_scale", "k_scale": "k_scale", "rotary_scale": "rotary_scale",
-                  "out_dtype": "out_dtype"}
+                  "out_dtype": "out_dtype", "pair_axis": "multi-axis positions"}
 
 
 def test_every_spec_field_is_supported_or_refused():

@@ -38,7 +38,6 @@ _PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 1024
 _SEEN: OrderedDict = OrderedDict()  # signatures seen once, not yet worth a plan
 _MAX_SEEN = 1024
-_CONST_FREQ = -1  # a plan slot filled by the plan's own cached default frequencies
 # The public options, in the order of the public signature (and of validate's keywords, which a test holds the
 # public functions to); the ones that may be tensors, and where they sit.
 _OPTIONS = tuple(name for name in inspect.signature(validate).parameters if name not in ("q", "k", "mode"))
@@ -47,7 +46,7 @@ _TENSOR_SLOTS = tuple(sorted(_OPTIONS.index(name) for name in _TENSOR_OPTIONS))
 _POSITIONS_SLOT = _OPTIONS.index("positions")
 # The public options each of the spec's tensors can be a view of.
 _SOURCES = {"positions": ("positions",), "seq_offsets": ("positions",), "cu_seqlens": ("cu_seqlens",),
-            "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",)}
+            "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",), "pair_axis": ()}
 
 
 def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
@@ -138,9 +137,10 @@ def _sighted(key, q, k, options, spec, outs, mode) -> None:
 
 class Plan:
     """The bound launch of one call signature and where each of the kernel's positions .. sin pointer slots comes
-    from: an index into the call's handles (q's for an absent tensor, the launcher's dummy) or ``_CONST_FREQ``."""
+    from: an index into the call's handles (q's for an absent tensor, the launcher's dummy), or ``~j`` for the
+    plan's own constant ``consts[j]`` (the cached default frequencies, a cached pair -> axis map)."""
 
-    __slots__ = ("launch", "slots", "const_freq", "const_freq_handle", "int_offset", "max_offset", "q_out", "k_out",
+    __slots__ = ("launch", "slots", "consts", "const_handles", "int_offset", "max_offset", "q_out", "k_out",
                  "grad", "handle", "q_span", "k_span", "qk_delta")
 
     def __call__(self, q: Tensor, k: Tensor | None, handles: list, options: dict, mode: Mode):
@@ -150,8 +150,8 @@ class Plan:
             pos_offset = int(options["positions"])
             if not 0 <= pos_offset <= self.max_offset:
                 return None
-        const = self.const_freq_handle
-        tables = tuple(handles[i] if i != _CONST_FREQ else const for i in self.slots)
+        const = self.const_handles
+        tables = tuple(handles[i] if i >= 0 else const[~i] for i in self.slots)
         if self.grad:
             return PlannedRope.apply(q, k, self, tables, pos_offset, options, mode)
         if mode.inplace:
@@ -243,11 +243,14 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
                 return handle_index[name]
         return None
 
-    const_freq = None
+    consts = []
     slots = [source(field, t) for field, t in zip(TENSOR_FIELDS, spec.tensors)]
-    freq = RopeSpec._fields.index("inv_freq")
-    if slots[freq] is None and options["inv_freq"] is None and spec.inv_freq is not None:
-        const_freq, slots[freq] = spec.inv_freq, _CONST_FREQ  # the cached default frequencies
+    for j, (field, t) in enumerate(zip(TENSOR_FIELDS, spec.tensors)):
+        # Tensors validation takes from its caches, the same for every call of the signature: the default
+        # frequencies of base= and the pair -> axis map of sections=. The plan keeps them alive.
+        if slots[j] is None and (field == "pair_axis" or (field == "inv_freq" and options["inv_freq"] is None)):
+            slots[j] = ~len(consts)
+            consts.append(t)
     if any(s is None for s in slots):
         return
     q_out, k_out = outs
@@ -259,8 +262,8 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
     # What the launch takes for a tensor: its address on CUDA (a C call, no Python frame), the tensor under the
     # interpreter.
     plan.handle = Tensor.data_ptr if q.is_cuda else _same
-    plan.const_freq = const_freq
-    plan.const_freq_handle = plan.handle(const_freq) if const_freq is not None else 0
+    plan.consts = tuple(consts)
+    plan.const_handles = tuple(plan.handle(t) for t in consts)
     positions = options["positions"]
     plan.int_offset = positions is not None and not isinstance(positions, Tensor)
     # The full path refuses offsets whose positions run past MAX_POSITION or a position-indexed table: replay

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import numbers
 import typing
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -64,7 +66,9 @@ class RopeSpec(NamedTuple):
     an option means adding a field here and its check in :func:`validate`.
 
     * positions: ``positions`` [B, S] per-token ids, or ``seq_offsets`` [B] added to each sequence's 0..S-1 (to the
-      index inside each ``cu_seqlens`` sequence with packed tokens), or the int ``pos_offset``.
+      index inside each ``cu_seqlens`` sequence with packed tokens), or the int ``pos_offset``. Multi-axis positions
+      (M-RoPE): ``positions`` [A, B, S], one row of ids per axis, and ``pair_axis`` [R/2] (int32) the axis whose
+      position turns each pair.
     * frequencies: ``freq_mode`` "inv_freq" (``inv_freq`` [R/2], angles formed in the kernel), "table"
       (``cos``/``sin`` [Bt, rows, W]) or "angles" (raw angles in ``cos`` [Bt, rows, W]); W is R/2 or R; rows are
       positions, or the tokens' ``s`` when ``table_by_token``.
@@ -78,6 +82,7 @@ class RopeSpec(NamedTuple):
     inv_freq: Tensor | None
     cos: Tensor | None
     sin: Tensor | None
+    pair_axis: Tensor | None
     pos_offset: int
     layout: str
     style: str
@@ -106,7 +111,7 @@ class RopeSpec(NamedTuple):
         return cls(*tensors, *scalars)
 
 
-NUM_TENSOR_FIELDS = 6
+NUM_TENSOR_FIELDS = 7
 TENSOR_FIELDS = RopeSpec._fields[:NUM_TENSOR_FIELDS]
 _SCHEMA_TYPES = {Tensor | None: "Tensor?", int: "int", str: "str", float: "float", bool: "bool",
                  torch.dtype | None: "ScalarType?"}
@@ -190,7 +195,8 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
              base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None,
              angles: Tensor | None = None, style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None,
              rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
-             cu_seqlens: Tensor | None = None, check_positions: bool = False, out_dtype: torch.dtype | None = None,
+             cu_seqlens: Tensor | None = None, sections: Sequence[int] | None = None,
+             section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
              backend: str = "auto", mode: Mode = FORWARD) -> RopeSpec:
     """Check a public call's arguments (the public API's keywords and defaults; see :func:`ropekit.apply_rope`)
     and return its :class:`RopeSpec`. ``mode`` says whether the call rotates in place (its targets are checked
@@ -299,7 +305,14 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
                 raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
                                  f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
     num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
-    if positions is None:
+    pair_axis = None
+    if sections is not None:
+        pos_tensor, pair_axis = _multi_axis(q, positions, sections, section_layout, layout, B, S, rotary_dim,
+                                            freq_mode)
+        cu_seqlens = None  # per-token positions already say everything
+    elif section_layout != "contiguous":
+        raise ValueError("section_layout applies to multi-axis positions: give sections= too")
+    if sections is not None or positions is None:
         pass
     elif type(positions) is int or (isinstance(positions, numbers.Integral) and not isinstance(positions, bool)):
         pos_offset = int(positions)
@@ -335,11 +348,85 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
 
     return RopeSpec(
         positions=pos_tensor, seq_offsets=seq_offsets, cu_seqlens=cu_seqlens, inv_freq=inv_freq,
-        cos=cos if freq_mode != "inv_freq" else None, sin=sin if freq_mode == "table" else None,
+        cos=cos if freq_mode != "inv_freq" else None, sin=sin if freq_mode == "table" else None, pair_axis=pair_axis,
         pos_offset=pos_offset, layout=layout, style=style, freq_mode=freq_mode, rotary_dim=rotary_dim,
         rotary_start=0 if rotary_at == "front" else D - rotary_dim, table_by_token=table_by_token,
         q_scale=float(q_scale), k_scale=float(k_scale), rotary_scale=float(rotary_scale),
         conjugate=mode.conjugate, out_dtype=out_dtype)
+
+
+SECTION_LAYOUTS = ("contiguous", "interleaved")
+_PAIR_AXIS_CACHE: OrderedDict = OrderedDict()
+
+
+def pair_axis_map(sections: tuple[int, ...], section_layout: str) -> list[int]:
+    """The axis whose position turns each rotary pair (M-RoPE).
+
+    ``"contiguous"`` (Qwen2-VL, Qwen2.5-VL ``mrope_section``): pairs ``0..n_0-1`` take axis 0, the next ``n_1``
+    axis 1, and so on. ``"interleaved"`` (Qwen3-VL): pair i takes axis ``a = i % A`` for ``a >= 1`` while
+    ``i < A * n_a``, and axis 0 otherwise -- transformers' Qwen3-VL rotary embedding's layout (T H W T H W ... T T)."""
+    if section_layout == "contiguous":
+        return [axis for axis, n in enumerate(sections) for _ in range(n)]
+    A = len(sections)
+    half = sum(sections)
+    axes = [0] * half
+    for a in range(1, A):
+        for i in range(a, A * sections[a], A):
+            axes[i] = a
+    return axes
+
+
+def _pair_axis_tensor(sections: tuple[int, ...], section_layout: str, device: torch.device) -> Tensor:
+    """:func:`pair_axis_map` as an int32 tensor on ``device``, cached (the 64 most recently used) in eager mode so
+    that repeated calls allocate nothing."""
+    key = (sections, section_layout, device)
+    cached = _PAIR_AXIS_CACHE.get(key)
+    if cached is not None:
+        _PAIR_AXIS_CACHE.move_to_end(key)
+        return cached
+    table = torch.tensor(pair_axis_map(sections, section_layout), dtype=torch.int32).to(device)
+    if not torch.compiler.is_compiling():
+        _PAIR_AXIS_CACHE[key] = table
+        if len(_PAIR_AXIS_CACHE) > 64:
+            _PAIR_AXIS_CACHE.popitem(last=False)
+    return table
+
+
+def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str, B: int, S: int, rotary_dim: int,
+                freq_mode: str) -> tuple[Tensor, Tensor]:
+    """Check multi-axis (M-RoPE) arguments; the positions as an [A, B, S] view and the pair -> axis map."""
+    if isinstance(sections, (str, bytes)) or not isinstance(sections, Sequence) or not sections:
+        raise TypeError(f"sections must be a non-empty sequence of ints (pairs per axis), got {sections!r}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in sections):
+        raise ValueError(f"sections must hold ints >= 0 (pairs per axis), got {list(sections)}")
+    sections = tuple(sections)
+    A = len(sections)
+    if sum(sections) != rotary_dim // 2:
+        raise ValueError(f"sections must sum to rotary_dim/2 = {rotary_dim // 2} (pairs), got {list(sections)} "
+                         f"(sum {sum(sections)})")
+    if not isinstance(section_layout, str) or section_layout not in SECTION_LAYOUTS:
+        raise ValueError(f"section_layout must be one of {SECTION_LAYOUTS}, got {section_layout!r}")
+    if section_layout == "interleaved" and any(A * n > rotary_dim // 2 for n in sections[1:]):
+        raise ValueError(f"interleaved sections {list(sections)} do not fit {rotary_dim // 2} pairs: axis a >= 1 "
+                         f"takes every {A}-th pair below {A} * sections[a]")
+    if freq_mode != "inv_freq":
+        raise ValueError("multi-axis positions (sections=) take their frequencies from base or inv_freq; cos/sin "
+                         "tables and raw angles are per position of one axis")
+    if not isinstance(positions, Tensor):
+        want = f"[{A}, T={S}]" if layout == "thd" else f"[{A}, B={B}, S={S}] (or [{A}, 1, {S}])"
+        raise TypeError(f"sections need positions as an integer tensor {want}, one row of ids per axis; got "
+                        f"{type(positions).__name__}")
+    _check_tensor("positions", positions, q, INT_DTYPES, "an int32 or int64 tensor")
+    if layout == "thd" and positions.dim() == 2 and tuple(positions.shape) == (A, S):
+        pos = positions.unsqueeze(1)
+    elif layout != "thd" and positions.dim() == 3 and positions.shape[0] == A and positions.shape[2] == S \
+            and positions.shape[1] in (1, B):
+        pos = positions.expand(A, B, S)
+    else:
+        want = f"[{A}, T={S}]" if layout == "thd" else f"[{A}, B={B}, S={S}] (or [{A}, 1, {S}])"
+        raise ValueError(f"with {A} sections, positions must be {want}, one row per axis; got shape "
+                         f"{tuple(positions.shape)}")
+    return pos, _pair_axis_tensor(sections, section_layout, q.device)
 
 
 def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,

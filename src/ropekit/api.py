@@ -8,6 +8,8 @@ inputs untouched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -36,7 +38,8 @@ def apply_rope(
     base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None,
     style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front",
     q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None,
-    check_positions: bool = False, out_dtype: torch.dtype | None = None, backend: str = "auto",
+    sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
+    out_dtype: torch.dtype | None = None, backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Rotate ``q`` (and ``k``) by their positions; returns new tensors ``(q_rot, k_rot)``, or ``q_rot`` alone
     when ``k`` is None. Differentiable in q and k (the backward is the conjugate rotation).
@@ -81,6 +84,15 @@ def apply_rope(
     cu_seqlens : Tensor, optional
         int32/int64 [num_seqs + 1] boundaries of packed sequences (``layout="thd"``); positions restart at 0 (plus
         the sequence's offset) in each sequence.
+    sections : sequence of int, optional
+        Multi-axis positions (M-RoPE of vision-language models, axial RoPE): ``positions`` is then an integer tensor
+        [A, B, S] or [A, 1, S] (``thd``: [A, T]), one row of ids per axis, and ``sections`` = (n_0, ..., n_{A-1})
+        pairs per axis, summing to R/2: pair i turns by ``positions[axis(i)] * inv_freq[i]``, with frequencies from
+        ``base`` or ``inv_freq`` (exact in-kernel angles; tables are per position of one axis and are refused).
+    section_layout : {"contiguous", "interleaved"}
+        Which pairs each axis takes: ``contiguous`` -- pairs 0..n_0-1 axis 0, the next n_1 axis 1, ... (Qwen2-VL,
+        Qwen2.5-VL ``mrope_section``); ``interleaved`` -- pair i takes axis a = i % A (a >= 1) while i < A * n_a,
+        else axis 0 (Qwen3-VL's interleaved M-RoPE).
     check_positions : bool
         Also check device-resident ``positions``/``cu_seqlens`` values on the host (one sync). Without it, CPU
         tensors and int offsets are always checked (a position < 0 or past a table raises ``IndexError``, past
@@ -108,8 +120,9 @@ def apply_rope(
     """
     options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
-                   check_positions=check_positions, out_dtype=out_dtype, backend=backend)
+                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                   section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
+                   backend=backend)
     return _rope(q, k, FORWARD, options)
 
 
@@ -118,7 +131,8 @@ def apply_rope_(
     base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None,
     style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front",
     q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None,
-    check_positions: bool = False, out_dtype: torch.dtype | None = None, backend: str = "auto",
+    sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
+    out_dtype: torch.dtype | None = None, backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """In-place :func:`apply_rope`: rotates ``q`` (and ``k``) in their own memory and returns them; same
     arguments (``out_dtype``, if given, must be the inputs' dtype).
@@ -131,8 +145,9 @@ def apply_rope_(
     """
     options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
-                   check_positions=check_positions, out_dtype=out_dtype, backend=backend)
+                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                   section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
+                   backend=backend)
     return _rope(q, k, FORWARD_INPLACE, options)
 
 
@@ -141,7 +156,8 @@ def rope_backward(
     base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None,
     style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front",
     q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None,
-    check_positions: bool = False, out_dtype: torch.dtype | None = None, backend: str = "auto",
+    sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
+    out_dtype: torch.dtype | None = None, backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Explicit backward of :func:`apply_rope` (cuDNN's ``rope_backward``): the gradients w.r.t. q (and k)
     given those w.r.t. the rotated outputs ``dq_rot`` (and ``dk_rot``) -- the rotation by -theta, times the same
@@ -150,6 +166,7 @@ def rope_backward(
     """
     options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens,
-                   check_positions=check_positions, out_dtype=out_dtype, backend=backend)
+                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                   section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
+                   backend=backend)
     return _rope(dq_rot, dk_rot, BACKWARD, options)

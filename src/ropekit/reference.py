@@ -42,6 +42,8 @@ def token_positions(
     is the token's index inside its sequence plus ``seq_offsets[seq]`` or ``pos_offset``; else ``s`` plus
     ``seq_offsets[b]`` or ``pos_offset``. Tokens outside every sequence of ``cu_seqlens`` get -1 (invalid).
     """
+    if positions is not None and positions.dim() == 3:  # multi-axis: [A, B, S], one row of ids per axis
+        return positions.to(device=device, dtype=torch.int64).expand(-1, batch, seqlen)
     if positions is not None:
         return positions.to(device=device, dtype=torch.int64).reshape(batch, seqlen)
     base = torch.arange(seqlen, dtype=torch.int64, device=device)
@@ -73,16 +75,23 @@ def rotation_tables(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     table_by_token: bool = False,
+    pair_axis: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(cos_lo, cos_hi, sin_lo, sin_hi)``, each float64 [B, S, R/2].
+
+    Multi-axis positions ``pos`` [A, B, S] (``freq_mode="inv_freq"``): pair i turns by
+    ``pos[pair_axis[i]] * inv_freq[i]``.
 
     ``freq_mode``: ``"inv_freq"`` (angle = pos * inv_freq[i]), ``"table"`` (cos/sin rows), ``"angles"`` (raw angle
     rows in ``cos``). Tables are 3-D [Bt, rows, W] with Bt in {1, B} and W in {R/2, R}; rows are positions, or
     tokens ``s`` when ``table_by_token``.
     """
-    B, S = pos.shape
+    B, S = pos.shape[-2:]
     if freq_mode == "inv_freq":
         angle = pos.to(torch.float64)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float64)
+        if pos.dim() == 3:  # [A, B, S, R/2]: each pair takes its axis
+            axis = pair_axis.to(device=pos.device, dtype=torch.int64)
+            angle = angle.gather(0, axis.expand(1, B, S, -1))[0]
         angle = reduced_angle(angle)
         c, s = torch.cos(angle), torch.sin(angle)
         return c, c, s, s
@@ -158,18 +167,20 @@ def rope_float32(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> lis
 
 
 def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: torch.device) -> list[torch.Tensor]:
-    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout, style, freq_mode, rotary_dim,
-     rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
+    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pair_axis, pos_offset, layout, style, freq_mode,
+     rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
     qc = to_canonical(q, layout)
     B, S = qc.shape[:2]
     pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
                           cu_seqlens=cu_seqlens, device=angle_device)
     valid = (pos >= 0) & (pos <= MAX_POSITION)
+    if pos.dim() == 3:  # multi-axis: a token is valid when every axis is
+        valid = valid.all(0)
     if freq_mode != "inv_freq" and not table_by_token:
         valid &= pos < cos.shape[1]
     neox = style == "neox"
     tables = rotation_tables(pos, half=rotary_dim // 2, neox=neox, freq_mode=freq_mode, inv_freq=inv_freq,
-                             cos=cos, sin=sin, table_by_token=table_by_token)
+                             cos=cos, sin=sin, table_by_token=table_by_token, pair_axis=pair_axis)
     tables = tuple(t.to(device=q.device, dtype=math_dtype) for t in tables)
     valid = valid.to(q.device)
     outs = []

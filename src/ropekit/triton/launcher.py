@@ -128,8 +128,8 @@ def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_
 def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
     """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments; None when
     there is nothing to rotate."""
-    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, layout, style, freq_mode, rotary_dim,
-     rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
+    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pair_axis, pos_offset, layout, style, freq_mode,
+     rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
     B, S, HQ, D = qc.shape
     has_k = k is not None
@@ -142,7 +142,12 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     if num_tokens >= 2**31:  # the kernel indexes tokens in int32
         raise ValueError(f"at most 2**31 - 1 tokens (batch * seqlen) per call, got {num_tokens}; split the call")
 
-    if positions is not None:
+    num_axes, pos_sa = 1, 0
+    if positions is not None and positions.dim() == 3:  # multi-axis: [A, B, S]
+        pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
+        pos_sa, pos_sb, pos_ss = positions.stride()
+        num_axes = positions.shape[0]
+    elif positions is not None:
         pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
         pos_sb, pos_ss = positions.stride()
     else:
@@ -186,20 +191,20 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         inv_freq if inv_freq is not None else dummy,
         cos if cos is not None else dummy, sin if sin is not None else dummy,
         t_sb, t_sr, t_sc, table_rows,
-        q_scale, k_scale, rotary_scale,
+        q_scale, k_scale, rotary_scale, pos_sa, pair_axis if pair_axis is not None else dummy,
     )
     constexprs = (
         D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
         _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
-        _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
+        _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip), num_axes,
     )
     return grid, args, constexprs, num_warps
 
 
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
-                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG")
+                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES")
 # Runtime arguments by role, as positions in the kernel's signature (derived from its parameter names, so that a
 # new argument cannot shift a hard-coded index).
 _ARG_INDEX = {name: i for i, name in enumerate(kernel.rope_kernel.arg_names)}
