@@ -423,8 +423,10 @@ def test_legacy_and_alias_spellings():
     su = copy.deepcopy(MODEL_CONFIGS["phi-3.5-mini-instruct"])
     su["rope_scaling"]["type"] = "su"
     assert from_hf_config(su).rope_type == "longrope"
-    assert from_hf_config({**base, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}).rope_type \
-        == "default"
+    mrope = from_hf_config({**base, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}})
+    assert mrope.rope_type == "default" and mrope.sections == (8, 12, 12) and mrope.section_layout == "contiguous"
+    with pytest.raises(ValueError, match="mrope_section"):  # sections must cover the rotary pairs exactly
+        from_hf_config({**base, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}})
     assert from_hf_config(base).base == 10000.0  # no theta anywhere: the transformers default
 
 

@@ -61,6 +61,11 @@ def test_pair_axis_map_is_transformers_layout(section_layout):
     freqs = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, sum(sections))  # value = axis index
     assert torch.equal(_hf_merge(freqs, sections, section_layout)[0, 0].long(), axes)
     assert [int((axes == a).sum()) for a in range(3)] == list(sections)
+    # sections whose strided slices pass the last pair: the same map as transformers', fewer pairs for that axis
+    short = (4, 6, 6)
+    freqs = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, 16)
+    assert torch.equal(_hf_merge(freqs, short, section_layout)[0, 0].long(),
+                       torch.tensor(pair_axis_map(short, section_layout)))
 
 
 @pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
@@ -129,8 +134,6 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
           sin=torch.rand(9, 16)), ValueError, "base or inv_freq"),
     (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections=(8, 4, 4), section_layout="blocks"),
      ValueError, "section_layout must be one of"),
-    (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections=(2, 8, 6), section_layout="interleaved"),
-     ValueError, "do not fit"),
     (dict(section_layout="interleaved"), ValueError, "give sections= too"),
     (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections="864"), TypeError, "sections must be"),
     (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections=(8.0, 4, 4)), ValueError, "ints >= 0"),
@@ -143,3 +146,44 @@ def test_bad_multi_axis_arguments_name_themselves(kwargs, error, match):
     with pytest.raises(error, match=match):
         ropekit.apply_rope_(q, **kwargs)
     assert torch.equal(q, before)
+
+
+def test_axial_frequencies_give_flux_rope():
+    """Flux's 3-axis RoPE: each axis rotates its own slice of pairs by its own frequency set, interleaved pairs."""
+    dims, base = (16, 56, 56), 10000.0
+    inv = ropekit.axial_inv_freq(dims, base)
+    assert inv.dtype == torch.float32 and inv.shape == (sum(dims) // 2,)
+    q, _ = make_qk(2, 6, 3, 1, sum(dims), dtype=torch.float64)
+    ids = torch.randint(0, 512, (3, 2, 6))
+    got = ropekit.apply_rope(q, positions=ids, inv_freq=inv, sections=[d // 2 for d in dims], style="interleaved")
+    angles = torch.cat([ids[a].double()[..., None] * inv[sum(dims[:a]) // 2: sum(dims[: a + 1]) // 2].double()
+                        for a in range(3)], dim=-1)[:, :, None]  # [B, S, 1, D/2]
+    x0, x1 = q[..., 0::2], q[..., 1::2]
+    want = torch.stack((x0 * angles.cos() - x1 * angles.sin(), x0 * angles.sin() + x1 * angles.cos()), -1)
+    torch.testing.assert_close(got, want.flatten(-2), rtol=1e-12, atol=1e-12)
+    for bad, error in (((15, 8), ValueError), ((), TypeError), ("16", TypeError)):
+        with pytest.raises(error, match="dims"):
+            ropekit.axial_inv_freq(bad)
+
+
+@pytest.mark.parametrize("model_type, section_layout", [("qwen2_vl", "contiguous"), ("qwen3_vl", "interleaved")])
+def test_vision_language_configs_give_sections_and_transformers_rotation(model_type, section_layout):
+    transformers = pytest.importorskip("transformers")
+    sections = [4, 6, 6]
+    text = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections})
+    config = transformers.AutoConfig.for_model(model_type, text_config=text)
+    freqs = ropekit.from_hf_config(config)
+    assert freqs.sections == tuple(sections) and freqs.section_layout == section_layout
+    assert ropekit.from_hf_config(config.text_config).sections == tuple(sections)
+    module = {"qwen2_vl": "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLRotaryEmbedding",
+              "qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding"}[model_type]
+    mod_name, cls_name = module.rsplit(".", 1)
+    rotary = getattr(__import__(mod_name, fromlist=[cls_name]), cls_name)(config.text_config)
+    q, _ = make_qk(2, 8, 4, 2, 32, dtype=torch.float64)
+    ids = torch.randint(0, 64, (3, 2, 8))  # short: transformers forms its angles in float32
+    cos, sin = rotary(q.float(), ids)
+    half = 16
+    want = q * cos.double()[:, :, None] + torch.cat((-q[..., half:], q[..., :half]), -1) * sin.double()[:, :, None]
+    got = ropekit.apply_rope(q, positions=ids, **freqs.apply_kwargs())
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)

@@ -24,17 +24,18 @@ _EXPORTS = {
     "RopeFrequencies": "ropekit.frequencies",
     "from_hf_config": "ropekit.frequencies",
     "rope_frequencies": "ropekit.frequencies",
+    "axial_inv_freq": "ropekit.frequencies",
     "RotaryEmbedding": "ropekit.modules",
     "set_fast_path": "ropekit._config",
 }
 
 __all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "RopeFrequencies", "from_hf_config",
-           "rope_frequencies", "RotaryEmbedding", "set_fast_path"]
+           "rope_frequencies", "axial_inv_freq", "RotaryEmbedding", "set_fast_path"]
 
 if TYPE_CHECKING:
     from ropekit._config import set_fast_path
     from ropekit.api import apply_rope, apply_rope_, rope_backward
-    from ropekit.frequencies import RopeFrequencies, from_hf_config, rope_frequencies
+    from ropekit.frequencies import RopeFrequencies, axial_inv_freq, from_hf_config, rope_frequencies
     from ropekit.modules import RotaryEmbedding
 
 

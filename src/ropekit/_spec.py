@@ -364,14 +364,15 @@ def pair_axis_map(sections: tuple[int, ...], section_layout: str) -> list[int]:
 
     ``"contiguous"`` (Qwen2-VL, Qwen2.5-VL ``mrope_section``): pairs ``0..n_0-1`` take axis 0, the next ``n_1``
     axis 1, and so on. ``"interleaved"`` (Qwen3-VL): pair i takes axis ``a = i % A`` for ``a >= 1`` while
-    ``i < A * n_a``, and axis 0 otherwise -- transformers' Qwen3-VL rotary embedding's layout (T H W T H W ... T T)."""
+    ``i < A * n_a``, and axis 0 otherwise -- transformers' Qwen3-VL rotary embedding's layout (T H W T H W ... T T;
+    where ``A * n_a`` passes the last pair, axis a simply gets fewer pairs, as there)."""
     if section_layout == "contiguous":
         return [axis for axis, n in enumerate(sections) for _ in range(n)]
     A = len(sections)
     half = sum(sections)
     axes = [0] * half
     for a in range(1, A):
-        for i in range(a, A * sections[a], A):
+        for i in range(a, min(A * sections[a], half), A):  # transformers' strided slice stops at the last pair
             axes[i] = a
     return axes
 
@@ -406,9 +407,6 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
                          f"(sum {sum(sections)})")
     if not isinstance(section_layout, str) or section_layout not in SECTION_LAYOUTS:
         raise ValueError(f"section_layout must be one of {SECTION_LAYOUTS}, got {section_layout!r}")
-    if section_layout == "interleaved" and any(A * n > rotary_dim // 2 for n in sections[1:]):
-        raise ValueError(f"interleaved sections {list(sections)} do not fit {rotary_dim // 2} pairs: axis a >= 1 "
-                         f"takes every {A}-th pair below {A} * sections[a]")
     if freq_mode != "inv_freq":
         raise ValueError("multi-axis positions (sections=) take their frequencies from base or inv_freq; cos/sin "
                          "tables and raw angles are per position of one axis")

@@ -95,6 +95,10 @@ _TYPE_KEYS: dict[str, tuple[str, ...]] = {
 # Model families whose attention pairs columns (2i, 2i+1) instead of (i, i + d/2).
 _INTERLEAVED_MODEL_TYPES = {"glm", "glm4", "gptj", "codegen", "deepseek_v2", "deepseek_v3"}
 # Families whose configs carry a rotary fraction default other than 1.
+# Vision-language families whose text rotation is M-RoPE (time, height, width), and the sections their rotary
+# modules take when the config gives no mrope_section; Qwen3-VL interleaves the axes.
+_MROPE_DEFAULTS = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20),
+                   "qwen3_vl_moe": (24, 20, 20)}
 _PARTIAL_DEFAULTS = {"gpt_neox": 0.25, "glm": 0.5, "glm4": 0.5}
 STYLES = ("neox", "interleaved")
 
@@ -173,6 +177,10 @@ class RopeFrequencies:
     arithmetic : str
         ``"transformers"`` (bit-exact transformers float32 evaluation, :func:`from_hf_config`) or ``"float64"``
         (float64 evaluation rounded once); see the module docstring.
+    sections : tuple of int or None
+        Multi-axis positions (M-RoPE of Qwen2-VL and its successors): pairs per position axis, or None for 1-D.
+    section_layout : str
+        Which pairs each axis takes: ``"contiguous"`` (Qwen2-VL, Qwen2.5-VL) or ``"interleaved"`` (Qwen3-VL).
     """
 
     inv_freq: torch.Tensor
@@ -192,6 +200,8 @@ class RopeFrequencies:
     softmax_scale: float = 1.0
     seq_len: int | None = None
     arithmetic: str = "float64"
+    sections: tuple[int, ...] | None = None
+    section_layout: str = "contiguous"
 
     # ---- derived views ----------------------------------------------------------------------------------------
 
@@ -208,14 +218,18 @@ class RopeFrequencies:
 
     def apply_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`ropekit.apply_rope` that reproduce this set:
-        ``inv_freq``, ``style``, ``rotary_dim``, ``rotary_at`` and ``rotary_scale``."""
-        return {
+        ``inv_freq``, ``style``, ``rotary_dim``, ``rotary_at`` and ``rotary_scale``, plus ``sections`` and
+        ``section_layout`` for multi-axis (M-RoPE) sets, whose positions are then [A, B, S]."""
+        kwargs = {
             "inv_freq": self.inv_freq,
             "style": self.style,
             "rotary_dim": self.rotary_dim,
             "rotary_at": self.rotary_at,
             "rotary_scale": float(self.attention_scaling),
         }
+        if self.sections is not None:
+            kwargs.update(sections=self.sections, section_layout=self.section_layout)
+        return kwargs
 
     def for_seq_len(self, seq_len: int | torch.Tensor) -> RopeFrequencies:
         """The frequencies transformers uses for a sequence whose largest position is ``seq_len - 1``.
@@ -335,6 +349,23 @@ class RopeFrequencies:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def axial_inv_freq(dims: Sequence[int], base: float = 10000.0) -> torch.Tensor:
+    """Axial RoPE frequencies (vision and diffusion transformers): one set per axis, concatenated. Axis a rotates
+    ``dims[a]`` columns with ``base ** (-2j / dims[a])`` for j < dims[a] / 2; float64, rounded once to float32
+    [sum(dims) / 2].
+
+    Use with multi-axis positions and ``sections = [d // 2 for d in dims]``: Flux's 3-axis RoPE is
+    ``apply_rope(q, k, positions=ids, inv_freq=axial_inv_freq((16, 56, 56), 10000.0), sections=(8, 28, 28),
+    style="interleaved")`` with ``ids`` [3, B, S]."""
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or not dims:
+        raise TypeError(f"dims must be a non-empty sequence of ints (columns per axis), got {dims!r}")
+    if any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 or d % 2 for d in dims):
+        raise ValueError(f"dims must hold positive even ints (columns per axis, two per pair), got {list(dims)}")
+    base = _real(base, "base", arg=True, above=1.0)
+    parts = [base ** -(torch.arange(0, d, 2, dtype=torch.float64) / d) for d in dims]
+    return torch.cat(parts).to(torch.float32)
+
+
 def rope_frequencies(
     rotary_dim: int,
     base: float = 10000.0,
@@ -449,6 +480,11 @@ def from_hf_config(
         ``config`` is neither a config object nor a Mapping, or an argument has the wrong type.
     """
     get = _getter(config)
+    text_config = get("text_config")
+    if text_config is not None and get("hidden_size") is None and get("head_dim") is None:
+        # a vision-language model's config: the language model's rotation lives in its text config
+        return from_hf_config(text_config, layer_type=layer_type, style=style, freq_scale=freq_scale,
+                              freq_factors=freq_factors)
     if layer_type is not None and not isinstance(layer_type, str):
         raise TypeError(f"layer_type must be a str, got {type(layer_type).__name__}")
     model_type = get("model_type")
@@ -525,9 +561,22 @@ def from_hf_config(
             style = "interleaved"
             if model_type == "deepseek_v3" and get("rope_interleave") is False:
                 style = "neox"
-    return _build(rope_type=rope_type, base=base, rotary_dim=rotary_dim, head_dim=head_dim, params=params,
-                  max_pos=max_pos, style=style, rotary_at="front", freq_scale=freq_scale, freq_factors=freq_factors,
-                  arithmetic="transformers")
+    freqs = _build(rope_type=rope_type, base=base, rotary_dim=rotary_dim, head_dim=head_dim, params=params,
+                   max_pos=max_pos, style=style, rotary_at="front", freq_scale=freq_scale, freq_factors=freq_factors,
+                   arithmetic="transformers")
+    family = (model_type or "").removesuffix("_text")
+    if rp.get("mrope_section") is not None or family in _MROPE_DEFAULTS:  # M-RoPE: positions [3, B, S]
+        sections = rp.get("mrope_section", _MROPE_DEFAULTS.get(family))
+        if not isinstance(sections, Sequence) or isinstance(sections, str) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sections):
+            raise ValueError(f"{key}['mrope_section'] must be a list of ints >= 0, got {sections!r}")
+        if sum(sections) != rotary_dim // 2:
+            raise ValueError(f"{key}['mrope_section'] {list(sections)} must sum to the rotary pairs "
+                             f"{rotary_dim // 2}")
+        interleaved = bool(rp.get("mrope_interleaved")) or family.startswith("qwen3_vl")
+        freqs = dataclasses.replace(freqs, sections=tuple(sections),
+                                    section_layout="interleaved" if interleaved else "contiguous")
+    return freqs
 
 
 # --------------------------------------------------------------------------------------------------------------
