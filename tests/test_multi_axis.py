@@ -187,3 +187,42 @@ def test_vision_language_configs_give_sections_and_transformers_rotation(model_t
     want = q * cos.double()[:, :, None] + torch.cat((-q[..., half:], q[..., :half]), -1) * sin.double()[:, :, None]
     got = ropekit.apply_rope(q, positions=ids, **freqs.apply_kwargs())
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+
+def _qwen2_vl_formula(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Qwen2-VL's apply_multimodal_rotary_pos_emb (transformers 4.x), written out."""
+    sections = mrope_section * 2
+    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1).unsqueeze(unsqueeze_dim)
+    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1).unsqueeze(unsqueeze_dim)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_multimodal_drop_in_matches_qwen2_vl_function(table_dtype):
+    from ropekit.integrations.transformers import apply_multimodal_rotary_pos_emb
+
+    mrope_section = [4, 6, 6]
+    B, S, D = 2, 7, 32
+    q = torch.randn(B, 4, S, D, dtype=torch.bfloat16, requires_grad=True)  # [B, H, S, D], unsqueeze_dim=1
+    k = torch.randn(B, 2, S, D, dtype=torch.bfloat16, requires_grad=True)
+    inv = 10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float64) / D)
+    freqs = torch.randint(0, 100, (3, B, S)).double()[..., None] * inv
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(table_dtype), emb.sin().to(table_dtype)
+    got_q, got_k = apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    want_q, want_k = _qwen2_vl_formula(q64, k64, cos.double(), sin.double(), mrope_section)
+    out_dtype = torch.promote_types(torch.bfloat16, table_dtype)
+    assert got_q.dtype == got_k.dtype == out_dtype  # transformers' type promotion
+    assert_close_to_ref(got_q, want_q.detach(), out_dtype, backend="cpu")
+    assert_close_to_ref(got_k, want_k.detach(), out_dtype, backend="cpu")
+    gq, gk = torch.autograd.grad((got_q, got_k), (q, k), (torch.ones_like(got_q), torch.ones_like(got_k)))
+    wq, wk = torch.autograd.grad((want_q, want_k), (q64, k64), (torch.ones_like(want_q), torch.ones_like(want_k)))
+    assert_close_to_ref(gq, wq, torch.bfloat16, backend="cpu")  # the inputs' dtype, rounded once
+    assert_close_to_ref(gk, wk, torch.bfloat16, backend="cpu")
+    with pytest.raises(ValueError, match="mrope_section"):
+        apply_multimodal_rotary_pos_emb(q, k, cos, sin, [4, 6, 5])

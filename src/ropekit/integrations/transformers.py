@@ -17,7 +17,8 @@ from ropekit.api import apply_rope
 if TYPE_CHECKING:  # served lazily by __getattr__ below, so that importing this module never imports transformers
     from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
 
-__all__ = ["apply_rotary_pos_emb", "rotate_half", "patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "rotate_half", "patch", "unpatch", "is_patched",
+           "SUPPORTED_MODEL_TYPES"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -88,6 +89,29 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsquee
     out_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     return apply_rope(q, k, cos=cos_t, sin=sin_t, style="neox", layout=layout, rotary_dim=q.shape[-1],
                       out_dtype=out_dtype)
+
+
+def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mrope_section: list[int],
+                                    unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Drop-in for Qwen2-VL's ``apply_multimodal_rotary_pos_emb`` (transformers 4.x; model code that copied it still
+    calls it): the same signature, results, output dtype and gradients.
+
+    ``cos``/``sin`` [A, B, S, D] hold one duplicated-halves table per position axis (time, height, width);
+    ``mrope_section`` (pairs per axis) picks, for each half of the head, the first ``mrope_section[0]`` columns
+    from axis 0, the next ``mrope_section[1]`` from axis 1, and so on (the section index cycles over the axes).
+    The merged [B, S, D] tables then rotate q and k as :func:`apply_rotary_pos_emb` does (one ropekit launch)."""
+    if not isinstance(cos, Tensor) or not isinstance(sin, Tensor) or cos.dim() != 4 or cos.shape != sin.shape:
+        raise ValueError("cos and sin must be [A, B, S, D] tensors of one shape (one table per position axis), got "
+                         f"{getattr(cos, 'shape', type(cos).__name__)} and {getattr(sin, 'shape', type(sin).__name__)}")
+    sections = list(mrope_section) * 2  # the same split for both halves of the duplicated table
+    if sum(sections) != cos.shape[-1]:
+        raise ValueError(f"mrope_section {list(mrope_section)} must sum to half the table width {cos.shape[-1]} // 2")
+    axes = cos.shape[0]
+
+    def merge(table: Tensor) -> Tensor:
+        return torch.cat([m[i % axes] for i, m in enumerate(table.split(sections, dim=-1))], dim=-1)
+
+    return apply_rotary_pos_emb(q, k, merge(cos), merge(sin), unsqueeze_dim=unsqueeze_dim)
 
 
 def __getattr__(name: str):
