@@ -254,3 +254,58 @@ def test_compiled_patched_model_matches_and_traces_ropekit(model_type, rope_call
         unpatch(model)
         torch._dynamo.reset()
     assert len(rope_calls) >= COMMON["num_hidden_layers"]  # traced (once per layer), not bypassed
+
+
+VL_SECTIONS = {"qwen2_vl": [4, 6, 6], "qwen2_5_vl": [4, 6, 6], "qwen3_vl": [6, 5, 5]}
+
+
+def tiny_vl_model(model_type: str):
+    """A tiny random vision-language model (no downloads); its language model's rotation is M-RoPE."""
+    text = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": VL_SECTIONS[model_type]})
+    vision = dict(depth=1, hidden_size=32, embed_dim=32, num_heads=2, intermediate_size=64, out_hidden_size=128,
+                  hidden_act="silu")
+    config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
+    torch.manual_seed(1234)
+    return transformers.AutoModelForImageTextToText.from_config(config).float()
+
+
+@pytest.mark.parametrize("model_type", sorted(VL_SECTIONS))
+def test_vision_language_models_rotate_with_mrope(model_type, monkeypatch):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: with time/height/width position ids that differ per axis, the patched
+    language model gives the unpatched logits and gradients, and every layer's rotation ran through ropekit with
+    the model's sections (contiguous for Qwen2/2.5-VL, interleaved for Qwen3-VL)."""
+    model = tiny_vl_model(model_type)
+    ids = torch.randint(0, 128, (2, 12))
+    positions = torch.stack([torch.arange(12).expand(2, 12), torch.randint(0, 40, (2, 12)),
+                             torch.randint(0, 40, (2, 12))])
+
+    def forward_backward_vl():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, position_ids=positions, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.logits.detach(), grads
+
+    ref_logits, ref_grads = forward_backward_vl()
+    seen = []
+    original = patching.apply_rope
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("sections"), kwargs.get("section_layout")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(patching, "apply_rope", spy)
+    patch(model)
+    try:
+        logits, grads = forward_backward_vl()
+    finally:
+        unpatch(model)
+    layout = "interleaved" if model_type == "qwen3_vl" else "contiguous"
+    assert seen == [(tuple(VL_SECTIONS[model_type]), layout)] * 2
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name

@@ -24,14 +24,19 @@ __all__ = ["RotaryEmbedding", "hf_tables"]
 
 
 def hf_tables(positions: Tensor, inv_freq: Tensor, scale: float = 1.0, *, full: bool = True,
-              dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+              dtype: torch.dtype = torch.float32, pair_axis: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """cos and sin ``[*positions.shape, W]`` on ``positions``' device, times ``scale``: ``W = 2 * len(inv_freq)``
     in transformers' ``cat(angles, angles)`` layout when ``full``, else one column per pair.
 
     The angle ``position * inv_freq`` is formed in float64 (exact below 2**29 positions for float32
-    ``inv_freq``) and its cos/sin taken in float64, then rounded once to ``dtype``.
+    ``inv_freq``) and its cos/sin taken in float64, then rounded once to ``dtype``. Multi-axis positions
+    [A, *shape] with ``pair_axis`` [R/2] (M-RoPE) give tables ``[*shape, W]``: pair i turns by the position of
+    axis ``pair_axis[i]``, the merged tables of transformers' vision-language rotary modules.
     """
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device, torch.float64)
+    if pair_axis is not None:
+        index = pair_axis.to(positions.device, torch.int64).expand(1, *angles.shape[1:])
+        angles = angles.gather(0, index)[0]
     cos, sin = (torch.cos(angles) * scale).to(dtype), (torch.sin(angles) * scale).to(dtype)
     if full:
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ropekit._spec import pair_axis_map
 from ropekit.api import apply_rope
 from ropekit.modules import RotaryEmbedding, hf_tables
 
@@ -52,6 +53,11 @@ _FAMILIES: dict[str, dict[str, str]] = {
     "glm": {"apply_rotary_pos_emb": "interleaved"},
     "glm4": {"apply_rotary_pos_emb": "interleaved"},
     "deepseek_v3": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_interleave": "interleaved_to_halves"},
+    # vision-language models: the language model's M-RoPE (positions [3, B, S]); the vision tower's own rotary
+    # (apply_rotary_pos_emb_vision) is left as it is
+    "qwen2_vl": {"apply_rotary_pos_emb": "neox"},
+    "qwen2_5_vl": {"apply_rotary_pos_emb": "neox"},
+    "qwen3_vl": {"apply_rotary_pos_emb": "neox"},
 }
 #: ``config.model_type`` values :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
@@ -67,10 +73,12 @@ _ORIGINALS: dict[tuple[str, str], Callable] = {}
 class _Plan:
     """What a patched rotary module knew when it built the tables: enough to rotate without them."""
 
-    positions: Tensor  # int64 [B|1, S] on the tables' device
+    positions: Tensor  # int64 [B|1, S] on the tables' device; [A, B|1, S] for multi-axis (M-RoPE) models
     inv_freq: Tensor  # float32 [R/2]
     scale: float  # attention_scaling
     width: int  # cos.shape[-1]
+    sections: tuple[int, ...] | None = None  # M-RoPE pairs per axis
+    section_layout: str = "contiguous"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -90,11 +98,14 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
         # threads sharing the model each get the frequencies their own call selected
         seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
         f, cached, inv = rope._choose(seq_len, x.device)
-        cos, sin = hf_tables(position_ids, inv, f.attention_scaling)  # float32, exact angles
+        pair_axis = None
+        if f.sections is not None:  # vision-language models: position_ids [3, B, S]
+            pair_axis = torch.tensor(pair_axis_map(f.sections, f.section_layout))
+        cos, sin = hf_tables(position_ids, inv, f.attention_scaling, pair_axis=pair_axis)  # float32, exact angles
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # what transformers returns
         rope._commit(f, cached, inv)
     setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
-                                   width=cos.shape[-1]))
+                                   width=cos.shape[-1], sections=f.sections, section_layout=f.section_layout))
     return cos, sin
 
 
@@ -136,11 +147,13 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
     layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
     if layout is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
         return None
-    if k.dtype != q.dtype or cos.shape[-1] != plan.width or plan.positions.dim() != 2:
+    if k.dtype != q.dtype or cos.shape[-1] != plan.width:
+        return None
+    if plan.positions.dim() != (2 if plan.sections is None else 3):
         return None
     seq_axis = 2 if layout == "bhsd" else 1
     B, S = q.shape[0], q.shape[seq_axis]
-    if plan.positions.shape[-1] != S or plan.positions.shape[0] not in (1, B) or k.shape[seq_axis] != S:
+    if plan.positions.shape[-1] != S or plan.positions.shape[-2] not in (1, B) or k.shape[seq_axis] != S:
         return None
     rotary_dim = plan.width if kind != "interleaved_to_halves" else q.shape[-1]
     if kind == "interleaved_to_halves" and plan.width != rotary_dim:
@@ -149,8 +162,9 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
         return None
     style = "neox" if kind == "neox" else "interleaved"
     out_dtype = torch.promote_types(q.dtype, cos.dtype)  # transformers' output dtype
+    multi_axis = {} if plan.sections is None else dict(sections=plan.sections, section_layout=plan.section_layout)
     q_out, k_out = apply_rope(q, k, positions=plan.positions, inv_freq=plan.inv_freq, style=style, layout=layout,
-                              rotary_dim=rotary_dim, rotary_scale=plan.scale, out_dtype=out_dtype)
+                              rotary_dim=rotary_dim, rotary_scale=plan.scale, out_dtype=out_dtype, **multi_axis)
     if kind == "interleaved_to_halves":
         q_out = torch.cat((q_out[..., 0::2], q_out[..., 1::2]), dim=-1)
         k_out = torch.cat((k_out[..., 0::2], k_out[..., 1::2]), dim=-1)
@@ -172,7 +186,8 @@ def _rotary_modules(model: nn.Module, modeling: str) -> list[nn.Module]:
     found = []
     for module in model.modules():
         cls = type(module)
-        if cls.__name__.endswith("RotaryEmbedding") and cls.__module__ == modeling and hasattr(module, "config"):
+        if (cls.__name__.endswith("RotaryEmbedding") and cls.__module__ == modeling and hasattr(module, "config")
+                and "Vision" not in cls.__name__):  # a vision tower's rotary has a rotation of its own
             found.append(module)
     return found
 
@@ -196,10 +211,12 @@ def patch(model: nn.Module) -> nn.Module:
     """Make ``model`` (a transformers model) apply its rotary embedding with ropekit; returns ``model``.
 
     Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    GPT-NeoX, GLM, GLM-4, DeepSeek-V3). Every rope type works (default, linear, dynamic, yarn, longrope, llama3,
-    ...); partial rotary and attention scaling follow the model. Logits and gradients match the unpatched
-    model (to float32 rounding in fp32; in bf16 ropekit is the more accurate of the two, since transformers
-    rounds its cos/sin tables to bf16). Patching twice is a no-op. Undo with :func:`unpatch`.
+    GPT-NeoX, GLM, GLM-4, DeepSeek-V3, and the language model of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose multi-axis
+    M-RoPE positions ropekit rotates by exactly; their vision towers keep their own rotary). Every rope type works
+    (default, linear, dynamic, yarn, longrope, llama3, ...); partial rotary and attention scaling follow the model.
+    Logits and gradients match the unpatched model (to float32 rounding in fp32; in bf16 ropekit is the more
+    accurate of the two, since transformers rounds its cos/sin tables to bf16). Patching twice is a no-op. Undo with
+    :func:`unpatch`.
 
     Raises
     ------
