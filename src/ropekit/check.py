@@ -79,6 +79,11 @@ def _case_table(device: str, small: bool) -> list[tuple[str, torch.dtype, dict, 
         ("q_scale/k_scale/rotary_scale", torch.bfloat16, kw(q_scale=0.125, k_scale=2.0, rotary_scale=1.2)),
         ("backward (conjugate rotation)", torch.float32, kw(_backward=True, positions=12345)),
         ("in place", torch.bfloat16, kw(_inplace=True, positions=7)),
+        ("M-RoPE [3,B,S] positions, sections (Qwen2-VL)", torch.bfloat16,
+         kw(positions=lambda: torch.randint(0, 1 << 20, (3, 2, S), device=dev), sections=(8, 12, 12))),
+        ("M-RoPE interleaved (Qwen3-VL)", torch.float32,
+         kw(positions=lambda: torch.randint(0, 1 << 24, (3, 2, S), device=dev), sections=(12, 10, 10),
+            section_layout="interleaved")),
     ]
     return cases
 
