@@ -2,7 +2,8 @@
 
 ``MODELS``
     name -> attention shape: ``hq``/``hk`` query and key heads, ``head_dim``, ``rotary_dim`` (default: head_dim),
-    ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``about`` (one line).
+    ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``sections`` (M-RoPE pairs per
+    axis, for positions "mrope"), ``about`` (one line).
 ``SIZES``
     name -> list of ``[batch, seqlen]`` pairs. Tokens = batch * seqlen. Decode sizes are ``[batch, 1]``: one new
     token for each of ``batch`` sequences, each at its own cache length.
@@ -27,6 +28,7 @@ Values:
                "batch"  one offset per sequence, a [B] tensor (decode: the cache lengths)
                "ids"    per-token position ids, a [B, S] int64 tensor
                "thd"    packed varlen tokens [T, H, D] with cu_seqlens; B sequences of unequal lengths, T = B * S
+               "mrope"  multi-axis positions [3, B, S] (time, height, width) with the model's ``sections``
     modes      "fwd"    forward, cold L2, one call
                "fwdbwd" forward + backward through autograd
                "decode" one call replayed from a CUDA graph
@@ -44,8 +46,10 @@ MODELS = {
               "about": "head_dim 256, 16 / 8 heads (Gemma-2-9B class)"},
     "mla-rope": {"hq": 16, "hk": 16, "head_dim": 192, "rotary_dim": 64, "rotary_at": "back", "base": 10000.0,
                  "about": "MLA-style heads (DeepSeek-V2-Lite): D 192 = 128 pass-through + 64 rotated at the back"},
+    "qwen2-vl-7b": {"hq": 28, "hk": 4, "head_dim": 128, "base": 1000000.0, "sections": [16, 24, 24],
+                    "about": "Qwen2-VL-7B's language model: GQA 28 / 4 heads, D 128, M-RoPE sections 16/24/24"},
     # Tiny shapes for the CPU smoke run (Triton interpreter); not model shapes.
-    "tiny": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "about": "CPU smoke only"},
+    "tiny": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "sections": [4, 6, 6], "about": "CPU smoke only"},
     "tiny-back": {"hq": 2, "hk": 2, "head_dim": 32, "rotary_dim": 16, "rotary_at": "back", "base": 10000.0,
                   "about": "CPU smoke only: half the head rotated at the back"},
 }
@@ -97,6 +101,10 @@ PRESETS = {
          "modes": ["fwdbwd"]},
         {"name": "decode", "models": ["llama3-8b", "llama3-70b"], **_BF16_NEOX, "positions": ["batch"],
          "sizes": "decode", "modes": ["decode"]},
+        {"name": "mrope", "models": ["qwen2-vl-7b"], **_BF16_NEOX, "positions": ["mrope"], "sizes": "prefill",
+         "modes": ["fwd"]},
+        {"name": "mrope-decode", "models": ["qwen2-vl-7b"], **_BF16_NEOX, "positions": ["mrope"], "sizes": "decode",
+         "modes": ["decode"]},
         {"name": "decode-fp16-interleaved", "models": ["llama3-8b"], "dtypes": ["fp16"], "styles": ["interleaved"],
          "positions": ["batch"], "sizes": "decode", "modes": ["decode"]},
         {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
@@ -104,6 +112,8 @@ PRESETS = {
     ],
     # CPU smoke run of the harness itself (TRITON_INTERPRET=1): tiny shapes, not a performance figure.
     "smoke": [
+        {"name": "smoke-mrope", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["neox"], "positions": ["mrope"],
+         "sizes": [[2, 16]], "modes": ["fwd"]},
         {"name": "smoke-neox", "models": ["tiny"], "dtypes": ["fp32"], "styles": ["neox"],
          "positions": ["range"], "sizes": [[1, 16]], "modes": ["fwd", "fwdbwd"]},
         {"name": "smoke-varlen", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["interleaved"],
@@ -126,4 +136,8 @@ TARGETS = [
     {"key": "host", "what": "eager host time per call vs x.add_(1)", "limit": 1.00, "mode": "host"},
     {"key": "exact-vs-table", "what": "fwd, >= 100 MB, exact in-kernel angles vs fp32 table path", "limit": 1.02,
      "mode": "fwd", "where": {"bytes": [100_000_000, None]}, "versus": "ropekit-table"},
+    {"key": "mrope-fwd", "what": "M-RoPE fwd, >= 100 MB, vs the same call with 1-D positions", "limit": 1.02,
+     "mode": "fwd", "where": {"bytes": [100_000_000, None]}, "versus": "ropekit-1d"},
+    {"key": "mrope-decode", "what": "M-RoPE decode (graph replay) vs the same call with 1-D positions",
+     "limit": 1.02, "mode": "decode", "versus": "ropekit-1d"},
 ]

@@ -144,7 +144,7 @@ def test_bytes_model_matches_the_tensors(positions):
 
     case = bench_cases.Case(group="t", family="t", model="tiny", hq=4, hk=2, head_dim=32, rotary_dim=32,
                             rotary_at="front", base=10000.0, dtype="bf16", style="neox", positions=positions, batch=3,
-                            seqlen=8, modes=("fwd",))
+                            seqlen=8, modes=("fwd",), sections=(4, 6, 6) if positions == "mrope" else None)
     inp = inputs.make_inputs(case, torch.device("cpu"))
     qk = 3 * 8 * (4 + 2) * 32 * 2
     assert inputs.bytes_model(inp) == inputs.case_bytes(case)
@@ -177,7 +177,8 @@ def test_targets_take_the_worst_qualifying_row():
 def test_targets_come_from_the_registry_data(tmp_path):
     registry = bench_cases.load_registry(str(REGISTRY))
     assert [t.key for t in _targets()] == [entry["key"] for entry in registry["TARGETS"]]
-    assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table"}
+    assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table",
+                                           "mrope-fwd", "mrope-decode"}
     # Another registry file with other targets: the harness evaluates those, nothing built in.
     text = REGISTRY.read_text() + textwrap.dedent('''
         TARGETS = [{"key": "tiny-fwd", "what": "fwd of tiny shapes", "limit": 2.0, "mode": "fwd",

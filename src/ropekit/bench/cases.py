@@ -16,7 +16,7 @@ REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
 MODES = ("fwd", "fwdbwd", "decode", "host")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-POSITION_KINDS = ("range", "offset", "batch", "ids", "thd")
+POSITION_KINDS = ("range", "offset", "batch", "ids", "thd", "mrope")
 POSITION_OFFSET = 1000  # the int offset of positions="offset"
 MAX_CACHE_LEN = 4096  # per-sequence offsets of positions="batch" are drawn from [0, MAX_CACHE_LEN)
 
@@ -41,6 +41,7 @@ class Case:
     seqlen: int
     modes: tuple[str, ...]
     impls: tuple[str, ...] | None = None
+    sections: tuple[int, ...] | None = None  # M-RoPE pairs per axis (the model's), for positions="mrope"
 
     @property
     def tokens(self) -> int:
@@ -127,7 +128,11 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                 rotary_dim=model.get("rotary_dim", model["head_dim"]),
                                 rotary_at=model.get("rotary_at", "front"), base=float(model["base"]), dtype=dtype,
                                 style=style, positions=positions, batch=int(batch), seqlen=int(seqlen), modes=modes,
-                                impls=tuple(group["impls"]) if group.get("impls") else None)
+                                impls=tuple(group["impls"]) if group.get("impls") else None,
+                                sections=tuple(model["sections"]) if model.get("sections") else None)
+                            if positions == "mrope" and case.sections is None:
+                                raise ValueError(f"group {group['name']!r}: positions 'mrope' needs a model with "
+                                                 f"sections; {model_name!r} has none")
                             fresh = tuple(m for m in modes if (case.name, m) not in seen)
                             seen.update((case.name, m) for m in fresh)
                             if fresh:

@@ -21,10 +21,10 @@ from .timing import _sync
 # The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
 BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_"}
 EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
-ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf")
+ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d")
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
 MODE_IMPLS = {
-    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf") + PEER_IMPLS,
+    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d") + PEER_IMPLS,
     "fwdbwd": ("ropekit", "ropekit-table", "ropekit-hf") + PEER_IMPLS,
     "decode": ROPEKIT_IMPLS + PEER_IMPLS,
     "host": ROPEKIT_IMPLS + PEER_IMPLS,
@@ -120,7 +120,17 @@ def build_ropekit(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
 
     c = inp.case
     kw = inp.rope_kwargs()
+    mrope = c.positions == "mrope"
+    if name == "ropekit-1d":  # the yardstick of multi-axis calls: the same call with one axis's positions
+        if not mrope:
+            raise Unsupported("only for multi-axis cases: the same call with axis 0's per-token positions")
+        kw = {key: v for key, v in kw.items() if key != "sections"}
+        kw["positions"] = inp.pos_grid
+        fn = lambda: ropekit.apply_rope(inp.q, inp.k, **kw)  # noqa: E731
+        return Bench(run=fn, result=None, note="1-D per-token positions (axis 0), same shapes")
     if name == "ropekit-table":
+        if mrope:
+            raise Unsupported("cos/sin tables are indexed by one position per token")
         kw = dict(kw, base=10000.0, cos=inp.cos_tab, sin=inp.sin_tab)
     if name in ("ropekit", "ropekit-table"):
         note = "exact in-kernel angles" if name == "ropekit" else "fp32 cos/sin tables [P, R/2]"
@@ -160,7 +170,7 @@ def build_launcher(inp: Inputs) -> Bench:
 
     spec = validate(inp.q, inp.k, positions=inp.positions, inv_freq=inp.inv_freq, style=c.style, layout=inp.layout,
                     rotary_dim=c.rotary_dim, rotary_at="back" if inp.rotary_start else "front",
-                    cu_seqlens=inp.cu_seqlens)
+                    cu_seqlens=inp.cu_seqlens, sections=c.sections if c.positions == "mrope" else None)
     q_out, k_out = torch.empty_like(inp.q), torch.empty_like(inp.k)
 
     def launch() -> None:
@@ -249,6 +259,13 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
             _sync(inp.device)
             bench.note += f"; compiled in {time.perf_counter() - t0:.1f} s"
         return bench
+    if name == "liger" and c.positions == "mrope":
+        if peers.liger_mrope is None:
+            raise Unsupported(peers.missing.get("liger (M-RoPE)", "absent"))
+        cos3, sin3 = inp.hf_axis_tables()
+        sections = list(c.sections)
+        return _hf_style_bench(inp, mode, lambda q, k, cos, sin: peers.liger_mrope(q, k, cos3, sin3, sections),
+                               "Qwen2-VL M-RoPE, per-axis cos/sin and mrope_section; in place", inplace=True)
     if name == "liger":
         if peers.liger is None:
             raise Unsupported(peers.missing.get("liger", "absent"))
@@ -261,7 +278,7 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if name == "flash-attn":
         if peers.flash is None:
             raise Unsupported(peers.missing.get("flash-attn", "absent"))
-        if c.positions == "ids":
+        if c.positions in ("ids", "mrope"):
             raise Unsupported("flash-attn's rotary takes offsets, not per-token position ids")
         if c.rotary_at != "front":
             raise Unsupported("flash-attn rotates the leading columns only (no rotary_at='back')")

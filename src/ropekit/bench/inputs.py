@@ -29,6 +29,8 @@ class Inputs:
     inv_freq: Tensor  # fp32 [R/2], the frequencies every implementation uses
     cos_tab: Tensor  # fp32 [P, R/2] indexed by position
     sin_tab: Tensor
+    pos_axes: Tensor | None = None  # positions="mrope": int64 [3, B, S], axis 0 equal to pos_grid
+    pair_axis: Tensor | None = None  # positions="mrope": the axis of each pair
     _hf: tuple[Tensor, Tensor] | None = None
 
     @property
@@ -39,8 +41,11 @@ class Inputs:
     def rope_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``apply_rope`` for this case (exact in-kernel angles)."""
         c = self.case
-        return dict(positions=self.positions, base=c.base, style=c.style, layout=self.layout,
-                    rotary_dim=c.rotary_dim, rotary_at=c.rotary_at, cu_seqlens=self.cu_seqlens)
+        kwargs = dict(positions=self.positions, base=c.base, style=c.style, layout=self.layout,
+                      rotary_dim=c.rotary_dim, rotary_at=c.rotary_at, cu_seqlens=self.cu_seqlens)
+        if c.positions == "mrope":
+            kwargs["sections"] = c.sections
+        return kwargs
 
     def hf_tables(self) -> tuple[Tensor, Tensor]:
         """transformers' convention: cos/sin [Bc, S, R] (thd: [1, T, R]) in the input dtype, gathered per token,
@@ -51,12 +56,22 @@ class Inputs:
             if self.case.positions in ("range", "offset"):
                 grid = grid[:1]
             angle = grid.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+            if self.pos_axes is not None:  # M-RoPE: the merged tables of transformers' VL rotary modules
+                angle = self.pos_axes.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+                angle = angle.gather(0, self.pair_axis.to(torch.int64).expand(1, *angle.shape[1:]))[0]
             if self.case.style == "neox":
                 angle = torch.cat([angle, angle], dim=-1)
             else:
                 angle = torch.repeat_interleave(angle, 2, dim=-1)
             self._hf = (torch.cos(angle).to(self.dtype), torch.sin(angle).to(self.dtype))
         return self._hf
+
+    def hf_axis_tables(self) -> tuple[Tensor, Tensor]:
+        """positions="mrope": one duplicated-halves cos/sin table per axis, [3, B, S, R] in the input dtype (what
+        Qwen2-VL's ``apply_multimodal_rotary_pos_emb`` and Liger's M-RoPE take)."""
+        angle = self.pos_axes.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+        angle = torch.cat([angle, angle], dim=-1)
+        return torch.cos(angle).to(self.dtype), torch.sin(angle).to(self.dtype)
 
     def to_hf(self, x: Tensor) -> Tensor:
         """A [B, H, S, D] view (thd: [1, H, T, D]) of a tensor in the case layout; no copy."""
@@ -100,6 +115,12 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         offsets = torch.randint(0, MAX_CACHE_LEN, (B,), generator=gen, dtype=torch.int64)
         grid = base_pos[None, :] + offsets[:, None]
         positions = grid.contiguous().to(device)
+    elif case.positions == "mrope":  # time runs on; height and width within a 64 x 64 grid of patches
+        offsets = torch.randint(0, MAX_CACHE_LEN, (B,), generator=gen, dtype=torch.int64)
+        grid = base_pos[None, :] + offsets[:, None]
+        spatial = torch.randint(0, 64, (2, B, S), generator=gen, dtype=torch.int64)
+        pos_axes = torch.cat([grid[None], spatial]).to(device)
+        positions = pos_axes
     else:  # thd
         lengths = varlen_lengths(B, S)
         cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
@@ -107,13 +128,19 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         cu_seqlens = cu.to(device=device, dtype=torch.int32)
         max_seqlen = max(lengths)
     rows = int(grid.max()) + 1 if grid.numel() else 1
+    pair_axis = None
+    if case.positions == "mrope":
+        from ropekit._spec import pair_axis_map
+
+        pair_axis = torch.tensor(pair_axis_map(case.sections, "contiguous"), dtype=torch.int32, device=device)
     exponent = torch.arange(0, R, 2, dtype=torch.int64).to(torch.float32) / R
     inv_freq = 1.0 / (case.base ** exponent)
     angle = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)
     return Inputs(case=case, device=device, dtype=dtype, layout=layout, q=q, k=k, positions=positions,
                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pos_grid=grid.contiguous().to(device),
                   inv_freq=inv_freq.to(device), cos_tab=torch.cos(angle).to(torch.float32).to(device),
-                  sin_tab=torch.sin(angle).to(torch.float32).to(device))
+                  sin_tab=torch.sin(angle).to(torch.float32).to(device),
+                  pos_axes=positions if case.positions == "mrope" else None, pair_axis=pair_axis)
 
 
 def case_bytes(case: Case) -> dict[str, int]:
@@ -125,6 +152,8 @@ def case_bytes(case: Case) -> dict[str, int]:
         extra += case.batch * 8
     elif case.positions == "ids":
         extra += case.tokens * 8
+    elif case.positions == "mrope":
+        extra += 3 * case.tokens * 8
     elif case.positions == "thd":
         extra += (case.batch + 1) * 4
     fwd = 2 * qk + extra

@@ -22,6 +22,7 @@ class Peers:
     hf_neox: Callable | None = None  # transformers' Llama apply_rotary_pos_emb (rotate_half pairing)
     hf_interleaved: Callable | None = None  # transformers' Cohere apply_rotary_pos_emb (interleaved pairing)
     liger: Callable | None = None
+    liger_mrope: Callable | None = None  # Liger's Qwen2-VL M-RoPE (per-axis cos/sin and mrope_section)
     flash: Callable | None = None  # flash-attn's apply_rotary
     ropekit_hf: Callable | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -54,6 +55,12 @@ def load_peers(wanted: set[str], flash_path: str | None) -> Peers:
             peers.versions["liger"] = _dist_version("liger-kernel")
         except ImportError as exc:
             peers.missing["liger"] = f"liger_kernel not importable: {exc}"
+        try:
+            from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb
+
+            peers.liger_mrope = liger_multimodal_rotary_pos_emb
+        except ImportError as exc:
+            peers.missing["liger (M-RoPE)"] = f"Liger's Qwen2-VL M-RoPE not importable: {exc}"
     if "flash-attn" in wanted:
         peers.flash, peers.versions["flash-attn"], why = _load_flash_rotary(flash_path)
         if peers.flash is None:
