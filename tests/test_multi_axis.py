@@ -187,6 +187,12 @@ def test_vision_language_configs_give_sections_and_transformers_rotation(model_t
     want = q * cos.double()[:, :, None] + torch.cat((-q[..., half:], q[..., :half]), -1) * sin.double()[:, :, None]
     got = ropekit.apply_rope(q, positions=ids, **freqs.apply_kwargs())
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    # the module takes the config too: the same rotation, and transformers' merged tables where code needs them
+    rope = ropekit.RotaryEmbedding(config)
+    torch.testing.assert_close(rope(q, positions=ids), got, rtol=0, atol=0)
+    my_cos, my_sin = rope.cos_sin(ids)
+    torch.testing.assert_close(my_cos, cos, rtol=0, atol=2e-5)
+    torch.testing.assert_close(my_sin, sin, rtol=0, atol=2e-5)
 
 
 def _qwen2_vl_formula(q, k, cos, sin, mrope_section, unsqueeze_dim=1):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ropekit._spec import LAYOUTS, layout_ndim, to_canonical
+from ropekit._spec import LAYOUTS, layout_ndim, pair_axis_map, to_canonical
 from ropekit.api import apply_rope
 from ropekit.frequencies import RopeFrequencies, _integer, _length_arg, _positions_arg, from_hf_config, rope_frequencies
 
@@ -247,7 +247,8 @@ class RotaryEmbedding(nn.Module):
             In ``layout`` (``"bshd"`` [B, S, H, D], ``"bhsd"``, ``"sbhd"``, ``"thd"`` [T, H, D]); head_dim may
             exceed ``rotary_dim`` (the tail passes through). Gradients flow to both.
         positions : None, int or Tensor
-            As for :func:`ropekit.apply_rope`: None (0..S-1), an int offset, [B] offsets, or per-token ids.
+            As for :func:`ropekit.apply_rope`: None (0..S-1), an int offset, [B] offsets, or per-token ids; for a
+            multi-axis (M-RoPE) embedding, [A, B, S] ids (``thd``: [A, T]), one row per axis.
         cu_seqlens : Tensor, optional
             Packed-sequence boundaries for ``layout="thd"``.
         seq_len : int, optional
@@ -265,16 +266,19 @@ class RotaryEmbedding(nn.Module):
         f, cached, inv = self._choose(n, q.device)
         if q.dim() and q.shape[-1] < f.rotary_dim:
             raise ValueError(f"q head_dim {q.shape[-1]} is smaller than this embedding's rotary_dim {f.rotary_dim}")
+        multi_axis = {} if f.sections is None else dict(sections=f.sections, section_layout=f.section_layout)
         out = apply_rope(q, k, positions=positions, inv_freq=inv, style=f.style, layout=layout,
                          rotary_dim=f.rotary_dim, rotary_at=f.rotary_at, rotary_scale=float(f.attention_scaling),
-                         q_scale=q_scale, k_scale=k_scale, cu_seqlens=cu_seqlens)
+                         q_scale=q_scale, k_scale=k_scale, cu_seqlens=cu_seqlens, **multi_axis)
         self._commit(f, cached, inv)  # only now: a call that raised leaves the state as it was
         return out
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32, *, full: bool = True,
                 seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         """transformers-style ``(cos, sin)`` tables ``[*positions.shape, rotary_dim]`` on ``positions``' device,
-        times ``attention_scaling``, for code that needs tables (``full=False``: one column per pair).
+        times ``attention_scaling``, for code that needs tables (``full=False``: one column per pair). A multi-axis
+        (M-RoPE) embedding takes [A, *shape] positions and gives the merged ``[*shape, rotary_dim]`` tables of
+        transformers' vision-language rotary modules.
 
         Like transformers' rotary module, a ``dynamic``/``longrope`` embedding first selects its frequencies
         from ``seq_len`` (default: ``positions.max() + 1``; empty positions keep the set in force). Values are
@@ -291,6 +295,9 @@ class RotaryEmbedding(nn.Module):
             elif positions.numel():
                 n = int(positions.max()) + 1
         f, cached, inv = self._choose(n, positions.device)
-        tables = hf_tables(positions, inv, f.attention_scaling, full=full, dtype=dtype)
+        pair_axis = None
+        if f.sections is not None:
+            pair_axis = torch.tensor(pair_axis_map(f.sections, f.section_layout))
+        tables = hf_tables(positions, inv, f.attention_scaling, full=full, dtype=dtype, pair_axis=pair_axis)
         self._commit(f, cached, inv)
         return tables
