@@ -248,3 +248,37 @@ def test_angles_exact_to_two_to_the_24_on_every_axis(device):
             want = ropekit.apply_rope(q.cpu().double(), positions=positions.cpu(), sections=sections,
                                       section_layout=section_layout)
             assert max_relative_error(got, want) <= 2e-6, section_layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vision_drop_in_matches_the_vision_towers_function(dtype):
+    """Qwen2-VL/2.5-VL/3-VL vision towers' apply_rotary_pos_emb_vision: float32 math, outputs in the inputs'
+    dtypes; the drop-in gives the same values (within one rounding) and gradients, and the original formula on
+    shapes it does not take."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision as original
+
+    from ropekit.integrations.transformers import apply_rotary_pos_emb_vision
+
+    N, H, D = 20, 4, 32
+    inv = 10000.0 ** -(torch.arange(0, D // 2, 2, dtype=torch.float32) / (D // 2))
+    hw = torch.randint(0, 16, (N, 2)).float()
+    half = torch.cat([hw[:, :1] * inv, hw[:, 1:] * inv], dim=-1)  # the tower's 2-D axial angles [N, D/2]
+    emb = torch.cat([half, half], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q = torch.randn(N, H, D, dtype=dtype, requires_grad=True)
+    k = torch.randn(N, H, D, dtype=dtype, requires_grad=True)
+    got = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    c64, s64 = cos.double()[:, None], sin.double()[:, None]
+    want = [x * c64 + torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1) * s64 for x in (q64, k64)]  # in float64
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert_close_to_ref(g, w.detach(), dtype, backend="cpu")  # one rounding of the exact result
+    grads = torch.autograd.grad(got, (q, k), (torch.ones_like(got[0]), torch.ones_like(got[1])))
+    want_grads = torch.autograd.grad(want, (q64, k64), (torch.ones_like(want[0]), torch.ones_like(want[1])))
+    for g, w in zip(grads, want_grads):
+        assert_close_to_ref(g, w, dtype, backend="cpu")
+    odd = torch.randn(2, N, H, D, dtype=dtype)  # a shape the drop-in does not take: the original formula
+    torch.testing.assert_close(apply_rotary_pos_emb_vision(odd, odd, cos, sin)[0], original(odd, odd, cos, sin)[0],
+                               rtol=0, atol=0)

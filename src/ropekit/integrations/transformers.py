@@ -17,8 +17,8 @@ from ropekit.api import apply_rope
 if TYPE_CHECKING:  # served lazily by __getattr__ below, so that importing this module never imports transformers
     from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
 
-__all__ = ["apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "rotate_half", "patch", "unpatch", "is_patched",
-           "SUPPORTED_MODEL_TYPES"]
+__all__ = ["apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb_vision", "rotate_half",
+           "patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -89,6 +89,28 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsquee
     out_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     return apply_rope(q, k, cos=cos_t, sin=sin_t, style="neox", layout=layout, rotary_dim=q.shape[-1],
                       out_dtype=out_dtype)
+
+
+def apply_rotary_pos_emb_vision(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop-in for the vision towers' ``apply_rotary_pos_emb_vision`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): q, k
+    [N, H, D] patches, cos/sin [N, D] per patch (duplicated halves), math in float32, outputs in q's and k's own
+    dtypes -- one ropekit launch on the tables as given. Shapes outside that run the original formula."""
+    fast = (
+        isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor)
+        and q.dim() == 3 and k.dim() == 3 and cos.dim() == 2 and cos.shape == sin.shape
+        and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and q.device == k.device == cos.device == sin.device
+        and cos.dtype in FLOAT_DTYPES and sin.dtype in FLOAT_DTYPES
+        and q.shape[0] == k.shape[0] == cos.shape[0] and q.shape[-1] == k.shape[-1] == cos.shape[-1]
+        and q.shape[-1] % 2 == 0 and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+    )
+    if not fast:
+        cos32, sin32 = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+        q32, k32 = q.float(), k.float()
+        return ((q32 * cos32 + rotate_half(q32) * sin32).to(q.dtype),
+                (k32 * cos32 + rotate_half(k32) * sin32).to(k.dtype))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    return apply_rope(q, k, cos=cos[None], sin=sin[None], style="neox", layout="thd", rotary_dim=q.shape[-1])
 
 
 def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mrope_section: list[int],
