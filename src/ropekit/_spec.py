@@ -377,7 +377,7 @@ def pair_axis_map(sections: tuple[int, ...], section_layout: str) -> list[int]:
     return axes
 
 
-def _pair_axis_tensor(sections: tuple[int, ...], section_layout: str, device: torch.device) -> Tensor:
+def pair_axis_tensor(sections: tuple[int, ...], section_layout: str, device: torch.device) -> Tensor:
     """:func:`pair_axis_map` as an int32 tensor on ``device``, cached (the 64 most recently used) in eager mode so
     that repeated calls allocate nothing."""
     key = (sections, section_layout, device)
@@ -424,7 +424,7 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
         want = f"[{A}, T={S}]" if layout == "thd" else f"[{A}, B={B}, S={S}] (or [{A}, 1, {S}])"
         raise ValueError(f"with {A} sections, positions must be {want}, one row per axis; got shape "
                          f"{tuple(positions.shape)}")
-    return pos, _pair_axis_tensor(sections, section_layout, q.device)
+    return pos, pair_axis_tensor(sections, section_layout, q.device)
 
 
 def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ropekit._spec import LAYOUTS, layout_ndim, pair_axis_map, to_canonical
+from ropekit._spec import LAYOUTS, layout_ndim, pair_axis_tensor, to_canonical
 from ropekit.api import apply_rope
 from ropekit.frequencies import RopeFrequencies, _integer, _length_arg, _positions_arg, from_hf_config, rope_frequencies
 
@@ -297,7 +297,7 @@ class RotaryEmbedding(nn.Module):
         f, cached, inv = self._choose(n, positions.device)
         pair_axis = None
         if f.sections is not None:
-            pair_axis = torch.tensor(pair_axis_map(f.sections, f.section_layout))
+            pair_axis = pair_axis_tensor(f.sections, f.section_layout, positions.device)
         tables = hf_tables(positions, inv, f.attention_scaling, full=full, dtype=dtype, pair_axis=pair_axis)
         self._commit(f, cached, inv)
         return tables

@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ropekit._spec import pair_axis_tensor
+from ropekit.modules import hf_tables
+
 from .cases import DTYPES, MAX_CACHE_LEN, POSITION_OFFSET, Case
 
 
@@ -52,26 +55,23 @@ class Inputs:
         duplicated halves for neox and repeat-interleaved for the interleaved pairing. Bc = 1 where every
         sequence has the same positions (what a model's rotary embedding returns for position_ids [1, S])."""
         if self._hf is None:
-            grid = self.pos_grid
+            positions = self.pos_grid
             if self.case.positions in ("range", "offset"):
-                grid = grid[:1]
-            angle = grid.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+                positions = positions[:1]
             if self.pos_axes is not None:  # M-RoPE: the merged tables of transformers' VL rotary modules
-                angle = self.pos_axes.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
-                angle = angle.gather(0, self.pair_axis.to(torch.int64).expand(1, *angle.shape[1:]))[0]
+                positions = self.pos_axes
+            cos, sin = hf_tables(positions, self.inv_freq, full=False, dtype=torch.float64, pair_axis=self.pair_axis)
             if self.case.style == "neox":
-                angle = torch.cat([angle, angle], dim=-1)
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             else:
-                angle = torch.repeat_interleave(angle, 2, dim=-1)
-            self._hf = (torch.cos(angle).to(self.dtype), torch.sin(angle).to(self.dtype))
+                cos, sin = torch.repeat_interleave(cos, 2, dim=-1), torch.repeat_interleave(sin, 2, dim=-1)
+            self._hf = (cos.to(self.dtype), sin.to(self.dtype))
         return self._hf
 
     def hf_axis_tables(self) -> tuple[Tensor, Tensor]:
         """positions="mrope": one duplicated-halves cos/sin table per axis, [3, B, S, R] in the input dtype (what
         Qwen2-VL's ``apply_multimodal_rotary_pos_emb`` and Liger's M-RoPE take)."""
-        angle = self.pos_axes.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
-        angle = torch.cat([angle, angle], dim=-1)
-        return torch.cos(angle).to(self.dtype), torch.sin(angle).to(self.dtype)
+        return hf_tables(self.pos_axes, self.inv_freq, dtype=self.dtype)
 
     def to_hf(self, x: Tensor) -> Tensor:
         """A [B, H, S, D] view (thd: [1, H, T, D]) of a tensor in the case layout; no copy."""
@@ -130,9 +130,7 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     rows = int(grid.max()) + 1 if grid.numel() else 1
     pair_axis = None
     if case.positions == "mrope":
-        from ropekit._spec import pair_axis_map
-
-        pair_axis = torch.tensor(pair_axis_map(case.sections, "contiguous"), dtype=torch.int32, device=device)
+        pair_axis = pair_axis_tensor(case.sections, "contiguous", device)
     exponent = torch.arange(0, R, 2, dtype=torch.int64).to(torch.float32) / R
     inv_freq = 1.0 / (case.base ** exponent)
     angle = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)

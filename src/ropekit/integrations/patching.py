@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ropekit._spec import pair_axis_map
+from ropekit._spec import pair_axis_tensor
 from ropekit.api import apply_rope
 from ropekit.modules import RotaryEmbedding, hf_tables
 
@@ -100,7 +100,7 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
         f, cached, inv = rope._choose(seq_len, x.device)
         pair_axis = None
         if f.sections is not None:  # vision-language models: position_ids [3, B, S]
-            pair_axis = torch.tensor(pair_axis_map(f.sections, f.section_layout))
+            pair_axis = pair_axis_tensor(f.sections, f.section_layout, position_ids.device)
         cos, sin = hf_tables(position_ids, inv, f.attention_scaling, pair_axis=pair_axis)  # float32, exact angles
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # what transformers returns
         rope._commit(f, cached, inv)
