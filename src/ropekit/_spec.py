@@ -410,8 +410,8 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
     if freq_mode != "inv_freq":
         raise ValueError("multi-axis positions (sections=) take their frequencies from base or inv_freq; cos/sin "
                          "tables and raw angles are per position of one axis")
+    want = f"[{A}, T={S}]" if layout == "thd" else f"[{A}, B={B}, S={S}] (or [{A}, 1, {S}])"
     if not isinstance(positions, Tensor):
-        want = f"[{A}, T={S}]" if layout == "thd" else f"[{A}, B={B}, S={S}] (or [{A}, 1, {S}])"
         raise TypeError(f"sections need positions as an integer tensor {want}, one row of ids per axis; got "
                         f"{type(positions).__name__}")
     _check_tensor("positions", positions, q, INT_DTYPES, "an int32 or int64 tensor")
@@ -421,7 +421,6 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
             and positions.shape[1] in (1, B):
         pos = positions.expand(A, B, S)
     else:
-        want = f"[{A}, T={S}]" if layout == "thd" else f"[{A}, B={B}, S={S}] (or [{A}, 1, {S}])"
         raise ValueError(f"with {A} sections, positions must be {want}, one row per axis; got shape "
                          f"{tuple(positions.shape)}")
     return pos, pair_axis_tensor(sections, section_layout, q.device)
