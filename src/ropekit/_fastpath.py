@@ -196,7 +196,7 @@ class PlannedRope(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor | None, plan: Plan, tables: tuple, pos_offset: int, options: dict,
                 mode: Mode):
         ctx.options, ctx.mode = options, mode
-        ctx.save_for_backward(*[v for v in options.values() if isinstance(v, Tensor)])  # in-place changes raise
+        ctx.save_for_backward(*[options[n] for n in _TENSOR_OPTIONS if isinstance(options[n], Tensor)])  # version check
         ctx.inputs = (q.shape, q.dtype, q.device), (None if k is None else (k.shape, k.dtype))
         return plan.rotate(q, k, tables, pos_offset)
 
