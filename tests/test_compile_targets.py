@@ -75,6 +75,8 @@ SPECIALISATIONS = [
      dict(positions=torch.randint(0, 99, (2, 16)), conjugate=True)),
     ("mrope-interleaved-bf16", (2, 16, 16, 128), 4, torch.bfloat16, None,
      dict(positions=torch.randint(0, 99, (3, 2, 16)), sections=(24, 20, 20), section_layout="interleaved")),
+    ("mrope-contiguous-decode-bf16", (8, 1, 28, 128), 4, torch.bfloat16, None,
+     dict(positions=torch.randint(0, 99, (3, 8, 1)), sections=(16, 24, 24))),
 ]
 
 

@@ -295,3 +295,28 @@ def test_out_dtype_through_plans(device, plan_calls):
             back = ropekit.rope_backward(q, positions=pos, out_dtype=torch.float32)
             _check(back, ropekit.rope_backward(q.cpu().double(), positions=pos), torch.float32, f"backward {call}")
     assert plan_calls["served"] >= 3 * (CALLS - 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sections_are_part_of_the_plan_signature(device, plan_calls):
+    """Multi-axis calls of the same shapes that differ only in ``sections`` (or ``section_layout``) never share a
+    plan: the pair -> axis map is compiled into the kernel (constexpr bounds), so a plan recorded for one would turn
+    the other's pairs by the wrong axes. Each variant runs CALLS times (its plan serves the last two), then the first
+    comes back and its own plan serves every call; every result is checked against the float64 reference."""
+    B, S, HQ, HK, D = SHAPES[device]
+    one, other = {"cpu": ((2, 3, 3), (3, 3, 2)), "cuda": ((16, 24, 24), (24, 24, 16))}[device]
+    variants = [(one, "contiguous"), (other, "contiguous"), (one, "interleaved"), (one, "contiguous")]
+    with device_mode(device):
+        for index, (sections, section_layout) in enumerate(variants):
+            for call in range(CALLS):
+                q = torch.randn(B, S, HQ, D, dtype=torch.float64).to(device, torch.bfloat16)
+                k = torch.randn(B, S, HK, D, dtype=torch.float64).to(device, torch.bfloat16)
+                positions = torch.randint(0, 1 << 20, (3, B, S)).to(device)
+                kw = dict(positions=positions, sections=sections, section_layout=section_layout)
+                q_rot, k_rot = ropekit.apply_rope(q, k, **kw)
+                ref_q, ref_k = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), **_ref_kwargs(kw))
+                what = f"{sections} {section_layout} call {call}"
+                _check(q_rot, ref_q, torch.bfloat16, f"q {what}")
+                _check(k_rot, ref_k, torch.bfloat16, f"k {what}")
+            assert len(_fastpath._PLANS) == min(index + 1, 3)
+    assert plan_calls["served"] == 3 * (CALLS - 2) + CALLS

@@ -124,6 +124,33 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
     assert plan_calls["served"] >= 2 * 3  # calls 3 and 4 of the out-of-place, in-place and backward signatures
 
 
+# Pair -> axis maps the kernel forms from its compile-time bounds: 1 to 4 axes, empty axes, interleaved strides
+# that pass the last pair (that axis gets fewer pairs), unequal sections in both orders. 8 pairs (D 16).
+AXIS_CASES = [
+    ((8,), "contiguous"), ((8,), "interleaved"),
+    ((3, 5), "contiguous"), ((5, 3), "contiguous"), ((5, 3), "interleaved"), ((2, 6), "interleaved"),
+    ((2, 0, 6), "contiguous"), ((1, 4, 3), "interleaved"), ((6, 1, 1), "interleaved"),
+    ((1, 2, 3, 2), "contiguous"), ((0, 3, 0, 5), "contiguous"), ((2, 2, 1, 3), "interleaved"),
+    ((0, 3, 0, 5), "interleaved"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sections, section_layout", AXIS_CASES, ids=[f"{'-'.join(map(str, s))}-{lay}"
+                                                                       for s, lay in AXIS_CASES])
+def test_kernel_pair_axes_for_one_to_four_axes(device, sections, section_layout):
+    """Every pair takes the position of the axis ``pair_axis_map`` gives it, for 1 to 4 axes in both layouts:
+    per-axis positions far apart, so that a pair turned by another axis's position is far off the reference."""
+    q, k = make_qk(2, 5, 3, 1, 16, device=device)
+    positions = torch.randint(0, 1 << 20, (len(sections), 2, 5), device=device)
+    kw = dict(positions=positions, sections=sections, section_layout=section_layout)
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        got_q, got_k = ropekit.apply_rope(q, k, **kw)
+    want_q, want_k = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), **dict(kw, positions=positions.cpu()))
+    assert_close_to_ref(got_q, want_q, q.dtype)
+    assert_close_to_ref(got_k, want_k, k.dtype)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections=(4, 4, 4)), ValueError, "sum to rotary_dim/2"),
     (dict(positions=torch.zeros(2, 2, 5, dtype=torch.long), sections=(8, 4, 4)), ValueError, "positions must be"),
@@ -139,6 +166,8 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
     (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections=(8.0, 4, 4)), ValueError, "ints >= 0"),
     (dict(positions=torch.tensor([[[0, 1, 2, 3, 4]] * 2, [[0, 1, 2, 3, -1]] * 2, [[0] * 5] * 2]), sections=(8, 4, 4)),
      IndexError, "must be >= 0"),
+    (dict(positions=torch.zeros(5, 2, 5, dtype=torch.long), sections=(4, 3, 3, 3, 3)), ValueError,
+     "sections may name at most 4 axes"),
 ])
 def test_bad_multi_axis_arguments_name_themselves(kwargs, error, match):
     q = torch.randn(2, 5, 2, 32)

@@ -498,7 +498,8 @@ REFUSED_FIELDS = {"positions": "per-token positions", "seq_offsets": "per-sequen
                   "cu_seqlens": "cu_seqlens", "layout": "layout bhsd", "rotary_dim": "partial rotary",
                   "rotary_start": "rotary_at back", "table_by_token": "per-token cos/sin of several batch rows",
                   "q_scale": "q_scale", "k_scale": "k_scale", "rotary_scale": "rotary_scale",
-                  "out_dtype": "out_dtype", "pair_axis": "multi-axis positions"}
+                  "out_dtype": "out_dtype", "sections": "multi-axis positions",
+                  "section_layout": "multi-axis positions"}
 
 
 def test_every_spec_field_is_supported_or_refused():

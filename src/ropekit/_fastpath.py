@@ -46,7 +46,7 @@ _TENSOR_SLOTS = tuple(sorted(_OPTIONS.index(name) for name in _TENSOR_OPTIONS))
 _POSITIONS_SLOT = _OPTIONS.index("positions")
 # The public options each of the spec's tensors can be a view of.
 _SOURCES = {"positions": ("positions",), "seq_offsets": ("positions",), "cu_seqlens": ("cu_seqlens",),
-            "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",), "pair_axis": ()}
+            "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",)}
 
 
 def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
@@ -138,7 +138,7 @@ def _sighted(key, q, k, options, spec, outs, mode) -> None:
 class Plan:
     """The bound launch of one call signature and where each of the kernel's positions .. sin pointer slots comes
     from: an index into the call's handles (q's for an absent tensor, the launcher's dummy), or ``~j`` for the
-    plan's own constant ``consts[j]`` (the cached default frequencies, a cached pair -> axis map)."""
+    plan's own constant ``consts[j]`` (the cached default frequencies)."""
 
     __slots__ = ("launch", "slots", "consts", "const_handles", "int_offset", "max_offset", "q_out", "k_out",
                  "grad", "handle", "q_span", "k_span", "qk_delta")
@@ -247,8 +247,8 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
     slots = [source(field, t) for field, t in zip(TENSOR_FIELDS, spec.tensors)]
     for j, (field, t) in enumerate(zip(TENSOR_FIELDS, spec.tensors)):
         # Tensors validation takes from its caches, the same for every call of the signature: the default
-        # frequencies of base= and the pair -> axis map of sections=. The plan keeps them alive.
-        if slots[j] is None and (field == "pair_axis" or (field == "inv_freq" and options["inv_freq"] is None)):
+        # frequencies of base=. The plan keeps them alive.
+        if slots[j] is None and field == "inv_freq" and options["inv_freq"] is None:
             slots[j] = ~len(consts)
             consts.append(t)
     if any(s is None for s in slots):

@@ -67,8 +67,9 @@ class RopeSpec(NamedTuple):
 
     * positions: ``positions`` [B, S] per-token ids, or ``seq_offsets`` [B] added to each sequence's 0..S-1 (to the
       index inside each ``cu_seqlens`` sequence with packed tokens), or the int ``pos_offset``. Multi-axis positions
-      (M-RoPE): ``positions`` [A, B, S], one row of ids per axis, and ``pair_axis`` [R/2] (int32) the axis whose
-      position turns each pair.
+      (M-RoPE): ``positions`` [A, B, S], one row of ids per axis, ``sections`` (n_0, ..., n_{A-1}) pairs per axis
+      (at most 4 axes; None for 1-D positions) and ``section_layout`` which pairs each axis turns
+      (:func:`pair_axis_map`). Through the dispatcher ``sections`` arrives as a list.
     * frequencies: ``freq_mode`` "inv_freq" (``inv_freq`` [R/2], angles formed in the kernel), "table"
       (``cos``/``sin`` [Bt, rows, W]) or "angles" (raw angles in ``cos`` [Bt, rows, W]); W is R/2 or R; rows are
       positions, or the tokens' ``s`` when ``table_by_token``.
@@ -82,8 +83,9 @@ class RopeSpec(NamedTuple):
     inv_freq: Tensor | None
     cos: Tensor | None
     sin: Tensor | None
-    pair_axis: Tensor | None
     pos_offset: int
+    sections: tuple[int, ...] | None
+    section_layout: str
     layout: str
     style: str
     freq_mode: str
@@ -111,10 +113,10 @@ class RopeSpec(NamedTuple):
         return cls(*tensors, *scalars)
 
 
-NUM_TENSOR_FIELDS = 7
+NUM_TENSOR_FIELDS = 6
 TENSOR_FIELDS = RopeSpec._fields[:NUM_TENSOR_FIELDS]
 _SCHEMA_TYPES = {Tensor | None: "Tensor?", int: "int", str: "str", float: "float", bool: "bool",
-                 torch.dtype | None: "ScalarType?"}
+                 torch.dtype | None: "ScalarType?", tuple[int, ...] | None: "int[]?"}
 
 
 def op_schema(inplace: bool) -> str:
@@ -305,10 +307,9 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
                 raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
                                  f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
     num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
-    pair_axis = None
     if sections is not None:
-        pos_tensor, pair_axis = _multi_axis(q, positions, sections, section_layout, layout, B, S, rotary_dim,
-                                            freq_mode)
+        pos_tensor, sections = _multi_axis(q, positions, sections, section_layout, layout, B, S, rotary_dim,
+                                           freq_mode)
         cu_seqlens = None  # per-token positions already say everything
     elif section_layout != "contiguous":
         raise ValueError("section_layout applies to multi-axis positions: give sections= too")
@@ -348,14 +349,18 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
 
     return RopeSpec(
         positions=pos_tensor, seq_offsets=seq_offsets, cu_seqlens=cu_seqlens, inv_freq=inv_freq,
-        cos=cos if freq_mode != "inv_freq" else None, sin=sin if freq_mode == "table" else None, pair_axis=pair_axis,
-        pos_offset=pos_offset, layout=layout, style=style, freq_mode=freq_mode, rotary_dim=rotary_dim,
+        cos=cos if freq_mode != "inv_freq" else None, sin=sin if freq_mode == "table" else None,
+        pos_offset=pos_offset, sections=sections, section_layout=section_layout, layout=layout, style=style,
+        freq_mode=freq_mode, rotary_dim=rotary_dim,
         rotary_start=0 if rotary_at == "front" else D - rotary_dim, table_by_token=table_by_token,
         q_scale=float(q_scale), k_scale=float(k_scale), rotary_scale=float(rotary_scale),
         conjugate=mode.conjugate, out_dtype=out_dtype)
 
 
 SECTION_LAYOUTS = ("contiguous", "interleaved")
+MAX_AXES = 4
+"""The most position axes (sections) the kernel takes: it forms each pair's axis from one compile-time bound per
+axis past the first (``ropekit.triton.launcher.axis_constexprs``)."""
 _PAIR_AXIS_CACHE: OrderedDict = OrderedDict()
 
 
@@ -394,14 +399,16 @@ def pair_axis_tensor(sections: tuple[int, ...], section_layout: str, device: tor
 
 
 def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str, B: int, S: int, rotary_dim: int,
-                freq_mode: str) -> tuple[Tensor, Tensor]:
-    """Check multi-axis (M-RoPE) arguments; the positions as an [A, B, S] view and the pair -> axis map."""
+                freq_mode: str) -> tuple[Tensor, tuple[int, ...]]:
+    """Check multi-axis (M-RoPE) arguments; the positions as an [A, B, S] view and the sections as a tuple."""
     if isinstance(sections, (str, bytes)) or not isinstance(sections, Sequence) or not sections:
         raise TypeError(f"sections must be a non-empty sequence of ints (pairs per axis), got {sections!r}")
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in sections):
         raise ValueError(f"sections must hold ints >= 0 (pairs per axis), got {list(sections)}")
     sections = tuple(sections)
     A = len(sections)
+    if A > MAX_AXES:
+        raise ValueError(f"sections may name at most {MAX_AXES} axes (pairs per axis), got {A}: {list(sections)}")
     if sum(sections) != rotary_dim // 2:
         raise ValueError(f"sections must sum to rotary_dim/2 = {rotary_dim // 2} (pairs), got {list(sections)} "
                          f"(sum {sum(sections)})")
@@ -423,7 +430,7 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
     else:
         raise ValueError(f"with {A} sections, positions must be {want}, one row per axis; got shape "
                          f"{tuple(positions.shape)}")
-    return pos, pair_axis_tensor(sections, section_layout, q.device)
+    return pos, sections
 
 
 def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,

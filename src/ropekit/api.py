@@ -87,8 +87,9 @@ def apply_rope(
     sections : sequence of int, optional
         Multi-axis positions (M-RoPE of vision-language models, axial RoPE): ``positions`` is then an integer tensor
         [A, B, S] or [A, 1, S] (``thd``: [A, T]), one row of ids per axis, and ``sections`` = (n_0, ..., n_{A-1})
-        pairs per axis, summing to R/2: pair i turns by ``positions[axis(i)] * inv_freq[i]``, with frequencies from
-        ``base`` or ``inv_freq`` (exact in-kernel angles; tables are per position of one axis and are refused).
+        pairs per axis (A <= 4), summing to R/2: pair i turns by ``positions[axis(i)] * inv_freq[i]``, with
+        frequencies from ``base`` or ``inv_freq`` (exact in-kernel angles; tables are per position of one axis and
+        are refused).
     section_layout : {"contiguous", "interleaved"}
         Which pairs each axis takes: ``contiguous`` -- pairs 0..n_0-1 axis 0, the next n_1 axis 1, ... (Qwen2-VL,
         Qwen2.5-VL ``mrope_section``); ``interleaved`` -- pair i takes axis a = i % A (a >= 1) while i < A * n_a,

@@ -20,10 +20,11 @@ Conventions (shared with the kernels):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from ropekit._spec import MAX_POSITION, RopeSpec, to_canonical
+from ropekit._spec import MAX_POSITION, RopeSpec, pair_axis_map, to_canonical
 
 
 def token_positions(
@@ -75,12 +76,13 @@ def rotation_tables(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     table_by_token: bool = False,
-    pair_axis: torch.Tensor | None = None,
+    sections: Sequence[int] | None = None,
+    section_layout: str = "contiguous",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(cos_lo, cos_hi, sin_lo, sin_hi)``, each float64 [B, S, R/2].
 
-    Multi-axis positions ``pos`` [A, B, S] (``freq_mode="inv_freq"``): pair i turns by
-    ``pos[pair_axis[i]] * inv_freq[i]``.
+    Multi-axis positions ``pos`` [A, B, S] (``freq_mode="inv_freq"``, ``sections`` pairs per axis): pair i turns
+    by ``pos[axis[i]] * inv_freq[i]``, ``axis = pair_axis_map(sections, section_layout)``.
 
     ``freq_mode``: ``"inv_freq"`` (angle = pos * inv_freq[i]), ``"table"`` (cos/sin rows), ``"angles"`` (raw angle
     rows in ``cos``). Tables are 3-D [Bt, rows, W] with Bt in {1, B} and W in {R/2, R}; rows are positions, or
@@ -90,7 +92,7 @@ def rotation_tables(
     if freq_mode == "inv_freq":
         angle = pos.to(torch.float64)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float64)
         if pos.dim() == 3:  # [A, B, S, R/2]: each pair takes its axis
-            axis = pair_axis.to(device=pos.device, dtype=torch.int64)
+            axis = torch.tensor(pair_axis_map(tuple(sections), section_layout), device=pos.device)
             angle = angle.gather(0, axis.expand(1, B, S, -1))[0]
         angle = reduced_angle(angle)
         c, s = torch.cos(angle), torch.sin(angle)
@@ -167,8 +169,8 @@ def rope_float32(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> lis
 
 
 def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: torch.device) -> list[torch.Tensor]:
-    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pair_axis, pos_offset, layout, style, freq_mode,
-     rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
+    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, sections, section_layout, layout, style,
+     freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
     qc = to_canonical(q, layout)
     B, S = qc.shape[:2]
     pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
@@ -180,7 +182,8 @@ def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: 
         valid &= pos < cos.shape[1]
     neox = style == "neox"
     tables = rotation_tables(pos, half=rotary_dim // 2, neox=neox, freq_mode=freq_mode, inv_freq=inv_freq,
-                             cos=cos, sin=sin, table_by_token=table_by_token, pair_axis=pair_axis)
+                             cos=cos, sin=sin, table_by_token=table_by_token, sections=sections,
+                             section_layout=section_layout)
     tables = tuple(t.to(device=q.device, dtype=math_dtype) for t in tables)
     valid = valid.to(q.device)
     outs = []

@@ -18,9 +18,9 @@ from ropekit.triton.launcher import _COMPILED, _CONSTEXPR_NAMES, _cache_key, _cu
 
 # What a call fills, by the kernel's parameter names, in the order BoundLaunch.__call__ takes them.
 VARYING_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "ko_ptr", "pos_ptr", "seq_off_ptr", "cu_ptr", "freq_ptr", "cos_ptr",
-                "sin_ptr", "axis_ptr", "pos_offset")
+                "sin_ptr", "pos_offset")
 _INDEX = {name: i for i, name in enumerate(kernel.rope_kernel.arg_names)}
-(_Q, _QO, _K, _KO, _POS, _SEQ_OFF, _CU, _FREQ, _COS, _SIN, _AXIS, _POS_OFFSET) = (_INDEX[n] for n in VARYING_ARGS)
+(_Q, _QO, _K, _KO, _POS, _SEQ_OFF, _CU, _FREQ, _COS, _SIN, _POS_OFFSET) = (_INDEX[n] for n in VARYING_ARGS)
 _VARYING = frozenset(_INDEX[n] for n in VARYING_ARGS)
 
 
@@ -33,7 +33,7 @@ class _Bound:
         # No tensor of the call that made the plan is kept: its slots are blank.
         self._template = [None if i in _VARYING else a for i, a in enumerate(args)]
 
-    def _fill(self, q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pair_axis,
+    def _fill(self, q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin,
               pos_offset: int) -> list:
         args = self._template.copy()
         args[_Q] = q
@@ -46,15 +46,14 @@ class _Bound:
         args[_FREQ] = inv_freq
         args[_COS] = cos
         args[_SIN] = sin
-        args[_AXIS] = pair_axis
         args[_POS_OFFSET] = pos_offset
         return args
 
 
 class BoundLaunch(_Bound):
-    """One compiled specialisation of ``rope_kernel`` bound to its grid and fixed arguments; a call passes the eleven
-    data pointers (q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pair_axis, as ints)
-    and the position offset. The caller guarantees that the tensors behind the pointers have the shapes, strides,
+    """One compiled specialisation of ``rope_kernel`` bound to its grid and fixed arguments; a call passes the ten
+    data pointers (q, q_out, k, k_out, positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, as ints) and the
+    position offset. The caller guarantees that the tensors behind the pointers have the shapes, strides,
     dtypes, device and 16-byte alignment the launch was bound with."""
 
     __slots__ = ("_run", "_grid", "_function", "_packed", "_tail", "_device_index", "_compiled")

@@ -116,38 +116,67 @@ def _table_columns(i, HALF: tl.constexpr, NEOX: tl.constexpr, TABLE_FULL: tl.con
 
 
 @triton.jit
-def _pair_positions(b, s, mask_t, mask_i, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, axis_ptr,
-                    NUM_AXES: tl.constexpr):
-    """Multi-axis positions: [BLOCK_T, HALF_BLOCK] the position of each pair's axis (``axis_ptr[i]``) for every
-    token, and the tokens whose positions are valid on every axis. ``pos`` holds axis 0's (already loaded)."""
-    axis = tl.load(axis_ptr + i, mask=mask_i, other=0)[None, :]
-    pair_pos = pos[:, None] + tl.zeros_like(axis).to(tl.int64)
+def _pair_axis(i, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+               AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr):
+    """int32 axis of each pair ``i`` (``ropekit._spec.pair_axis_map``), from compile-time bounds: no load.
+
+    Contiguous: ``AXIS_BOUND_a`` is the first pair of axis a (n_0 + ... + n_{a-1}), and the axis is the number of
+    bounds passed. Interleaved: pair i takes axis ``a = i % NUM_AXES`` (a >= 1) while ``i < AXIS_BOUND_a``
+    (``NUM_AXES * n_a``), else axis 0. Bounds of axes past ``NUM_AXES`` are never read."""
+    if AXES_INTERLEAVED:
+        r = i % NUM_AXES
+        axis = tl.where((r == 1) & (i < AXIS_BOUND_1), 1, 0)
+        if NUM_AXES > 2:
+            axis = tl.where((r == 2) & (i < AXIS_BOUND_2), 2, axis)
+        if NUM_AXES > 3:
+            axis = tl.where((r == 3) & (i < AXIS_BOUND_3), 3, axis)
+    else:
+        axis = (i >= AXIS_BOUND_1).to(tl.int32)
+        if NUM_AXES > 2:
+            axis += (i >= AXIS_BOUND_2).to(tl.int32)
+        if NUM_AXES > 3:
+            axis += (i >= AXIS_BOUND_3).to(tl.int32)
+    return axis
+
+
+@triton.jit
+def _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES: tl.constexpr,
+                    AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
+                    AXIS_BOUND_3: tl.constexpr):
+    """Multi-axis positions: int32 [BLOCK_T, HALF_BLOCK] the position of each pair's axis for every token, and
+    the tokens whose positions are valid on every axis. ``pos`` holds axis 0's (already loaded, int64).
+
+    The selects run in int32 (an int64 select is two, and its conversion to float64 costs more): exact, since a
+    valid position is at most 2**31 - 1, and a token invalid on any axis comes out NaN whatever its truncation."""
+    axis = _pair_axis(i, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)[None, :]
+    pair_pos = pos.to(tl.int32)[:, None] + tl.zeros_like(axis)
     for a in tl.static_range(1, NUM_AXES):
         p = tl.load(pos_ptr + a * pos_sa + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
         valid = valid & (p >= 0) & (p <= _MAX_POSITION)
-        pair_pos = tl.where(axis == a, p[:, None], pair_pos)
+        pair_pos = tl.where(axis == a, p.to(tl.int32)[:, None], pair_pos)
     return pair_pos, valid
 
 
 @triton.jit
 def _rotation(
     b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-    pos_ptr, pos_sa, pos_sb, pos_ss, axis_ptr,
+    pos_ptr, pos_sa, pos_sb, pos_ss,
     ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, NEOX: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, FAST_TRIG: tl.constexpr,
-    NUM_AXES: tl.constexpr,
+    NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr,
 ):
     """fp32 [BLOCK_T, HALF_BLOCK] (cos_lo, cos_hi, sin_a, sin_b) with ``lo' = lo*cos_lo - hi*sin_a`` and
     ``hi' = hi*cos_hi + lo*sin_b``; invalid tokens get NaN. With ``NUM_AXES`` > 1 (M-RoPE; in-kernel angles only)
-    pair i turns by the position of axis ``axis_ptr[i]``."""
+    pair i turns by the position of its axis (:func:`_pair_axis`)."""
     HALF: tl.constexpr = ROT_DIM // 2
     i = tl.arange(0, HALF_BLOCK)
     mask_i = i < HALF
     if FREQ_MODE == 0:
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0).to(tl.float64)
         if NUM_AXES > 1:
-            pair_pos, valid = _pair_positions(b, s, mask_t, mask_i, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss,
-                                              axis_ptr, NUM_AXES)
+            pair_pos, valid = _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES,
+                                              AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
             angle = pair_pos.to(tl.float64) * inv_freq[None, :]
         else:
             angle = pos.to(tl.float64)[:, None] * inv_freq[None, :]
@@ -284,12 +313,13 @@ def _store_heads(
 def _rope_head_block(
     x_ptr, o_ptr, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, t, b, s, mask_t, h0, H, scale,
     pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa, axis_ptr,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr,
     BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
-    FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
+    FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr,
 ):
     """Rotate one [BLOCK_T, BLOCK_H] block of heads of ``x`` into ``o``.
 
@@ -304,8 +334,9 @@ def _rope_head_block(
     # The output scale goes into cos/sin with the rotary scale (one scalar product): per column, not per element.
     c_lo, c_hi, s_a, s_b = _rotation(
         b, s, pos, valid & mask_t, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
-        rotary_scale * scale, pos_ptr, pos_sa, pos_sb, pos_ss, axis_ptr, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE,
-        TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG, NUM_AXES)
+        rotary_scale * scale, pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE,
+        TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2,
+        AXIS_BOUND_3)
     o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
     _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
                  NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS)
@@ -321,13 +352,15 @@ def rope_kernel(
     HQ, HK, S, num_tokens,
     pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
-    q_scale, k_scale, rotary_scale, pos_sa, axis_ptr,
+    q_scale, k_scale, rotary_scale, pos_sa,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, HAS_K: tl.constexpr,
     COPY_PASS_Q: tl.constexpr, COPY_PASS_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
+    AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens."""
     # Grid: (head blocks, token blocks) with the token blocks over axes 1 and 2 (axis 1 holds at most 65535), so
@@ -346,13 +379,15 @@ def rope_kernel(
         _rope_head_block(
             q_ptr, qo_ptr, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, t, b, s, mask_t, hb * BLOCK_HQ, HQ, q_scale,
             pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa, axis_ptr,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
-            CONJUGATE, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q, FAST_TRIG, NUM_AXES)
+            CONJUGATE, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
     elif HAS_K:
         _rope_head_block(
             k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, t, b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK,
             k_scale, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
-            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa, axis_ptr,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
-            CONJUGATE, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K, FAST_TRIG, NUM_AXES)
+            CONJUGATE, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from ropekit._spec import RopeSpec, to_canonical
+from ropekit._spec import MAX_AXES, RopeSpec, to_canonical
 from ropekit.triton import kernel
 
 _FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ, "table": kernel.FREQ_TABLE, "angles": kernel.FREQ_ANGLES}
@@ -115,6 +115,23 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     return block_t, block_hq, block_hk, num_warps
 
 
+def axis_constexprs(sections, section_layout: str) -> tuple[int, bool, int, int, int]:
+    """(NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3) of ``rope_kernel`` for a spec's
+    ``sections`` (None: 1-D positions) and ``section_layout``; see ``kernel._pair_axis``. Per axis a >= 1 the bound
+    is the first pair of axis a (contiguous) or ``A * n_a`` (interleaved); those of absent axes are 0 (never
+    read)."""
+    if sections is None or len(sections) == 1:
+        return 1, False, 0, 0, 0
+    A = len(sections)
+    if A > MAX_AXES:  # validate refuses these first
+        raise ValueError(f"sections may name at most {MAX_AXES} axes, got {list(sections)}")
+    if section_layout == "interleaved":
+        bounds = [A * n for n in sections[1:]]
+    else:
+        bounds = [sum(sections[:a]) for a in range(1, A)]
+    return (A, section_layout == "interleaved", *bounds, *[0] * (MAX_AXES - A))
+
+
 def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
                 spec: RopeSpec, *, tile_bytes: int = TILE_BYTES,
                 config: tuple[int, int, int, int] | None = None) -> None:
@@ -128,8 +145,8 @@ def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_
 def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
     """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments; None when
     there is nothing to rotate."""
-    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pair_axis, pos_offset, layout, style, freq_mode,
-     rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
+    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, sections, section_layout, layout, style,
+     freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
     B, S, HQ, D = qc.shape
     has_k = k is not None
@@ -142,11 +159,10 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     if num_tokens >= 2**31:  # the kernel indexes tokens in int32
         raise ValueError(f"at most 2**31 - 1 tokens (batch * seqlen) per call, got {num_tokens}; split the call")
 
-    num_axes, pos_sa = 1, 0
-    if positions is not None and positions.dim() == 3:  # multi-axis: [A, B, S]
+    pos_sa = 0
+    if sections is not None:  # multi-axis: positions [A, B, S]
         pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
         pos_sa, pos_sb, pos_ss = positions.stride()
-        num_axes = positions.shape[0]
     elif positions is not None:
         pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
         pos_sb, pos_ss = positions.stride()
@@ -191,20 +207,22 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         inv_freq if inv_freq is not None else dummy,
         cos if cos is not None else dummy, sin if sin is not None else dummy,
         t_sb, t_sr, t_sc, table_rows,
-        q_scale, k_scale, rotary_scale, pos_sa, pair_axis if pair_axis is not None else dummy,
+        q_scale, k_scale, rotary_scale, pos_sa,
     )
     constexprs = (
         D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
         _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
-        _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip), num_axes,
+        _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
+        *axis_constexprs(sections, section_layout),
     )
     return grid, args, constexprs, num_warps
 
 
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
-                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES")
+                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
+                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3")
 # Runtime arguments by role, as positions in the kernel's signature (derived from its parameter names, so that a
 # new argument cannot shift a hard-coded index).
 _ARG_INDEX = {name: i for i, name in enumerate(kernel.rope_kernel.arg_names)}

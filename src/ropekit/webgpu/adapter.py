@@ -51,7 +51,7 @@ def unsupported(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> list
     grad = [name for name, t in tensors if t is not None and t.requires_grad] if torch.is_grad_enabled() else []
     return [name for name, bad in (
         ("a positions tensor (only an int offset)", spec.positions is not None or spec.seq_offsets is not None),
-        ("multi-axis positions (sections=)", spec.pair_axis is not None),
+        ("multi-axis positions (sections=)", spec.sections is not None),
         ("cu_seqlens", spec.cu_seqlens is not None),
         (f"layout={spec.layout!r} (only 'bshd' or 'thd')", spec.layout not in ("bshd", "thd")),
         ("rotary_dim < head_dim", spec.rotary_dim != q.shape[-1]),
