@@ -44,7 +44,8 @@ RULES = {
     "ropekit._spec": _except(*SPEC),
     "ropekit.reference": _except(*SPEC, "ropekit.reference"),
     "ropekit.triton.kernel": ALL,  # no ropekit module (ropekit.triton's __init__ and the kernel only)
-    "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound"),
+    "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound", "ropekit.triton.prologue"),
+    "ropekit.triton.prologue": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound"),
     "ropekit.triton.bound": _except(*SPEC, "ropekit.triton"),
     "ropekit.ops": ("ropekit.autograd", "ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.webgpu",
                     *ABOVE_API),

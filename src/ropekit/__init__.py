@@ -1,6 +1,7 @@
 """ropekit: rotary position embeddings for PyTorch.
 
-Public entry points: :func:`apply_rope`, :func:`apply_rope_` (in place), :func:`rope_backward`,
+Public entry points: :func:`apply_rope`, :func:`apply_rope_` (in place), :func:`rope_backward`, the attention
+prologue :func:`qk_norm_rope` (per-head RMSNorm + RoPE) and :func:`rope_kv_write` (+ the KV-cache write),
 :func:`from_hf_config` and :class:`RotaryEmbedding` (frequencies of any transformers model), and
 :func:`ropekit.integrations.transformers.apply_rotary_pos_emb` (a drop-in for transformers' function);
 :func:`set_fast_path` turns the eager launch plans off (debugging).
@@ -21,6 +22,8 @@ _EXPORTS = {
     "apply_rope": "ropekit.api",
     "apply_rope_": "ropekit.api",
     "rope_backward": "ropekit.api",
+    "qk_norm_rope": "ropekit.api",
+    "rope_kv_write": "ropekit.api",
     "RopeFrequencies": "ropekit.frequencies",
     "from_hf_config": "ropekit.frequencies",
     "rope_frequencies": "ropekit.frequencies",
@@ -29,12 +32,13 @@ _EXPORTS = {
     "set_fast_path": "ropekit._config",
 }
 
-__all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "RopeFrequencies", "from_hf_config",
+__all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write",
+           "RopeFrequencies", "from_hf_config",
            "rope_frequencies", "axial_inv_freq", "RotaryEmbedding", "set_fast_path"]
 
 if TYPE_CHECKING:
     from ropekit._config import set_fast_path
-    from ropekit.api import apply_rope, apply_rope_, rope_backward
+    from ropekit.api import apply_rope, apply_rope_, qk_norm_rope, rope_backward, rope_kv_write
     from ropekit.frequencies import RopeFrequencies, axial_inv_freq, from_hf_config, rope_frequencies
     from ropekit.modules import RotaryEmbedding
 

@@ -119,11 +119,14 @@ _SCHEMA_TYPES = {Tensor | None: "Tensor?", int: "int", str: "str", float: "float
                  torch.dtype | None: "ScalarType?", tuple[int, ...] | None: "int[]?"}
 
 
-def op_schema(inplace: bool) -> str:
+def op_schema(inplace: bool, inputs: str = "", returns: str = "Tensor[]") -> str:
     """The ``torch.library`` schema of ``ropekit::rope`` (out of place: returns the outputs) or ``ropekit::rope_``
-    (writes q and k), generated from :class:`RopeSpec`'s fields."""
+    (writes q and k), generated from :class:`RopeSpec`'s fields; ``inputs`` replaces q and k by other leading
+    arguments (the prologue ops), which return ``returns``."""
     hints = typing.get_type_hints(RopeSpec)
     fields = ", ".join(f"{_SCHEMA_TYPES[hints[name]]} {name}" for name in RopeSpec._fields)
+    if inputs:
+        return f"({inputs}, {fields}) -> {returns}"
     if inplace:
         return f"(Tensor(a!) q, Tensor(b!)? k, {fields}) -> ()"
     return f"(Tensor q, Tensor? k, {fields}) -> Tensor[]"
@@ -514,3 +517,192 @@ def check_inplace_targets(q: Tensor, k: Tensor | None, names: tuple[str, str]) -
 
 def needs_grad(q: Tensor, k: Tensor | None) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+
+
+# --- the attention prologue (qk_norm_rope, rope_kv_write) --------------------------------------------------------
+
+CACHE_LAYOUTS = ("bshd", "bhsd", "paged")
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+
+
+class CacheSpec(NamedTuple):
+    """Where :func:`ropekit.rope_kv_write` puts k and v, validated.
+
+    * ``k_cache``/``v_cache`` as given, in ``layout``: "bshd" [B, rows, H, D], "bhsd" [B, H, rows, D] (token
+      (b, pos) goes to row pos of batch entry b), "paged" [num_blocks, block_size, H, D] (token t goes to slot
+      ``slots[b, s]``; -1, or any slot outside, skips it).
+    * ``cache_batch``: packed tokens' batch entries ([T] int64, from ``cu_seqlens``), else None (the token's own).
+    * ``slots``: [B, S] view of ``slot_mapping`` (paged only).
+    * ``k_scale``/``v_scale``: float8 caches' per-tensor scales (stored = value / scale): Python floats, or 0-d
+      float32 device tensors (read by the kernel: graph capture); 1.0 for other caches.
+    """
+
+    k_cache: Tensor
+    v_cache: Tensor
+    layout: str
+    cache_batch: Tensor | None
+    slots: Tensor | None
+    k_scale: float | Tensor
+    v_scale: float | Tensor
+
+    @property
+    def paged(self) -> bool:
+        return self.layout == "paged"
+
+    def views(self) -> tuple[Tensor, Tensor]:
+        """The caches as [B | num_blocks, rows | block_size, H, D] views (no copy)."""
+        if self.layout == "bhsd":
+            return self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)
+        return self.k_cache, self.v_cache
+
+    @property
+    def rows(self) -> int:
+        """Rows per batch entry, or slots in all (paged)."""
+        kv = self.views()[0]
+        return kv.shape[0] * kv.shape[1] if self.paged else kv.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1] if self.paged else 1
+
+
+def validate_norm_weights(q: Tensor, k: Tensor | None, q_weight, k_weight, eps, weight_offset,
+                          required: bool) -> bool:
+    """Check per-head RMSNorm arguments (weights [D] of a float dtype on q's device, eps > 0); whether there is a
+    norm. ``required``: both weights must be given."""
+    if q_weight is None and k_weight is None and not required:
+        return False
+    if q_weight is None or (k is not None and k_weight is None):
+        missing = "q_weight" if q_weight is None else "k_weight"
+        raise ValueError(f"{missing} is missing: pass both q_weight and k_weight (the per-head RMSNorm weights) "
+                         "or neither")
+    D = q.shape[-1]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is None:
+            continue
+        _check_tensor(name, w, q, FLOAT_DTYPES, "a floating tensor")
+        if tuple(w.shape) != (D,):
+            raise ValueError(f"{name} must have shape [head_dim] = [{D}], got {tuple(w.shape)}")
+    if not _is_real(eps) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+    if not _is_real(weight_offset) or not math.isfinite(weight_offset):
+        raise ValueError(f"weight_offset must be a finite float, got {weight_offset!r}")
+    return True
+
+
+def _cache_scale(name: str, scale, cache: Tensor, cache_name: str):
+    if scale is None:
+        return 1.0
+    if cache.dtype not in FP8_CACHE_DTYPES:
+        raise ValueError(f"{name} applies to float8_e4m3fn caches only; {cache_name} is {cache.dtype}")
+    if isinstance(scale, Tensor):
+        if scale.dim() != 0 or not scale.dtype.is_floating_point or scale.device != cache.device:
+            raise ValueError(f"{name} must be a Python float or a 0-d floating tensor on {cache_name}'s device "
+                             f"{cache.device}, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}")
+        return scale if scale.dtype == torch.float32 else scale.float()
+    if not _is_real(scale) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be a finite float > 0, got {scale!r}")
+    return float(scale)
+
+
+def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions,
+                      slot_mapping, cache_layout: str, k_cache_scale, v_cache_scale, cu_seqlens, layout: str,
+                      sections, check_positions: bool) -> tuple[Tensor, Tensor, Tensor, object, str, CacheSpec]:
+    """Check :func:`ropekit.rope_kv_write`'s tensors and cache arguments. Returns q, k, v as 4-D views in
+    ``layout`` (3-D tokens [T, H, D] become [T, 1, H, D], one token per sequence, or [1, T, H, D] with
+    ``cu_seqlens``), the positions to rotate by in the same shape, that layout, and the :class:`CacheSpec`."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must be [T, Hq, D] (tokens) or 4-D in layout {layout!r}, got shape {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != q.dim():
+            raise ValueError(f"{name} must have q's {q.dim()} dims, got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if v.stride(-1) != 1:
+        raise ValueError("v must have a contiguous last dim (stride 1)")
+    tokens = q.dim() == 3
+    if tokens and cu_seqlens is None:  # one token per sequence: [T, 1, H, D]
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        layout = "bshd"
+        if isinstance(positions, Tensor) and positions.dim() == (1 if sections is None else 2):
+            positions = positions.unsqueeze(-1)  # [T] -> [T, 1]; multi-axis [A, T] -> [A, T, 1]
+    elif tokens:  # packed sequences: the core op's "thd" layout
+        layout = "thd"
+    elif cu_seqlens is not None:
+        raise ValueError("cu_seqlens applies to 3-D [T, H, D] tokens only")
+    if tokens and isinstance(slot_mapping, Tensor) and slot_mapping.dim() == 1:
+        slot_mapping = slot_mapping.view(-1, 1) if cu_seqlens is None else slot_mapping.view(1, -1)
+    kc4 = to_canonical(k, layout)
+    B, S, HK, D = kc4.shape
+    if not isinstance(cache_layout, str) or cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
+        if c.dtype != q.dtype and c.dtype not in FP8_CACHE_DTYPES:
+            raise TypeError(f"{name} must have the inputs' dtype {q.dtype} or float8_e4m3fn, got {c.dtype}")
+        if c.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {c.device}")
+        if c.dim() != 4 or c.stride(-1) != 1:
+            raise ValueError(f"{name} must be a 4-D tensor with a contiguous last dim, got shape {tuple(c.shape)} "
+                             f"strides {c.stride()}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    expected = {"bshd": "[B, max_seq, Hkv, D]", "bhsd": "[B, Hkv, max_seq, D]",
+                "paged": "[num_blocks, block_size, Hkv, D]"}[cache_layout]
+    kcv = k_cache if cache_layout != "bhsd" else k_cache.transpose(1, 2)
+    if kcv.shape[2] != HK or kcv.shape[3] != D:
+        raise ValueError(f"k_cache must be {expected} with Hkv = {HK} and D = {D} (k's), got {tuple(k_cache.shape)}")
+    paged = cache_layout == "paged"
+    cache_batch = None
+    if paged:
+        if slot_mapping is None:
+            raise ValueError('cache_layout="paged" needs slot_mapping (each token\'s slot, -1 to skip)')
+        _check_tensor("slot_mapping", slot_mapping, q, INT_DTYPES, "an int32 or int64 tensor")
+        if tuple(slot_mapping.shape) != (B, S):
+            want = "[T]" if tokens else f"[{B}, {S}]"
+            raise ValueError(f"slot_mapping must have shape {want} (one slot per token), got "
+                             f"{tuple(slot_mapping.shape)}")
+        rows = kcv.shape[0] * kcv.shape[1]
+        if (_host_readable(slot_mapping) or check_positions) and slot_mapping.numel() \
+                and not torch.compiler.is_compiling():
+            lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+            if lo < -1 or hi >= rows:
+                raise IndexError(f"slot_mapping must hold slots in [0, {rows}) (num_blocks * block_size) or -1, "
+                                 f"got values in [{lo}, {hi}]")
+    else:
+        if slot_mapping is not None:
+            raise ValueError(f'slot_mapping applies to cache_layout="paged" only, got cache_layout={cache_layout!r}')
+        if sections is not None:
+            raise ValueError("multi-axis positions (sections) need cache_layout=\"paged\" with slot_mapping: the "
+                             "cache row of a token is not one of its positions")
+        rows = kcv.shape[1]
+        if tokens and cu_seqlens is not None:
+            _check_tensor("cu_seqlens", cu_seqlens, q, INT_DTYPES, "an int32 or int64 tensor")
+            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                raise ValueError(f"cu_seqlens must be [num_seqs + 1], got shape {tuple(cu_seqlens.shape)}")
+            n_seqs = cu_seqlens.numel() - 1
+            token_index = torch.arange(S, device=q.device, dtype=cu_seqlens.dtype)
+            cache_batch = torch.searchsorted(cu_seqlens[1:].contiguous(), token_index, right=True).to(torch.int64)
+        else:
+            n_seqs = B
+        if kcv.shape[0] < n_seqs:
+            raise ValueError(f"k_cache holds {kcv.shape[0]} sequences, fewer than the {n_seqs} written")
+        if isinstance(positions, Tensor):
+            if (_host_readable(positions) or check_positions) and positions.numel() \
+                    and not torch.compiler.is_compiling():
+                hi = int(positions.max())
+                if hi >= rows:
+                    raise IndexError(f"positions reach {hi} but the caches hold {rows} rows per sequence "
+                                     f"(cache_layout={cache_layout!r})")
+        elif _is_real(positions) and layout != "thd" and S and int(positions) + S - 1 >= rows:
+            raise IndexError(f"positions reach {int(positions) + S - 1} but the caches hold {rows} rows per sequence")
+    k_scale = _cache_scale("k_cache_scale", k_cache_scale, k_cache, "k_cache")
+    v_scale = _cache_scale("v_cache_scale", v_cache_scale, v_cache, "v_cache")
+    spec = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slot_mapping if paged else None, k_scale, v_scale)
+    return q, k, v, positions, layout, spec

@@ -13,10 +13,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ropekit import _fastpath, distributed
-from ropekit._spec import BACKWARD, FORWARD, FORWARD_INPLACE, Mode, Positions, validate
+from ropekit import _fastpath, autograd, distributed
+from ropekit._spec import (
+    BACKWARD,
+    FORWARD,
+    FORWARD_INPLACE,
+    Mode,
+    Positions,
+    validate,
+    validate_kv_write,
+    validate_norm_weights,
+)
 
-__all__ = ["apply_rope", "apply_rope_", "rope_backward"]
+__all__ = ["apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write"]
 
 
 def _rope(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
@@ -171,3 +180,99 @@ def rope_backward(
                    section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
                    backend=backend)
     return _rope(dq_rot, dk_rot, BACKWARD, options)
+
+
+def qk_norm_rope(
+    q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, *, eps: float = 1e-6, weight_offset: float = 0.0,
+    positions: Positions = None, inv_freq: Tensor | None = None, base: float = 10000.0, cos: Tensor | None = None,
+    sin: Tensor | None = None, angles: Tensor | None = None, style: str = "neox", layout: str = "bshd",
+    rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
+    rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None, sections: Sequence[int] | None = None,
+    section_layout: str = "contiguous", check_positions: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm of ``q`` and ``k`` over head_dim, then RoPE, in one kernel: returns new ``(q_out,
+    k_out)`` (Qwen3's and OLMo-2's ``q_norm``/``k_norm`` before the rotation). Differentiable in q, k, q_weight and
+    k_weight; ``torch.compile`` traces it as the op ``ropekit::qk_norm_rope``.
+
+    ``x_out = rope(x / sqrt(mean(x**2) + eps) * (weight + weight_offset))`` per head, with the mean over all D
+    columns (the pass-through columns of a partial rotary come out normalised, not rotated). fp32 math on the GPU
+    (float64 on CPU) with one rounding at the store: unlike transformers' modules, the normalised values are not
+    rounded to the input dtype before the rotation.
+
+    q_weight, k_weight : Tensor [D]
+        The norms' weights, any float dtype (read in fp32). ``weight_offset=1.0`` gives Gemma's ``(1 + w)``.
+    eps : float
+        Added to the mean square (> 0).
+
+    Every other keyword is :func:`apply_rope`'s (positions, frequencies, pairing, layout, partial rotary, scales,
+    packed sequences, multi-axis positions). Raises ``TypeError``/``ValueError``/``IndexError`` naming the
+    argument.
+
+    >>> q_out, k_out = ropekit.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps=1e-6,
+    ...                                     positions=position_ids, base=1000000.0)
+    """
+    spec = validate(q, k, positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
+                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
+                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions)
+    if k is None:
+        raise TypeError("qk_norm_rope needs k (use apply_rope on a normalised q alone)")
+    validate_norm_weights(q, k, q_weight, k_weight, eps, weight_offset, required=True)
+    return autograd.norm_rotate(q, k, q_weight, k_weight, float(weight_offset), float(eps), spec)
+
+
+def rope_kv_write(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, *, positions: Positions,
+    slot_mapping: Tensor | None = None, cache_layout: str = "bshd", q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None, eps: float = 1e-6, weight_offset: float = 0.0, k_cache_scale=None,
+    v_cache_scale=None, cu_seqlens: Tensor | None = None, inv_freq: Tensor | None = None, base: float = 10000.0,
+    cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None, style: str = "neox",
+    layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0,
+    k_scale: float = 1.0, rotary_scale: float = 1.0, sections: Sequence[int] | None = None,
+    section_layout: str = "contiguous", check_positions: bool = False,
+) -> Tensor:
+    """The attention prologue of a decode or prefill step in one kernel: rotate q and k (after a per-head RMSNorm
+    with ``q_weight``/``k_weight``), write the rotated k and the unchanged v into the KV caches, return the rotated
+    q. Inputs are never modified. Inference only (raises where autograd would need gradients).
+
+    q : Tensor [T, Hq, D] (packed tokens) or 4-D [B, S, Hq, D] (``layout="bhsd"``: [B, Hq, S, D])
+    k, v : Tensor [T, Hkv, D] or 4-D like q
+        float16, bfloat16 or float32, one dtype; any strides with a contiguous last dim (views of one packed QKV
+        buffer are read in place).
+    k_cache, v_cache : Tensor
+        ``cache_layout="bshd"``: [B, max_seq, Hkv, D], token (b, p) goes to row [b, p], p its position;
+        ``"bhsd"``: [B, Hkv, max_seq, D] (transformers' StaticCache), the same rows; ``"paged"``:
+        [num_blocks, block_size, Hkv, D], token t goes to slot ``slot_mapping[t]`` (= block * block_size +
+        offset; -1 skips the token). 3-D tokens are one per sequence (b = t), or with ``cu_seqlens`` the tokens
+        of sequence b. Cache dtype: the inputs' dtype (v is copied bit for bit) or ``torch.float8_e4m3fn``
+        (stored = value / scale, saturated to +-448; scales are per tensor).
+    positions : int or Tensor
+        Each token's position (int32/int64 [T] or [B, S]; an int: offset of 0..S-1): the rotation's position and,
+        for "bshd"/"bhsd", its cache row.
+    slot_mapping : Tensor, optional
+        int32/int64 [T] or [B, S]; required for "paged".
+    k_cache_scale, v_cache_scale : float or 0-d float32 tensor, optional
+        float8 caches' scales (default 1.0); a device tensor keeps the call capturable in a CUDA graph.
+    q_weight, k_weight, eps, weight_offset :
+        Per-head RMSNorm before the rotation, as :func:`qk_norm_rope` (both weights or neither).
+
+    Every other keyword is :func:`apply_rope`'s. Positions and slots outside the caches raise ``IndexError``
+    where their values are on the host (CPU tensors, ints, or ``check_positions=True``: one sync); on the GPU such
+    tokens write nothing (never an out-of-bounds write). Tokens that share a cache row write it in no set order.
+    Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument; nothing is written when it raises.
+
+    >>> # decode: one token per sequence from a packed QKV projection, into a StaticCache-layout cache
+    >>> q, k, v = qkv.view(B, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=1)
+    >>> q_rot = ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=cache_lengths, cache_layout="bhsd",
+    ...                               q_weight=q_norm.weight, k_weight=k_norm.weight, base=1000000.0)
+    """
+    q4, k4, v4, pos4, layout4, cache = validate_kv_write(
+        q, k, v, k_cache, v_cache, positions, slot_mapping, cache_layout, k_cache_scale, v_cache_scale, cu_seqlens,
+        layout, sections, check_positions)
+    spec = validate(q4, k4, positions=pos4, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
+                    style=style, layout=layout4, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
+                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens if layout4 == "thd" else None,
+                    sections=sections, section_layout=section_layout, check_positions=check_positions)
+    validate_norm_weights(q, k, q_weight, k_weight, eps, weight_offset, required=False)
+    q_out = autograd.write_kv(q4, k4, v4, q_weight, k_weight, float(weight_offset), float(eps), spec, cache)
+    return q_out.view(q.shape) if q.dim() == 3 else q_out

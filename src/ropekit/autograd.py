@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ropekit import ops
-from ropekit._spec import RopeSpec, needs_grad
+from ropekit._spec import CacheSpec, RopeSpec, needs_grad
 
 
 def conjugate_rotation(grads: list[Tensor | None], in_dtypes: list[torch.dtype], spec: RopeSpec,
@@ -142,3 +142,49 @@ def rotate(q: Tensor, k: Tensor | None, spec: RopeSpec, inplace: bool) -> tuple:
         outs = ops.rope(q, k, *spec)
     return (outs[0], outs[1] if k is not None else None)
 
+
+
+# --- the attention prologue -----------------------------------------------------------------------------------
+
+def _norm_rope_setup_context(ctx, inputs, output) -> None:
+    q, k, q_weight, k_weight, weight_offset, eps, *fields = inputs
+    spec = RopeSpec(*fields)
+    ctx.save_for_backward(q, k, q_weight, k_weight, *spec.tensors)
+    ctx.norm = (weight_offset, eps)
+    ctx.scalars = spec.scalars
+
+
+def _norm_rope_backward(ctx, grads):
+    grad_q, grad_k = grads
+    q, k, q_weight, k_weight, *tensors = ctx.saved_tensors
+    grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+    grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+    grads_in = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, *ctx.norm,
+                                         *RopeSpec.from_parts(tuple(tensors), ctx.scalars))
+    return (*grads_in, None, None, *[None] * len(RopeSpec._fields))
+
+
+torch.library.register_autograd("ropekit::qk_norm_rope", _norm_rope_backward, setup_context=_norm_rope_setup_context)
+
+
+def norm_rotate(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, weight_offset: float, eps: float,
+                spec: RopeSpec) -> tuple:
+    """Per-head RMSNorm then rotation, validated: ``(q_out, k_out)``. Eager calls without autograd skip the
+    dispatcher; autograd and tracing go through ``ropekit::qk_norm_rope`` (whose backward is registered above)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight))
+    if grad or torch.compiler.is_compiling():
+        return tuple(ops.qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec))
+    return tuple(ops.norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, spec))
+
+
+def write_kv(q: Tensor, k: Tensor, v: Tensor, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
+             cache: CacheSpec) -> Tensor:
+    """Rotated q, with k and v written into the caches (validated). Not differentiable: the cache write is an
+    inference step, and a call that would need gradients raises."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, q_weight, k_weight)):
+        raise RuntimeError("rope_kv_write is not differentiable (it writes an inference cache); call it under "
+                           "torch.no_grad() or torch.inference_mode(), or use qk_norm_rope/apply_rope for training")
+    if torch.compiler.is_compiling():
+        return ops.rope_kv_write(q, k, v, cache.k_cache, cache.v_cache, q_weight, k_weight, weight_offset, eps,
+                                 *ops.cache_op_args(cache), *spec)
+    return ops.write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, spec, cache)

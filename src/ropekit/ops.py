@@ -1,4 +1,6 @@
-"""torch.library registrations: ``ropekit::rope`` (out of place) and ``ropekit::rope_`` (in place).
+"""torch.library registrations: ``ropekit::rope`` (out of place) and ``ropekit::rope_`` (in place), and the
+attention prologue's ``ropekit::qk_norm_rope`` (with ``ropekit::qk_norm_rope_backward``) and
+``ropekit::rope_kv_write``.
 
 Both take ``q``, ``k`` and the fields of a validated :class:`ropekit._spec.RopeSpec`, in the order of the schema
 that :func:`ropekit._spec.op_schema` generates from it. CUDA tensors run the Triton kernel (float64 ones the
@@ -16,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _config
-from ropekit._spec import RopeSpec, op_schema
+from ropekit._spec import CacheSpec, RopeSpec, op_schema
 
 
 def uses_kernels(x: Tensor) -> bool:
@@ -93,3 +95,121 @@ def _rope_fake(q, k, *spec):
 @rope_.register_fake
 def _rope_inplace_fake(q, k, *spec):
     return None
+
+
+# --- the attention prologue: ropekit::qk_norm_rope (+ its backward) and ropekit::rope_kv_write ------------------
+
+def _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec: RopeSpec) -> list[Tensor]:
+    """The torch path of norm + RoPE (float64; float32 on devices without Triton kernels): [q_out, k_out]."""
+    from ropekit.reference import rms_norm_reference, rope_float32, rope_reference
+
+    f32 = uses_float32_path(q)
+    dtype = torch.float32 if f32 else torch.float64
+    qn = rms_norm_reference(q, q_weight, weight_offset, eps, dtype)
+    kn = rms_norm_reference(k, k_weight, weight_offset, eps, dtype)
+    return (rope_float32 if f32 else rope_reference)(qn, kn, spec._replace(out_dtype=q.dtype))
+
+
+def norm_rotate(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec) -> list[Tensor]:
+    """The body of ``ropekit::qk_norm_rope``: [q_out, k_out], new tensors in q's and k's dtypes."""
+    if not uses_kernels(q):
+        return _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec)
+    from ropekit.triton.prologue import launch_prologue
+
+    q_out, k_out = _new_outputs(q, k, None)
+    launch_prologue(q, k, q_out, k_out, spec, q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset,
+                    eps=eps)
+    return [q_out, k_out]
+
+
+def _qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
+    return norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
+
+
+def _qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
+    spec = RopeSpec(*spec)
+    if uses_kernels(q):
+        from ropekit.triton.prologue import launch_norm_rope_bwd
+
+        # the kernel takes any strides but the last
+        grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
+        grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
+        dq, dk, dqw, dkw = launch_norm_rope_bwd(grad_q, q, grad_k, k, spec, q_weight, k_weight, weight_offset, eps)
+    else:  # the transposed rotation, then the norm's backward, in the torch path's precision
+        from ropekit.reference import rms_norm_backward_reference, rope_float32, rope_reference
+
+        dtype = torch.float32 if uses_float32_path(q) else torch.float64
+        rotate = rope_float32 if dtype == torch.float32 else rope_reference
+        gq, gk = rotate(grad_q.to(dtype), grad_k.to(dtype), spec._replace(conjugate=not spec.conjugate,
+                                                                            out_dtype=dtype))
+        dq, dqw = rms_norm_backward_reference(q, q_weight, weight_offset, eps, gq, dtype)
+        dk, dkw = rms_norm_backward_reference(k, k_weight, weight_offset, eps, gk, dtype)
+    return [dq.to(q.dtype), dk.to(k.dtype), dqw.to(q_weight.dtype), dkw.to(k_weight.dtype)]
+
+
+_NORM = "Tensor q_weight, Tensor k_weight, float weight_offset, float eps"
+qk_norm_rope = torch.library.custom_op("ropekit::qk_norm_rope", _qk_norm_rope, mutates_args=(),
+                                       schema=op_schema(False, f"Tensor q, Tensor k, {_NORM}"))
+qk_norm_rope_backward = torch.library.custom_op(
+    "ropekit::qk_norm_rope_backward", _qk_norm_rope_backward, mutates_args=(),
+    schema=op_schema(False, f"Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, {_NORM}"))
+
+
+@qk_norm_rope.register_fake
+def _qk_norm_rope_fake(q, k, *args):
+    return _new_outputs(q, k, None)
+
+
+@qk_norm_rope_backward.register_fake
+def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, q_weight, k_weight, *args):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)]
+
+
+def write_kv(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
+             cache: CacheSpec) -> Tensor:
+    """The body of ``ropekit::rope_kv_write``: the rotated q (a new tensor); k and v written into the caches."""
+    if uses_kernels(q):
+        from ropekit.triton.prologue import launch_prologue
+
+        q_out = q.new_empty(q.shape)
+        launch_prologue(q, k, q_out, None, spec, v=v, cache=cache, q_weight=q_weight, k_weight=k_weight,
+                        weight_offset=weight_offset, eps=eps)
+        # the kernel's writes are invisible to autograd: declare them, as torch's own in-place ops do
+        torch.autograd.graph.increment_version(cache.k_cache)
+        torch.autograd.graph.increment_version(cache.v_cache)
+        return q_out
+    from ropekit.reference import kv_write_reference
+
+    with torch.no_grad():
+        return kv_write_reference(q, k, v, q_weight, k_weight, weight_offset, eps, spec, cache,
+                                  torch.float32 if uses_float32_path(q) else torch.float64)
+
+
+def cache_op_args(cache: CacheSpec) -> tuple:
+    """``cache``'s fields after the two caches, as ``ropekit::rope_kv_write`` takes them (a scale is a tensor or a
+    float: one slot of each)."""
+    def split(scale):
+        return (scale, 1.0) if isinstance(scale, Tensor) else (None, scale)
+
+    (kt, kf), (vt, vf) = split(cache.k_scale), split(cache.v_scale)
+    return cache.layout, cache.cache_batch, cache.slots, kt, vt, kf, vf
+
+
+def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset, eps, cache_layout, cache_batch,
+                   slots, k_scale_t, v_scale_t, k_scale, v_scale, *spec) -> Tensor:
+    cache = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slots,
+                      k_scale if k_scale_t is None else k_scale_t, v_scale if v_scale_t is None else v_scale_t)
+    return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
+
+
+rope_kv_write = torch.library.custom_op(
+    "ropekit::rope_kv_write", _rope_kv_write, mutates_args=("k_cache", "v_cache"),
+    schema=op_schema(False, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
+                            "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
+                            "Tensor? slots, Tensor? k_scale_t, Tensor? v_scale_t, float k_scale, float v_scale",
+                     returns="Tensor"))
+
+
+@rope_kv_write.register_fake
+def _rope_kv_write_fake(q, *args):
+    return q.new_empty(q.shape)

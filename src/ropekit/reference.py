@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ropekit._spec import MAX_POSITION, RopeSpec, pair_axis_map, to_canonical
+from ropekit._spec import MAX_POSITION, CacheSpec, RopeSpec, pair_axis_map, to_canonical
 
 
 def token_positions(
@@ -197,3 +197,65 @@ def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: 
         to_canonical(out, layout).copy_(y)
         outs.append(out)
     return outs
+
+
+# --- the attention prologue ---------------------------------------------------------------------------------------
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, weight_offset: float, eps: float,
+                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Per-head RMSNorm over the last dim in ``dtype`` math: ``x / sqrt(mean(x**2) + eps) * (weight +
+    weight_offset)`` (``weight_offset=1``: Gemma's ``1 + w``)."""
+    xf = x.to(dtype)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.to(dtype) + weight_offset)
+
+
+
+def rms_norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, weight_offset: float, eps: float,
+                                grad: torch.Tensor, dtype: torch.dtype = torch.float64) -> tuple:
+    """(dx, dweight) of :func:`rms_norm_reference` for the gradient ``grad`` of its output, in ``dtype`` math:
+    with ``xh = x * r`` (r = 1 / rms), ``dx = r * (g*w' - xh * mean(g*w'*xh))``, ``dweight = sum(g * xh)``."""
+    xf, g = x.to(dtype), grad.to(dtype)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xh = xf * r
+    dxh = g * (weight.to(dtype) + weight_offset)
+    dx = r * (dxh - xh * (dxh * xh).mean(-1, keepdim=True))
+    return dx, (g * xh).reshape(-1, x.shape[-1]).sum(0)
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """Values as a cache of ``dtype`` stores them: float8_e4m3fn caches hold ``x / scale`` saturated to +-448."""
+    if dtype == torch.float8_e4m3fn:
+        return (x / float(scale)).clamp(-448.0, 448.0).to(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
+def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
+                       cache: CacheSpec, math_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """:func:`ropekit.rope_kv_write` in ``math_dtype``: writes the normalised (with weights) and rotated k and
+    v into ``cache`` and returns the rotated q in q's dtype. q, k, v are 4-D in ``spec.layout``."""
+    q_dtype = q.dtype
+    if q_weight is not None:
+        q, k = (rms_norm_reference(x, w, weight_offset, eps, math_dtype) for x, w in ((q, q_weight), (k, k_weight)))
+    rotate_spec = spec._replace(out_dtype=math_dtype)
+    angle_device = q.device if math_dtype == torch.float64 else torch.device("cpu")
+    q_rot, k_rot = _rope_torch(q, k, rotate_spec, math_dtype=math_dtype, angle_device=angle_device)
+    kc = to_canonical(k_rot, spec.layout)
+    vc = to_canonical(v, spec.layout)
+    B, S = kc.shape[:2]
+    k_view, v_view = cache.views()
+    if cache.paged:
+        slot = cache.slots.to(torch.int64)
+        ok = (slot >= 0) & (slot < cache.rows)
+        first, second = slot // cache.block_size, slot % cache.block_size
+    else:
+        pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets,
+                              pos_offset=spec.pos_offset, cu_seqlens=spec.cu_seqlens, device=q.device)
+        ok = (pos >= 0) & (pos < cache.rows)
+        batch = torch.arange(B, device=q.device)[:, None].expand(B, S)
+        first = cache.cache_batch[None, :].expand(B, S) if cache.cache_batch is not None else batch
+        second = pos
+    first, second = first[ok], second[ok]
+    k_view[first, second] = to_cache(kc[ok], k_view.dtype, cache.k_scale)
+    v_rows = vc[ok]
+    v_view[first, second] = v_rows if v_view.dtype == v.dtype else to_cache(v_rows.to(math_dtype), v_view.dtype,
+                                                                            cache.v_scale)
+    return q_rot.to(q_dtype)

@@ -1,0 +1,482 @@
+"""The attention prologue kernels, built from ``rope_kernel``'s pieces: per-head RMSNorm (optional), RoPE and the
+K/V cache write in one launch (``prologue_kernel``), and the backward of norm + RoPE (``norm_rope_bwd_kernel``).
+
+Work decomposition as ``rope_kernel``: a program owns ``BLOCK_T`` tokens and one block of heads; grid axis 0 holds
+q's head blocks, then k's, then v's (a cache write only), axes 1 and 2 the token blocks. The norm needs a head's
+whole row, so with a norm every column (the pass-through span included) is loaded, normalised in fp32 and stored.
+
+Cache rows: ``CACHE_ROWS`` writes token (b, pos) at ``cache[cb, pos]`` of a [B, max_seq, H, D] view (any strides:
+the head-major [B, H, max_seq, D] cache is a permuted view), where ``cb`` is the token's canonical batch index or,
+for packed varlen tokens, ``cache_batch[t]``; ``CACHE_PAGED`` writes token t at slot ``slot_mapping[t]`` of a
+[num_blocks, block_size, H, D] cache. A token whose row or slot lies outside the cache (slot -1 included), or
+whose position is invalid, writes nothing: never an out-of-bounds write. float8_e4m3fn caches store
+``value / scale`` saturated to +-448.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ropekit._spec import CacheSpec, RopeSpec, to_canonical
+from ropekit.triton import launcher
+from ropekit.triton.kernel import (
+    _head_tile,
+    _pass_columns,
+    _rotation,
+    _table_columns,
+    _token_positions,
+    _within,
+)
+
+# Cache modes (CACHE_MODE)
+CACHE_NONE = 0  # k goes to k_out like q (qk_norm_rope)
+CACHE_ROWS = 1  # k and v go to cache[batch, position] ("bshd", "bhsd")
+CACHE_PAGED = 2  # k and v go to cache[slot // block_size, slot % block_size] ("paged")
+
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, in fp32 arithmetic, so
+    that the cast after it is exact: the interpreter's own fp32 -> fp8 cast does not round to nearest even
+    (compiled kernels' does, and skip this)."""
+    bits = x.to(tl.int32, bitcast=True)
+    # below 2**-6 the spacing is the subnormals' 2**-9; above 2**8 only NaN or inf remain (|x| <= 448)
+    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, -6), 8)
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    big = ulp * 12582912.0  # 1.5 * 2**23 ulps: adding and removing it rounds to a multiple of ulp
+    r = (tl.abs(x) + big) - big
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _to_store(y, o_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """``y`` (fp32) converted for a store into ``o_ptr``: saturated to +-448 first for a float8_e4m3fn target
+    (NaN stays NaN)."""
+    if FP8:
+        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
+        if ROUND_FP8:
+            y = _round_to_e4m3(y)
+    return y.to(o_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _pair_columns(ROT_START: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr):
+    """Head columns of the lo and hi element of each pair [1, 1, HALF_BLOCK]."""
+    i = tl.arange(0, HALF_BLOCK)
+    col_lo, col_hi = _table_columns(i, HALF, NEOX, True)
+    return (ROT_START + col_lo)[None, None, :], (ROT_START + col_hi)[None, None, :]
+
+
+@triton.jit
+def _load_rows(x_ptr, base, m, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr,
+               NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr):
+    """fp32 (x_lo, x_hi, x_pass) of a block of head rows, zero in padded columns (the norm sums them)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
+    mi = _within(m, tl.arange(0, HALF_BLOCK)[None, None, :], HALF, HALF_BLOCK)
+    x_lo = tl.load(x_ptr + base + col_lo, mask=mi, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_ptr + base + col_hi, mask=mi, other=0.0).to(tl.float32)
+    if HAS_PASS:
+        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        x_p = tl.load(x_ptr + base + p, mask=mp, other=0.0).to(tl.float32)
+    else:
+        x_p = x_lo
+    return x_lo, x_hi, x_p
+
+
+@triton.jit
+def _store_rows(o_ptr, base, m, y_lo, y_hi, y_p, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+                ROT_START: tl.constexpr, NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+                HAS_PASS: tl.constexpr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    HALF: tl.constexpr = ROT_DIM // 2
+    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
+    mi = _within(m, tl.arange(0, HALF_BLOCK)[None, None, :], HALF, HALF_BLOCK)
+    tl.store(o_ptr + base + col_lo, _to_store(y_lo, o_ptr, FP8, ROUND_FP8), mask=mi)
+    tl.store(o_ptr + base + col_hi, _to_store(y_hi, o_ptr, FP8, ROUND_FP8), mask=mi)
+    if HAS_PASS:
+        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        tl.store(o_ptr + base + p, _to_store(y_p, o_ptr, FP8, ROUND_FP8), mask=mp)
+
+
+@triton.jit
+def _norm_weights(w_ptr, w_offset, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+                  HAS_PASS: tl.constexpr):
+    """fp32 ``w + w_offset`` at the lo, hi and pass-through columns, [1, 1, block] each."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
+    mi = tl.arange(0, HALF_BLOCK)[None, None, :] < HALF
+    w_lo = tl.load(w_ptr + col_lo, mask=mi, other=0.0).to(tl.float32) + w_offset
+    w_hi = tl.load(w_ptr + col_hi, mask=mi, other=0.0).to(tl.float32) + w_offset
+    if HAS_PASS:
+        p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        w_p = tl.load(w_ptr + p, mask=mp, other=0.0).to(tl.float32) + w_offset
+    else:
+        w_p = w_lo
+    return w_lo, w_hi, w_p
+
+
+@triton.jit
+def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexpr):
+    """1 / sqrt(mean(x**2) + eps) over each head row, [BLOCK_T, BLOCK_H, 1]."""
+    ss = tl.sum(x_lo * x_lo, axis=2) + tl.sum(x_hi * x_hi, axis=2)
+    if HAS_PASS:
+        ss += tl.sum(x_p * x_p, axis=2)
+    return (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, :, None]
+
+
+@triton.jit
+def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, c_sb, c_ss,
+                CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr):
+    """(row offset [BLOCK_T] of each token's cache row, tokens that write): ``CACHE_ROWS`` at (batch, position)
+    with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of ``cache_rows`` slots."""
+    if CACHE_MODE == 1:
+        if CACHE_BATCH_PER_TOKEN:
+            cb = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
+        else:
+            cb = b
+        ok = valid & (pos < cache_rows)
+        off = cb * c_sb + tl.where(ok, pos, 0) * c_ss
+    else:
+        slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
+        ok = mask_t & (slot >= 0) & (slot < cache_rows)
+        slot = tl.where(ok, slot, 0)
+        blk = slot // block_size
+        off = blk * c_sb + (slot - blk * block_size) * c_ss
+    return off, ok
+
+
+@triton.jit
+def _norm_rope_block(
+    x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, w_ptr, w_offset, eps, scale,
+    t, b, s, pos, valid, mask_t, h0, H,
+    pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """Normalise (``NORM``) and rotate one [BLOCK_T, BLOCK_H] block of head rows of ``x``; store row (t, h) at
+    ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    x_lo, x_hi, x_p = _load_rows(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                 HAS_PASS)
+    if NORM:
+        r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+        w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK,
+                                        PASS_BLOCK, HAS_PASS)
+        x_lo = x_lo * r * w_lo
+        x_hi = x_hi * r * w_hi
+        x_p = x_p * r * w_p
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
+        pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+        False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+    c_lo, c_hi, s_a, s_b = c_lo[:, None, :], c_hi[:, None, :], s_a[:, None, :], s_b[:, None, :]
+    y_lo = x_lo * c_lo - x_hi * s_a
+    y_hi = x_hi * c_hi + x_lo * s_b
+    h = h0 + tl.arange(0, BLOCK_H)
+    o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
+    om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
+    _store_rows(o_ptr, o_base, om, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
+                PASS_BLOCK, HAS_PASS, FP8, ROUND_FP8)
+
+
+@triton.jit
+def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t, h0, H, scale,
+                HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+                ROUND_FP8: tl.constexpr):
+    """Copy one block of head rows of ``x`` to rows ``o_row`` of ``o``: bit for bit in the same dtype, else
+    ``x * scale`` converted (float8_e4m3fn: saturated)."""
+    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    d = tl.arange(0, D_BLOCK)[None, None, :]
+    x = tl.load(x_ptr + x_base + d, mask=_within(m, d, HEAD_DIM, D_BLOCK))
+    h = h0 + tl.arange(0, BLOCK_H)
+    o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
+    om = _within((o_ok[:, None] & (h < H)[None, :])[:, :, None], d, HEAD_DIM, D_BLOCK)
+    if FP8:
+        y = _to_store(x.to(tl.float32) * scale, o_ptr, FP8, ROUND_FP8)
+    else:
+        y = x.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + o_base + d, y, mask=om)
+
+
+# pos_offset changes on every decode step: not specialised on (see rope_kernel).
+@triton.jit(do_not_specialize=["pos_offset"])
+def prologue_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr, v_ptr, vo_ptr,
+    q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh,
+    v_sb, v_ss, v_sh, vo_sh,
+    HQ, HK, S, num_tokens,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+    q_scale, k_scale, rotary_scale, pos_sa,
+    qw_ptr, kw_ptr, w_offset, eps,
+    cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, c_sb, c_ss, ks_ptr, vs_ptr, v_scale,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
+    AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr,
+    K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+):
+    """A program normalises (``NORM``) and rotates one block of heads of q or of k for ``BLOCK_T`` tokens, q into
+    ``qo`` and k into ``ko`` (a cache when ``CACHE_MODE`` > 0, whose row strides are ``c_sb``/``c_ss``), or copies
+    a block of v's heads into the v cache ``vo``. With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's scale is read
+    from a device scalar (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided in)."""
+    hb = tl.program_id(0)
+    tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    n_kb = tl.cdiv(HK, BLOCK_HK)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < num_tokens
+    b32 = t // S
+    s = (t - b32 * S).to(tl.int64)
+    b = b32.to(tl.int64)
+    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+    valid = valid & mask_t
+    if CACHE_MODE == 0:
+        k_row = b * ko_sb + s * ko_ss
+        k_ok = mask_t
+    else:
+        k_row, k_ok = _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
+                                  block_size, c_sb, c_ss, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
+    if hb < n_qb:
+        _norm_rope_block(
+            q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, q_scale,
+            t, b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+            pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+            NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, False, ROUND_FP8, BLOCK_HQ,
+            HALF_BLOCK, PASS_BLOCK)
+    elif hb < n_qb + n_kb:
+        scale = k_scale
+        if K_SCALE_PTR:
+            scale = scale / tl.load(ks_ptr).to(tl.float32)
+        _norm_rope_block(
+            k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
+            t, b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+            pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+            NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
+            HALF_BLOCK, PASS_BLOCK)
+    else:
+        scale = v_scale
+        if V_SCALE_PTR:
+            scale = 1.0 / tl.load(vs_ptr).to(tl.float32)
+        _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, k_row, k_ok, vo_sh, b, s, mask_t, (hb - n_qb - n_kb) * BLOCK_HK,
+                    HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
+
+
+
+@triton.jit
+def _norm_rope_bwd_block(
+    g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps, scale,
+    dw_ptr, dw_row, t, b, s, pos, valid, mask_t, h0, H,
+    pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    PASS_BLOCK: tl.constexpr,
+):
+    """Gradients of one block of head rows of ``y = rotate(x * r * (w + w_offset)) * scale``: the rotation's
+    transpose first (the same rotation, conjugated), then the norm's backward. ``dx`` goes to ``dx_ptr``; this
+    block's sum of ``g * x * r`` over its rows (the weight's gradient) to row ``dw_row`` of ``dw_ptr`` [*, D]."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    HALF: tl.constexpr = ROT_DIM // 2
+    g_base, m = _head_tile(b, s, mask_t, h0, H, g_sb, g_ss, g_sh, BLOCK_H)
+    g_lo, g_hi, g_p = _load_rows(g_ptr, g_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                 HAS_PASS)
+    x_base, _ = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    x_lo, x_hi, x_p = _load_rows(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                 HAS_PASS)
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
+        pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+        True, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+    c_lo, c_hi, s_a, s_b = c_lo[:, None, :], c_hi[:, None, :], s_a[:, None, :], s_b[:, None, :]
+    # d loss / d(normalised x): the conjugate rotation of the output gradient
+    n_lo = g_lo * c_lo - g_hi * s_a
+    n_hi = g_hi * c_hi + g_lo * s_b
+    n_p = g_p * scale
+    r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+    w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
+                                    HAS_PASS)
+    xh_lo, xh_hi, xh_p = x_lo * r, x_hi * r, x_p * r
+    dh_lo, dh_hi, dh_p = n_lo * w_lo, n_hi * w_hi, n_p * w_p
+    dot = tl.sum(dh_lo * xh_lo, axis=2) + tl.sum(dh_hi * xh_hi, axis=2)
+    if HAS_PASS:
+        dot += tl.sum(dh_p * xh_p, axis=2)
+    mean = (dot / HEAD_DIM)[:, :, None]
+    dx_base, _ = _head_tile(b, s, mask_t, h0, H, dx_sb, dx_ss, dx_sh, BLOCK_H)
+    _store_rows(dx_ptr, dx_base, m, r * (dh_lo - xh_lo * mean), r * (dh_hi - xh_hi * mean), r * (dh_p - xh_p * mean),
+                HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, False, False)
+    # The weight's gradient: rows outside the block (masked: their NaN-free zeros) contribute nothing.
+    dw_lo = tl.sum(tl.sum(tl.where(m, n_lo * xh_lo, 0.0), axis=1), axis=0)
+    dw_hi = tl.sum(tl.sum(tl.where(m, n_hi * xh_hi, 0.0), axis=1), axis=0)
+    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
+    i = tl.arange(0, HALF_BLOCK)
+    row = dw_ptr + dw_row * HEAD_DIM
+    tl.store(row + tl.reshape(col_lo, [HALF_BLOCK]), dw_lo, mask=i < HALF)
+    tl.store(row + tl.reshape(col_hi, [HALF_BLOCK]), dw_hi, mask=i < HALF)
+    if HAS_PASS:
+        dw_p = tl.sum(tl.sum(tl.where(m, n_p * xh_p, 0.0), axis=1), axis=0)
+        p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        tl.store(row + tl.reshape(p, [PASS_BLOCK]), dw_p, mask=tl.reshape(mp, [PASS_BLOCK]))
+
+
+@triton.jit(do_not_specialize=["pos_offset"])
+def norm_rope_bwd_kernel(
+    gq_ptr, q_ptr, dq_ptr, gk_ptr, k_ptr, dk_ptr, dwq_ptr, dwk_ptr,
+    gq_sb, gq_ss, gq_sh, q_sb, q_ss, q_sh, dq_sb, dq_ss, dq_sh,
+    gk_sb, gk_ss, gk_sh, k_sb, k_ss, k_sh, dk_sb, dk_ss, dk_sh,
+    HQ, HK, S, num_tokens,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+    q_scale, k_scale, rotary_scale, pos_sa,
+    qw_ptr, kw_ptr, w_offset, eps,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
+    AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """The backward of ``prologue_kernel`` with a norm and no cache: a program handles one block of heads of q or
+    of k for ``BLOCK_T`` tokens, and writes its partial weight gradient to its own row of ``dwq``/``dwk``."""
+    hb = tl.program_id(0)
+    tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    n_kb = tl.cdiv(HK, BLOCK_HK)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < num_tokens
+    b32 = t // S
+    s = (t - b32 * S).to(tl.int64)
+    b = b32.to(tl.int64)
+    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+    valid = valid & mask_t
+    if hb < n_qb:
+        _norm_rope_bwd_block(
+            gq_ptr, gq_sb, gq_ss, gq_sh, q_ptr, q_sb, q_ss, q_sh, dq_ptr, dq_sb, dq_ss, dq_sh, qw_ptr, w_offset, eps,
+            q_scale, dwq_ptr, tb.to(tl.int64) * n_qb + hb, t, b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
+            AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK)
+    else:
+        _norm_rope_bwd_block(
+            gk_ptr, gk_sb, gk_ss, gk_sh, k_ptr, k_sb, k_ss, k_sh, dk_ptr, dk_sb, dk_ss, dk_sh, kw_ptr, w_offset, eps,
+            k_scale, dwk_ptr, tb.to(tl.int64) * n_kb + (hb - n_qb), t, b, s, pos, valid, mask_t,
+            (hb - n_qb) * BLOCK_HK, HK,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
+            AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_HK, HALF_BLOCK, PASS_BLOCK)
+
+
+# rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
+_ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
+              "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
+              "q_scale", "k_scale", "rotary_scale", "pos_sa")
+_ROPE_CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
+                    "TABLE_BY_TOKEN", "TABLE_FULL", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED", "AXIS_BOUND_1",
+                    "AXIS_BOUND_2", "AXIS_BOUND_3", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK")
+
+
+def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
+                    q_weight=None, k_weight=None, weight_offset: float = 0.0, eps: float = 1e-6) -> None:
+    """Normalise (with weights) and rotate q into ``q_out`` and k into ``k_out`` -- or, with ``cache``, k and v
+    into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing."""
+    launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec)
+    if launch is None:
+        return
+    grid, args, constexprs, num_warps = launch
+    named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
+    dummy = q
+    k_ptr_scale = v_ptr_scale = False
+    k_div = v_div = 1.0
+    if cache is None:
+        mode, k_target, ko_sh, v_target, vo_sh, v_strides = CACHE_NONE, k_out, named["ko_sh"], dummy, 0, (0, 0, 0)
+        c_args = (dummy, dummy, 0, 0, 0, 1, 0, 0)
+        k_fp8 = v_fp8 = False
+    else:
+        mode = CACHE_PAGED if cache.paged else CACHE_ROWS
+        k_target, v_target = cache.views()
+        ko_sh, vo_sh = k_target.stride(2), v_target.stride(2)
+        v_strides = to_canonical(v, spec.layout).stride()[:3]
+        slots = cache.slots
+        c_args = (cache.cache_batch if cache.cache_batch is not None else dummy,
+                  slots if slots is not None else dummy,
+                  slots.stride(0) if slots is not None else 0, slots.stride(1) if slots is not None else 0,
+                  cache.rows, cache.block_size, k_target.stride(0), k_target.stride(1))
+        k_fp8 = k_target.dtype == torch.float8_e4m3fn
+        v_fp8 = v_target.dtype == torch.float8_e4m3fn
+        k_ptr_scale = isinstance(cache.k_scale, torch.Tensor)
+        v_ptr_scale = isinstance(cache.v_scale, torch.Tensor)
+        k_div = 1.0 if k_ptr_scale else 1.0 / cache.k_scale
+        v_div = 1.0 if v_ptr_scale else 1.0 / cache.v_scale
+        grid = (grid[0] + launcher._cdiv(named["HK"], named["BLOCK_HK"]), grid[1], grid[2])  # v's head blocks
+    prologue_args = (
+        named["q_ptr"], named["qo_ptr"], named["k_ptr"], k_target, v if v is not None else dummy, v_target,
+        named["q_sb"], named["q_ss"], named["q_sh"], named["qo_sb"], named["qo_ss"], named["qo_sh"],
+        named["k_sb"], named["k_ss"], named["k_sh"], named["ko_sb"], named["ko_ss"], ko_sh, *v_strides, vo_sh,
+        *(named[n] for n in _ROPE_ARGS[:-3]), named["k_scale"] * k_div, named["rotary_scale"], named["pos_sa"],
+        q_weight if q_weight is not None else dummy, k_weight if k_weight is not None else dummy,
+        float(weight_offset), float(eps), *c_args,
+        cache.k_scale if k_ptr_scale else dummy, cache.v_scale if v_ptr_scale else dummy, v_div,
+    )
+    const = {n: named[n] for n in _ROPE_CONSTEXPRS}
+    const.update(NORM=q_weight is not None, CACHE_MODE=mode,
+                 CACHE_BATCH_PER_TOKEN=cache is not None and cache.cache_batch is not None,
+                 K_SCALE_PTR=k_ptr_scale, V_SCALE_PTR=v_ptr_scale, K_FP8=k_fp8, V_FP8=v_fp8,
+                 ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
+    _run(prologue_kernel, grid, prologue_args, const, num_warps, q.device)
+
+
+def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
+                         eps: float) -> tuple:
+    """(dq, dk, dq_weight, dk_weight) of ``qk_norm_rope`` for the output gradients ``grad_q``/``grad_k`` (last
+    dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec)
+    if launch is None:
+        zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
+        return dq.zero_(), dk.zero_(), zq, zq.clone()
+    grid, args, constexprs, num_warps = launch
+    named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
+    n_tb = grid[1] * grid[2]
+    n_qb = launcher._cdiv(named["HQ"], named["BLOCK_HQ"])
+    n_kb = launcher._cdiv(named["HK"], named["BLOCK_HK"])
+    D = named["HEAD_DIM"]
+    dwq = torch.zeros(n_tb * n_qb, D, dtype=torch.float32, device=q.device)
+    dwk = torch.zeros(n_tb * n_kb, D, dtype=torch.float32, device=q.device)
+    qc, kc = to_canonical(q, spec.layout), to_canonical(k, spec.layout)
+    bwd_args = (
+        named["q_ptr"], qc, named["qo_ptr"], named["k_ptr"], kc, named["ko_ptr"], dwq, dwk,
+        named["q_sb"], named["q_ss"], named["q_sh"], *qc.stride()[:3], named["qo_sb"], named["qo_ss"], named["qo_sh"],
+        named["k_sb"], named["k_ss"], named["k_sh"], *kc.stride()[:3], named["ko_sb"], named["ko_ss"], named["ko_sh"],
+        *(named[n] for n in _ROPE_ARGS), q_weight, k_weight, float(weight_offset), float(eps),
+    )
+    const = {n: named[n] for n in _ROPE_CONSTEXPRS}
+    _run(norm_rope_bwd_kernel, grid, bwd_args, const, num_warps, q.device)
+    return dq, dk, dwq.sum(0), dwk.sum(0)
+
+
+def _run(kernel, grid, args, constexprs: dict, num_warps: int, device: torch.device) -> None:
+    """Launch on the tensors' device (Triton launches on the current one)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device.index):
+            kernel[grid](*args, **constexprs, num_warps=num_warps)
+    else:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
