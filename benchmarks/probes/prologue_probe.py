@@ -1,0 +1,202 @@
+"""Attention-prologue probe on a CUDA GPU: ``ropekit.rope_kv_write`` (RoPE + K/V cache write, with the per-head
+RMSNorm for Qwen3) and ``ropekit.qk_norm_rope`` fwd+bwd, each against a one-kernel copy of the bytes it must move
+and against the unfused chain a user has today, all in one run.
+
+* decode (CUDA-graph replay, 1-256 tokens, one per sequence, bf16 and fp8 caches) and prefill (cold L2, 2k-32k
+  tokens of one sequence at an offset): ``rope_kv_write`` against ``copy`` (a Triton kernel reading q, k, v and
+  writing q and the K/V cache rows: the bytes the fused op must move, in one launch) and ``unfused`` (torch
+  ``rms_norm`` x2 (Qwen3) + ``ropekit.apply_rope`` + the cache scatter by indexing, fp8 conversion included);
+* ``qk_norm_rope`` forward + backward (Qwen3-8B, 4k-32k tokens) against the ideal bytes (one copy of 2.5 times
+  q and k: the forward reads and writes them, the backward reads the gradient and the input and writes the input
+  gradient) and ``torch.compile`` of the unfused PyTorch code (rms_norm + transformers' rotate_half RoPE).
+
+    python benchmarks/probes/prologue_probe.py [--decode 1,16,64,256] [--prefill 2048,8192,32768]
+"""
+
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
+from __future__ import annotations
+
+import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--decode", default="1,4,16,64,256", help="comma-separated decode token counts")
+    parser.add_argument("--prefill", default="2048,8192,32768", help="comma-separated prefill token counts")
+    parser.add_argument("--train", default="4096,16384,32768", help="qk_norm_rope fwd+bwd token counts")
+    parser.add_argument("--skip-compile", action="store_true", help="no torch.compile baseline (faster)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+from _graphs import graph_us_interleaved
+
+import ropekit
+from ropekit.frequencies import default_inv_freq
+
+MODELS = {"llama3-8b": dict(hq=32, hk=8, norm=False, base=500000.0),
+          "qwen3-8b": dict(hq=32, hk=8, norm=True, base=1000000.0)}
+D = 128
+MAX_SEQ = 40960
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _copy_rows_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, S, q_st, k_st, c_sb, c_ss,
+                      QW: tl.constexpr, KW: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr):
+    """One program per token: q's row to q_out, k's and v's rows to the caches' row [b, pos] (bshd)."""
+    t = tl.program_id(0)
+    b = t // S
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    iq = tl.arange(0, QB)
+    x = tl.load(q_ptr + t.to(tl.int64) * q_st + iq, mask=iq < QW)
+    tl.store(qo_ptr + t.to(tl.int64) * QW + iq, x, mask=iq < QW)
+    ik = tl.arange(0, KB)
+    row = b.to(tl.int64) * c_sb + pos * c_ss
+    kx = tl.load(k_ptr + t.to(tl.int64) * k_st + ik, mask=ik < KW)
+    vx = tl.load(v_ptr + t.to(tl.int64) * k_st + ik, mask=ik < KW)
+    tl.store(kc_ptr + row + ik, kx.to(kc_ptr.dtype.element_ty), mask=ik < KW)
+    tl.store(vc_ptr + row + ik, vx.to(vc_ptr.dtype.element_ty), mask=ik < KW)
+
+
+def copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S):
+    T, HQ, _ = q.shape
+    HK = k.shape[1]
+    _copy_rows_kernel[(T,)](q, k, v, q_out, k_cache, v_cache, pos, S, q.stride(0), k.stride(0), k_cache.stride(0),
+                            k_cache.stride(1), QW=HQ * D, KW=HK * D, QB=triton.next_power_of_2(HQ * D),
+                            KB=triton.next_power_of_2(HK * D), num_warps=4)
+
+
+def _inputs(T: int, B: int, m: dict, cache_dtype):
+    """q, k, v [T, H, D] bf16 (views of one packed QKV buffer), caches [B, MAX_SEQ, Hkv, D], positions [T]."""
+    hq, hk = m["hq"], m["hk"]
+    qkv = torch.randn(T, (hq + 2 * hk) * D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.view(T, hq + 2 * hk, D).split([hq, hk, hk], dim=1)
+    S = T // B
+    rows = MAX_SEQ if B == 1 else 4096
+    k_cache = torch.zeros(B, rows, hk, D, device="cuda", dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    if B == T:  # decode: one token per sequence at its own length
+        pos = torch.randint(0, rows, (T,), device="cuda")
+    else:
+        pos = (torch.arange(T, device="cuda") % S) + 1000
+    qw = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
+    kw = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
+    return q, k, v, k_cache, v_cache, pos, qw, kw, S
+
+
+def _calls(T: int, B: int, m: dict, cache_dtype) -> dict:
+    q, k, v, k_cache, v_cache, pos, qw, kw, S = _inputs(T, B, m, cache_dtype)
+    fp8 = cache_dtype == FP8
+    scale = torch.tensor(0.05, device="cuda") if fp8 else None
+    norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
+    q_out = torch.empty(q.shape, device="cuda", dtype=q.dtype)
+    batch = torch.arange(T, device="cuda") // S
+    hk = k.shape[1]
+
+    def fused():
+        if B == T:
+            return ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=pos, base=m["base"],
+                                         k_cache_scale=scale, v_cache_scale=scale, **norm)
+        return ropekit.rope_kv_write(q.view(B, S, -1, D), k.view(B, S, hk, D), v.view(B, S, hk, D), k_cache,
+                                     v_cache, positions=pos.view(B, S), base=m["base"], k_cache_scale=scale,
+                                     v_cache_scale=scale, **norm)
+
+    def unfused():
+        qq, kk = q, k
+        if m["norm"]:
+            qq = torch.nn.functional.rms_norm(q, (D,), qw, 1e-6)
+            kk = torch.nn.functional.rms_norm(k, (D,), kw, 1e-6)
+        q_rot, k_rot = ropekit.apply_rope(qq, kk, positions=pos, layout="thd", base=m["base"])
+        if fp8:
+            k_cache[batch, pos] = (k_rot.float() / scale).clamp(-448, 448).to(FP8)
+            v_cache[batch, pos] = (v.float() / scale).clamp(-448, 448).to(FP8)
+        else:
+            k_cache[batch, pos] = k_rot
+            v_cache[batch, pos] = v
+        return q_rot
+
+    return {"copy": lambda: copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S), "rope_kv_write": fused,
+            "unfused": unfused}
+
+
+def _cold_us(fns: dict) -> dict:
+    best = {n: float("inf") for n in fns}
+    for _ in range(3):  # interleaved rounds, best of each
+        for n, fn in fns.items():
+            best[n] = min(best[n], triton.testing.do_bench(fn, rep=100) * 1e3)
+    return best
+
+
+def _row(label: str, times: dict) -> None:
+    base = times["copy"]
+    cells = "  ".join(f"{n} {t:7.2f} us ({t / base:5.2f}x)" for n, t in times.items())
+    print(f"{label:<34} {cells}", flush=True)
+
+
+def _hf_rope(x, cos, sin):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _unfused_norm_rope(q, k, qw, kw, cos, sin):
+    qn = torch.nn.functional.rms_norm(q, (D,), qw, 1e-6)
+    kn = torch.nn.functional.rms_norm(k, (D,), kw, 1e-6)
+    return _hf_rope(qn, cos, sin), _hf_rope(kn, cos, sin)
+
+
+def train(T: int, compile_baseline: bool) -> None:
+    m = MODELS["qwen3-8b"]
+    B, S = T // 4096, 4096
+    q = torch.randn(B, S, m["hq"], D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, S, m["hk"], D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qw = torch.rand(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kw = torch.rand(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    nbytes = (q.numel() + k.numel()) * 2
+    src = torch.empty(int(nbytes * 2.5) // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    pos = torch.arange(S, device="cuda")
+    inv = default_inv_freq(m["base"], D, torch.device("cuda"))
+    emb = torch.cat([pos[:, None].double() * inv.double()] * 2, dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16)[None, :, None], emb.sin().to(torch.bfloat16)[None, :, None]
+
+    def fused():
+        out = ropekit.qk_norm_rope(q, k, qw, kw, eps=1e-6, base=m["base"])
+        torch.autograd.grad(out, (q, k, qw, kw), (gq, gk))
+
+    fns = {"copy": lambda: dst.copy_(src), "qk_norm_rope": fused}
+    if compile_baseline:
+        compiled = torch.compile(_unfused_norm_rope, fullgraph=True, dynamic=False)
+
+        def unfused_compiled():
+            out = compiled(q, k, qw, kw, cos, sin)
+            torch.autograd.grad(out, (q, k, qw, kw), (gq, gk))
+
+        unfused_compiled()
+        fns["compile(unfused)"] = unfused_compiled
+    _row(f"qk_norm_rope fwd+bwd {B}x{S}", _cold_us(fns))
+
+
+def main(args: argparse.Namespace) -> None:
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print("times: median (decode: per call in CUDA-graph replay; else best of 3 cold-L2 medians); ratio vs copy")
+    for name, m in MODELS.items():
+        for cache_dtype in (torch.bfloat16, FP8):
+            tag = f"{name} {'fp8' if cache_dtype == FP8 else 'bf16'}"
+            for T in (int(x) for x in args.decode.split(",")):
+                _row(f"{tag} decode {T}", graph_us_interleaved(_calls(T, T, m, cache_dtype)))
+            for T in (int(x) for x in args.prefill.split(",")):
+                _row(f"{tag} prefill {T}", _cold_us(_calls(T, 1, m, cache_dtype)))
+    for T in (int(x) for x in args.train.split(",")):
+        train(T, not args.skip_compile)
+
+
+if __name__ == "__main__":
+    main(ARGS)
