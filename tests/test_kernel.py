@@ -185,19 +185,27 @@ def test_conjugate_undoes_forward_in_kernel():
 
 
 def test_launch_cache_key_covers_every_argument(monkeypatch):
-    # The cached-launch key classifies the kernel's arguments by name; every runtime argument has one class.
-    from ropekit.triton import launcher
+    # The cached-launch key classifies each kernel's arguments by name; every runtime argument has one class.
+    from ropekit.triton import launcher, prologue
 
     seen = {}
-    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev: seen.update(args=args))
+    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev, roles=launcher.ROPE:
+                        seen.setdefault(roles.fn, args))
     q, k = make_qk(1, 2, 2, 1, 8)
     run_kernel(q, k, positions=torch.tensor([[3, 4]]))
-    args = seen["args"]
-    assert all(isinstance(args[i], torch.Tensor) for i in launcher._POINTERS)
-    ints = {i for i, a in enumerate(args) if isinstance(a, int)}
-    assert ints == set(launcher._INT_ARGS) | {launcher._POS_OFFSET}
-    floats = {i for i, a in enumerate(args) if isinstance(a, float)}
-    assert len(args) == len(ints) + len(floats) + len(launcher._POINTERS)
+    w = torch.ones(8)
+    prologue.launch_prologue(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, positions=3),
+                             q_weight=w, k_weight=w)
+    prologue.launch_norm_rope_bwd(q, q, k, k, validate(q, k, positions=3), w, w, 0.0, 1e-6)
+    assert len(seen) == 3
+    for roles in (launcher.ROPE, prologue.PROLOGUE, prologue.NORM_ROPE_BWD):
+        args = seen[roles.fn]
+        assert len(args) == len(roles.fn.arg_names) - len(roles.constexprs)
+        assert all(isinstance(args[i], torch.Tensor) for i in roles.pointers)
+        ints = {i for i, a in enumerate(args) if isinstance(a, int)}
+        assert ints == set(roles.ints) | {roles.index["pos_offset"]}
+        floats = {i for i, a in enumerate(args) if isinstance(a, float)}
+        assert len(args) == len(ints) + len(floats) + len(roles.pointers)
 
 
 def test_launch_cache_holds_one_entry_per_compiled_variant():

@@ -146,34 +146,59 @@ def rotate(q: Tensor, k: Tensor | None, spec: RopeSpec, inplace: bool) -> tuple:
 
 # --- the attention prologue -----------------------------------------------------------------------------------
 
-def _norm_rope_setup_context(ctx, inputs, output) -> None:
-    q, k, q_weight, k_weight, weight_offset, eps, *fields = inputs
-    spec = RopeSpec(*fields)
+def _save_norm_rope(ctx, q, k, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec) -> None:
     ctx.save_for_backward(q, k, q_weight, k_weight, *spec.tensors)
     ctx.norm = (weight_offset, eps)
     ctx.scalars = spec.scalars
 
 
-def _norm_rope_backward(ctx, grads):
-    grad_q, grad_k = grads
+def _norm_rope_grads(ctx, grad_q, grad_k, eager: bool) -> list:
+    """[dq, dk, dq_weight, dk_weight] from the saved context; ``eager`` as in :func:`conjugate_rotation`."""
     q, k, q_weight, k_weight, *tensors = ctx.saved_tensors
     grad_q = torch.zeros_like(q) if grad_q is None else grad_q
     grad_k = torch.zeros_like(k) if grad_k is None else grad_k
-    grads_in = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, *ctx.norm,
-                                         *RopeSpec.from_parts(tuple(tensors), ctx.scalars))
-    return (*grads_in, None, None, *[None] * len(RopeSpec._fields))
+    spec = RopeSpec.from_parts(tuple(tensors), ctx.scalars)
+    if eager and not torch.is_grad_enabled():
+        return ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, *ctx.norm, spec)
+    return ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, *ctx.norm, *spec)
+
+
+def _norm_rope_setup_context(ctx, inputs, output) -> None:
+    q, k, q_weight, k_weight, weight_offset, eps, *fields = inputs
+    _save_norm_rope(ctx, q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*fields))
+
+
+def _norm_rope_backward(ctx, grads):
+    return (*_norm_rope_grads(ctx, *grads, eager=False), None, None, *[None] * len(RopeSpec._fields))
 
 
 torch.library.register_autograd("ropekit::qk_norm_rope", _norm_rope_backward, setup_context=_norm_rope_setup_context)
 
 
+class EagerNormRope(torch.autograd.Function):
+    """Eager autograd for norm + RoPE without the dispatcher round trips of ``ropekit::qk_norm_rope`` (as
+    :class:`EagerRope`); same kernels and backward as the op's registered formula, which ``torch.compile`` uses."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, weight_offset, eps, spec):
+        outs = ops.norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, spec)
+        _save_norm_rope(ctx, q, k, q_weight, k_weight, weight_offset, eps, spec)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        return (*_norm_rope_grads(ctx, grad_q, grad_k, eager=True), None, None, None)
+
+
 def norm_rotate(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, weight_offset: float, eps: float,
                 spec: RopeSpec) -> tuple:
-    """Per-head RMSNorm then rotation, validated: ``(q_out, k_out)``. Eager calls without autograd skip the
-    dispatcher; autograd and tracing go through ``ropekit::qk_norm_rope`` (whose backward is registered above)."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight))
-    if grad or torch.compiler.is_compiling():
+    """Per-head RMSNorm then rotation, validated: ``(q_out, k_out)``, by the cheapest route as :func:`rotate`:
+    eager calls skip the dispatcher (:class:`EagerNormRope` with autograd), tracing uses
+    ``ropekit::qk_norm_rope`` (whose backward is registered above)."""
+    if torch.compiler.is_compiling():
         return tuple(ops.qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight)):
+        return EagerNormRope.apply(q, k, q_weight, k_weight, weight_offset, eps, spec)
     return tuple(ops.norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, spec))
 
 

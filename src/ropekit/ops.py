@@ -126,8 +126,9 @@ def _qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[T
     return norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
 
 
-def _qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
-    spec = RopeSpec(*spec)
+def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: float, eps: float,
+                    spec: RopeSpec) -> list[Tensor]:
+    """The body of ``ropekit::qk_norm_rope_backward``: [dq, dk, dq_weight, dk_weight] in the inputs' dtypes."""
     if uses_kernels(q):
         from ropekit.triton.prologue import launch_norm_rope_bwd
 
@@ -145,6 +146,10 @@ def _qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, weight_offs
         dq, dqw = rms_norm_backward_reference(q, q_weight, weight_offset, eps, gq, dtype)
         dk, dkw = rms_norm_backward_reference(k, k_weight, weight_offset, eps, gk, dtype)
     return [dq.to(q.dtype), dk.to(k.dtype), dqw.to(q_weight.dtype), dkw.to(k_weight.dtype)]
+
+
+def _qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
+    return norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
 
 
 _NORM = "Tensor q_weight, Tensor k_weight, float weight_offset, float eps"
@@ -196,9 +201,10 @@ def cache_op_args(cache: CacheSpec) -> tuple:
 
 
 def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset, eps, cache_layout, cache_batch,
-                   slots, k_scale_t, v_scale_t, k_scale, v_scale, *spec) -> Tensor:
+                   slots, k_cache_scale_t, v_cache_scale_t, k_cache_scale, v_cache_scale, *spec) -> Tensor:
     cache = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slots,
-                      k_scale if k_scale_t is None else k_scale_t, v_scale if v_scale_t is None else v_scale_t)
+                      k_cache_scale if k_cache_scale_t is None else k_cache_scale_t,
+                      v_cache_scale if v_cache_scale_t is None else v_cache_scale_t)
     return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
 
 
@@ -206,7 +212,8 @@ rope_kv_write = torch.library.custom_op(
     "ropekit::rope_kv_write", _rope_kv_write, mutates_args=("k_cache", "v_cache"),
     schema=op_schema(False, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
                             "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
-                            "Tensor? slots, Tensor? k_scale_t, Tensor? v_scale_t, float k_scale, float v_scale",
+                            "Tensor? slots, Tensor? k_cache_scale_t, Tensor? v_cache_scale_t, float k_cache_scale, "
+                            "float v_cache_scale",
                      returns="Tensor"))
 
 

@@ -223,15 +223,33 @@ _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
                     "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3")
-# Runtime arguments by role, as positions in the kernel's signature (derived from its parameter names, so that a
-# new argument cannot shift a hard-coded index).
-_ARG_INDEX = {name: i for i, name in enumerate(kernel.rope_kernel.arg_names)}
-POINTER_ARGS = tuple(n for n in kernel.rope_kernel.arg_names if n.endswith("_ptr"))
-_POINTERS = tuple(_ARG_INDEX[n] for n in POINTER_ARGS)
-_POS_OFFSET = _ARG_INDEX["pos_offset"]
-_FLOAT_ARGS = ("q_scale", "k_scale", "rotary_scale")
-_INT_ARGS = tuple(i for i, n in enumerate(kernel.rope_kernel.arg_names)
-                  if i not in _POINTERS and i != _POS_OFFSET and n not in _CONSTEXPR_NAMES and n not in _FLOAT_ARGS)
+class KernelRoles:
+    """A kernel's runtime arguments by role, as positions in its signature (derived from its parameter names, so
+    that a new argument cannot shift a hard-coded index): pointers (names ending in ``_ptr``), the ints Triton
+    specialises on (all but ``floats`` and ``dynamic`` ones), and the constexprs, which its compiled handle takes
+    positionally after the runtime arguments."""
+
+    def __init__(self, fn, constexprs: tuple[str, ...], floats: tuple[str, ...], dynamic: tuple[str, ...]):
+        names = fn.arg_names
+        if tuple(names[-len(constexprs):]) != constexprs:
+            raise ImportError(f"{fn.__name__}'s constexpr parameters changed: update its KernelRoles")
+        self.fn, self.constexprs = fn, constexprs
+        self.index = {name: i for i, name in enumerate(names)}
+        self.pointers = tuple(i for i, n in enumerate(names) if n.endswith("_ptr"))
+        self.ints = tuple(i for i, n in enumerate(names[:-len(constexprs)])
+                          if i not in self.pointers and n not in floats and n not in dynamic)
+
+    def key(self, args, constexprs, num_warps, device_index) -> tuple:
+        """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
+        compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
+        (:func:`_int_class`), the constexprs, the warp count and the device."""
+        ptrs = [args[i] for i in self.pointers]
+        return (self.fn, *[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
+                *[_int_class(args[i]) for i in self.ints], constexprs, num_warps, device_index)
+
+
+ROPE = KernelRoles(kernel.rope_kernel, _CONSTEXPR_NAMES, ("q_scale", "k_scale", "rotary_scale"), ("pos_offset",))
+POINTER_ARGS = tuple(kernel.rope_kernel.arg_names[i] for i in ROPE.pointers)
 _MAX_COMPILED = 256
 _COMPILED: OrderedDict = OrderedDict()
 # What Triton's own launch path reads to pick the device (no torch.cuda wrapper).
@@ -244,41 +262,32 @@ def _int_class(v: int) -> int:
 
 
 def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
-    """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
-    compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
-    (:func:`_int_class`), the constexprs, the warp count and the device."""
-    ptrs = [args[i] for i in _POINTERS]
-    return (*[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs], *[_int_class(args[i]) for i in _INT_ARGS],
-            constexprs, num_warps, device_index)
+    return ROPE.key(args, constexprs, num_warps, device_index)
 
 
-def _launch(grid, args, constexprs, num_warps, device) -> None:
-    """Launch ``rope_kernel``; on CUDA, keep the compiled kernel per specialisation and call it directly.
+def _launch(grid, args, constexprs, num_warps, device, roles: KernelRoles = ROPE) -> None:
+    """Launch ``roles.fn`` (``rope_kernel`` unless said); on CUDA, keep the compiled kernel per specialisation
+    and call it directly.
 
     ``kernel[grid](...)`` re-binds and re-hashes ~50 arguments on every call (tens of microseconds of host
     time); the cached handle skips that. The first call for a specialisation goes through Triton (compiling if
     needed), so behaviour is Triton's own. The cache is bounded (least recently used out)."""
     if device.type != "cuda":
-        kernel.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
+        roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
         return
     if device.index is not None and device.index != _current_device():
         # Triton launches (and compiles) for the current device: make it the tensors' device.
         with torch.cuda.device(device.index):
-            _launch(grid, args, constexprs, num_warps, device)
+            _launch(grid, args, constexprs, num_warps, device, roles)
         return
-    key = _cache_key(args, constexprs, num_warps, device.index)
+    key = roles.key(args, constexprs, num_warps, device.index)
     compiled = _COMPILED.get(key)
     if compiled is not None:
         _COMPILED.move_to_end(key)
         compiled[grid](*args, *constexprs)
         return
-    compiled = kernel.rope_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)), num_warps=num_warps)
+    compiled = roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
     if compiled is not None and hasattr(compiled, "__getitem__"):
         _COMPILED[key] = compiled
         if len(_COMPILED) > _MAX_COMPILED:
             _COMPILED.popitem(last=False)
-
-
-# The compiled kernel's cached handle takes the constexprs positionally after the runtime arguments.
-if tuple(kernel.rope_kernel.arg_names[-len(_CONSTEXPR_NAMES):]) != _CONSTEXPR_NAMES:
-    raise ImportError("rope_kernel's constexpr parameters changed: update _CONSTEXPR_NAMES and kernel_launch")

@@ -385,6 +385,15 @@ def norm_rope_bwd_kernel(
             AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_HK, HALF_BLOCK, PASS_BLOCK)
 
 
+def _roles(fn) -> launcher.KernelRoles:
+    names = fn.arg_names
+    return launcher.KernelRoles(fn, tuple(names[names.index("HEAD_DIM"):]), ("q_scale", "k_scale", "rotary_scale",
+                                "w_offset", "eps", "v_scale"), ("pos_offset",))
+
+
+PROLOGUE = _roles(prologue_kernel)
+NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
+
 # rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
 _ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
               "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
@@ -441,7 +450,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
                  CACHE_BATCH_PER_TOKEN=cache is not None and cache.cache_batch is not None,
                  K_SCALE_PTR=k_ptr_scale, V_SCALE_PTR=v_ptr_scale, K_FP8=k_fp8, V_FP8=v_fp8,
                  ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
-    _run(prologue_kernel, grid, prologue_args, const, num_warps, q.device)
+    launcher._launch(grid, prologue_args, tuple(const[n] for n in PROLOGUE.constexprs), num_warps, q.device,
+                     PROLOGUE)
 
 
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
@@ -469,14 +479,6 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
         *(named[n] for n in _ROPE_ARGS), q_weight, k_weight, float(weight_offset), float(eps),
     )
     const = {n: named[n] for n in _ROPE_CONSTEXPRS}
-    _run(norm_rope_bwd_kernel, grid, bwd_args, const, num_warps, q.device)
+    launcher._launch(grid, bwd_args, tuple(const[n] for n in NORM_ROPE_BWD.constexprs), num_warps, q.device,
+                     NORM_ROPE_BWD)
     return dq, dk, dwq.sum(0), dwk.sum(0)
-
-
-def _run(kernel, grid, args, constexprs: dict, num_warps: int, device: torch.device) -> None:
-    """Launch on the tensors' device (Triton launches on the current one)."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device.index):
-            kernel[grid](*args, **constexprs, num_warps=num_warps)
-    else:
-        kernel[grid](*args, **constexprs, num_warps=num_warps)

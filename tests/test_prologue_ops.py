@@ -1,0 +1,153 @@
+"""The prologue's registered ops and its eager routes: opcheck of ``ropekit::qk_norm_rope``,
+``ropekit::qk_norm_rope_backward`` and ``ropekit::rope_kv_write``, and the differential checks that the eager
+routes (no dispatcher: ``autograd.EagerNormRope``, ``ops.write_kv``) give exactly what the registered ops give."""
+
+import os
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import ropekit
+from ropekit import autograd, ops
+from ropekit._spec import validate, validate_kv_write
+from ropekit.testing import kernels_on_cpu
+
+HAS_CUDA = torch.cuda.is_available()
+ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+DEVICES = ["cpu", pytest.param("cpu-kernels", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))]
+
+
+def _context(device: str):
+    import contextlib
+
+    return kernels_on_cpu() if device == "cpu-kernels" else contextlib.nullcontext()
+
+
+def _dev(device: str) -> str:
+    return "cuda" if device == "cuda" else "cpu"
+
+
+def _norm_inputs(device, dtype=torch.float32):
+    B, S, HQ, HK, D = 2, 3, 4, 2, 16
+    dev = _dev(device)
+    q = torch.randn(B, S, HQ, D, device=dev, dtype=dtype)
+    k = torch.randn(B, S, HK, D, device=dev, dtype=dtype)
+    qw, kw = torch.randn(D, device=dev, dtype=dtype), torch.randn(D, device=dev, dtype=dtype)
+    pos = torch.randint(0, 100, (B, S), device=dev)
+    return q, k, qw, kw, pos
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_qk_norm_rope(device):
+    with _context(device):
+        q, k, qw, kw, pos = _norm_inputs(device)
+        spec = validate(q, k, positions=pos, rotary_dim=8, style="interleaved")
+        args = (q.requires_grad_(), k.requires_grad_(), qw.requires_grad_(), kw, 0.5, 1e-6, *spec)
+        # the AOT-dispatch checks trace with fake tensors, which the interpreter cannot run
+        tests = ("test_schema", "test_autograd_registration", "test_faketensor") if device == "cpu-kernels" else None
+        opcheck(torch.ops.ropekit.qk_norm_rope.default, args, test_utils=tests or ALL_CHECKS)
+        g = (torch.randn_like(q), torch.randn_like(k))
+        opcheck(torch.ops.ropekit.qk_norm_rope_backward.default,
+                (*g, q.detach(), k.detach(), qw.detach(), kw, 0.5, 1e-6, *spec),
+                test_utils=tests or ALL_CHECKS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_rope_kv_write(device):
+    with _context(device):
+        dev = _dev(device)
+        q, k, v = (torch.randn(3, h, 16, device=dev) for h in (4, 2, 2))
+        k_cache, v_cache = torch.zeros(2, 4, 2, 16, device=dev), torch.zeros(2, 4, 2, 16, device=dev)
+        slots = torch.tensor([5, -1, 0], device=dev)
+        q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, k_cache, v_cache, torch.tensor([1, 2, 3]).to(dev),
+                                                           slots, "paged", None, None, None, "bshd", None, False)
+        spec = validate(q4, k4, positions=pos4, layout=layout)
+        tests = ("test_schema", "test_faketensor") if device == "cpu-kernels" else None
+        opcheck(torch.ops.ropekit.rope_kv_write.default,
+                (q4, k4, v4, k_cache, v_cache, None, None, 0.0, 1e-6, *ops.cache_op_args(cache), *spec),
+                test_utils=tests or ALL_CHECKS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_norm_rope_route_equals_the_registered_op(device):
+    # EagerNormRope (no dispatcher) and ropekit::qk_norm_rope with its registered backward: the same kernels,
+    # so the same bits, forward and backward, over several calls with fresh data.
+    with _context(device):
+        for _ in range(3):
+            q, k, qw, kw, pos = _norm_inputs(device, torch.bfloat16 if device != "cpu" else torch.float32)
+            spec = validate(q, k, positions=pos)
+            leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+            eager = autograd.EagerNormRope.apply(*leaves, 1.0, 1e-5, spec)
+            assert type(eager) is tuple
+            leaves_op = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+            op = ops.qk_norm_rope(*leaves_op, 1.0, 1e-5, *spec)
+            gq, gk = torch.randn_like(eager[0]), torch.randn_like(eager[1]).transpose(1, 2).contiguous().transpose(1, 2)
+            for a, b in zip(eager, op):
+                assert torch.equal(a, b)
+            ga = torch.autograd.grad(eager, leaves, (gq, gk))
+            gb = torch.autograd.grad(op, leaves_op, (gq, gk))
+            for a, b in zip(ga, gb):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_kv_write_refuses_gradients(device):
+    with _context(device):
+        dev = _dev(device)
+        q, k, v = (torch.randn(3, h, 16, device=dev) for h in (4, 2, 2))
+        caches = torch.zeros(3, 4, 2, 16, device=dev), torch.zeros(3, 4, 2, 16, device=dev)
+        before = [c.clone() for c in caches]
+        with pytest.raises(RuntimeError, match="not differentiable"):
+            ropekit.rope_kv_write(q.requires_grad_(), k, v, *caches, positions=torch.tensor([0, 1, 2]).to(dev))
+        assert all(torch.equal(a, b) for a, b in zip(caches, before))
+        with torch.no_grad():
+            ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([0, 1, 2]).to(dev))
+
+
+def test_rope_kv_write_declares_its_cache_writes():
+    # The kernel's writes go through views of the caches: their version counters move, so a tensor saved for
+    # backward from a cache is refused instead of giving wrong gradients.
+    q, k, v = (torch.randn(3, h, 16) for h in (4, 2, 2))
+    k_cache, v_cache = torch.zeros(3, 2, 4, 16), torch.zeros(3, 2, 4, 16)
+    versions = k_cache._version, v_cache._version
+    with torch.no_grad():
+        ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=torch.tensor([0, 1, 2]), cache_layout="bhsd")
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+
+
+def test_qk_norm_rope_compiled_backward_equals_eager():
+    # torch.compile traces ropekit::qk_norm_rope and its registered backward (the CPU path here).
+    q, k, qw, kw, pos = _norm_inputs("cpu", torch.float64)
+
+    def f(q, k, qw, kw):
+        a, b = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos, eps=1e-6)
+        return (a * a).sum() + (b * 3).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    eager = torch.autograd.grad(f(*leaves), leaves)
+    leaves_c = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(*leaves_c), leaves_c)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_kv_write_compiled_equals_eager():
+    # Under torch.compile the call is the mutating op ropekit::rope_kv_write: same q, same cache rows.
+    q, k, v = (torch.randn(3, h, 16) for h in (4, 2, 2))
+    pos = torch.tensor([5, 0, 2])
+
+    def f(q, k, v, k_cache, v_cache):
+        return ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=pos, cache_layout="bhsd", base=500.0)
+
+    caches = torch.zeros(3, 2, 8, 16), torch.zeros(3, 2, 8, 16)
+    caches_c = tuple(c.clone() for c in caches)
+    with torch.no_grad():
+        eager = f(q, k, v, *caches)
+        compiled = torch.compile(f, fullgraph=True)(q, k, v, *caches_c)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for a, b in zip(caches_c, caches):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert caches[0].abs().sum() > 0
