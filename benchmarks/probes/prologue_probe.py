@@ -25,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill", default="2048,8192,32768", help="comma-separated prefill token counts")
     parser.add_argument("--train", default="4096,16384,32768", help="qk_norm_rope fwd+bwd token counts")
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile baseline (faster)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: each kernel's device time (profiler), the host time per eager call, and a "
+                             "block-shape sweep of the raw launchers (decode 1/64 tokens, 4x4096 fwd and bwd)")
     return parser.parse_args(argv)
 
 
@@ -35,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
-from _graphs import graph_us_interleaved
+from _graphs import graph_us_interleaved, kernel_us
 
 import ropekit
 from ropekit.frequencies import default_inv_freq
@@ -184,8 +187,81 @@ def train(T: int, compile_baseline: bool) -> None:
     _row(f"qk_norm_rope fwd+bwd {B}x{S}", _cold_us(fns))
 
 
+def _host_us(fn, calls: int = 200) -> float:
+    import time
+
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def sweep() -> None:
+    """Device time per kernel, host time per call, and block shapes of the raw launchers."""
+    from ropekit._spec import validate, validate_kv_write
+    from ropekit.triton.prologue import launch_norm_rope_bwd, launch_prologue
+
+    decode_shapes = [(1, bh, min(bh, 8), nw) for bh in (2, 4, 8) for nw in (1, 2, 4)]
+    shapes = [(bt, bh, min(bh, 8), nw) for bt in (1, 2, 4) for bh in (8, 16) for nw in (2, 4, 8)]
+    for name, m in MODELS.items():
+        for T, B in ((1, 1), (64, 64), (8192, 1)):
+            q, k, v, k_cache, v_cache, pos, qw, kw, S = _inputs(T, B, m, torch.bfloat16)
+            if B == 1 and T > 1:  # prefill: one sequence of T tokens
+                q, k, v, pos = q.view(1, T, -1, D), k.view(1, T, -1, D), v.view(1, T, -1, D), pos.view(1, T)
+            norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
+            q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, k_cache, v_cache, pos, None, "bshd", None,
+                                                               None, None, "bshd", None, False)
+            spec = validate(q4, k4, positions=pos4, layout=layout, base=m["base"])
+            q_out = torch.empty(q4.shape, device="cuda", dtype=q.dtype)
+            raw = {cfg: (lambda c=cfg: launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=c,
+                                                       **norm))
+                   for cfg in [None] + (decode_shapes if T <= 256 else shapes)}
+
+            def public():
+                return ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=pos, base=m["base"], **norm)
+
+            def checks():
+                validate_kv_write(q, k, v, k_cache, v_cache, pos, None, "bshd", None, None, None, "bshd", None, False)
+                return validate(q4, k4, positions=pos4, base=m["base"])
+
+            print(f"{name} rope_kv_write T={T}: kernels {kernel_us(public)}  host us/call: public "
+                  f"{_host_us(public):.1f}, validation {_host_us(checks):.1f}, raw launch {_host_us(raw[None]):.1f}",
+                  flush=True)
+            timed = graph_us_interleaved(raw) if T <= 256 else _cold_us(raw)
+            best = sorted(timed.items(), key=lambda kv: kv[1])[:4]
+            print(f"  default {timed[None]:.2f} us; fastest {[(c, round(t, 2)) for c, t in best]}", flush=True)
+    m = MODELS["qwen3-8b"]
+    q = torch.randn(4, 4096, m["hq"], D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 4096, m["hk"], D, device="cuda", dtype=torch.bfloat16)
+    qw = torch.rand(D, device="cuda", dtype=torch.bfloat16)
+    kw = torch.rand(D, device="cuda", dtype=torch.bfloat16)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    spec = validate(q, k, base=m["base"])
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    fwd = {cfg: (lambda c=cfg: launch_prologue(q, k, qo, ko, spec, q_weight=qw, k_weight=kw, config=c))
+           for cfg in [None] + shapes}
+    bwd = {cfg: (lambda c=cfg: launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=c))
+           for cfg in [None] + shapes}
+    src = torch.empty((q.numel() + k.numel()), device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for label, fns in (("qk_norm_rope fwd 4x4096", fwd), ("qk_norm_rope bwd 4x4096", bwd)):
+        print(f"{label}: kernels {kernel_us(fns[None])}  host {_host_us(fns[None], 50):.1f} us/call", flush=True)
+        timed = _cold_us({"copy": lambda: dst.copy_(src), **fns})
+        best = sorted(((c, t) for c, t in timed.items() if c != "copy"), key=lambda kv: kv[1])[:4]
+        print(f"  copy {timed['copy']:.1f} default {timed[None]:.1f} us; fastest {[(c, round(t, 1)) for c, t in best]}",
+              flush=True)
+
+
 def main(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.sweep:
+        sweep()
+        return
     print("times: median (decode: per call in CUDA-graph replay; else best of 3 cold-L2 medians); ratio vs copy")
     for name, m in MODELS.items():
         for cache_dtype in (torch.bfloat16, FP8):

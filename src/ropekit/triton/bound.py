@@ -14,7 +14,15 @@ import torch
 
 from ropekit._spec import RopeSpec
 from ropekit.triton import kernel
-from ropekit.triton.launcher import _COMPILED, _CONSTEXPR_NAMES, _cache_key, _current_device, kernel_launch
+from ropekit.triton.launcher import (
+    _COMPILED,
+    _CONSTEXPR_NAMES,
+    _cache_key,
+    _current_device,
+    _current_raw_stream,
+    _launch_hooks_idle,
+    kernel_launch,
+)
 
 # What a call fills, by the kernel's parameter names, in the order BoundLaunch.__call__ takes them.
 VARYING_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "ko_ptr", "pos_ptr", "seq_off_ptr", "cu_ptr", "freq_ptr", "cos_ptr",
@@ -97,23 +105,6 @@ class InterpretedLaunch(_Bound):
 
     def __call__(self, *values) -> None:
         kernel.rope_kernel[self._grid](*self._fill(*values), **self._kwargs)
-
-
-def _launch_hooks_idle() -> bool:
-    """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
-    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
-    return (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True))
-
-
-try:
-    from triton import knobs as _knobs
-
-    _RUNTIME_KNOBS = _knobs.runtime
-except ImportError:  # older Triton: hooks live on CompiledKernel
-    from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
-
-# What Triton's own launch path reads for the stream (its CUDA driver calls this torch function).
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def bind_rope(q, k, q_out, k_out, spec: RopeSpec) -> BoundLaunch | InterpretedLaunch | None:

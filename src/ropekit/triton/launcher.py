@@ -254,6 +254,32 @@ _MAX_COMPILED = 256
 _COMPILED: OrderedDict = OrderedDict()
 # What Triton's own launch path reads to pick the device (no torch.cuda wrapper).
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# What Triton's own launch path reads for the stream (its CUDA driver calls this torch function).
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+try:
+    from triton import knobs as _knobs
+
+    _RUNTIME_KNOBS = _knobs.runtime
+except ImportError:  # older Triton: hooks live on CompiledKernel
+    from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
+
+
+def _launch_hooks_idle() -> bool:
+    """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
+    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    return (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True))
+
+
+def _run_compiled(compiled, grid, args, constexprs, device_index: int) -> None:
+    """Launch an already compiled (and once launched) kernel through Triton's compiled launcher directly: what
+    ``compiled[grid](...)`` ends in, without its per-call set-up; through ``compiled[grid]`` when a profiler hooked
+    Triton's launches or this Triton lacks the attributes."""
+    if _current_raw_stream is not None and _launch_hooks_idle() and getattr(compiled, "function", None) is not None:
+        compiled.run(*grid, _current_raw_stream(device_index), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *constexprs)
+    else:
+        compiled[grid](*args, *constexprs)
 
 
 def _int_class(v: int) -> int:
@@ -284,7 +310,7 @@ def _launch(grid, args, constexprs, num_warps, device, roles: KernelRoles = ROPE
     compiled = _COMPILED.get(key)
     if compiled is not None:
         _COMPILED.move_to_end(key)
-        compiled[grid](*args, *constexprs)
+        _run_compiled(compiled, grid, args, constexprs, device.index if device.index is not None else _current_device())
         return
     compiled = roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
     if compiled is not None and hasattr(compiled, "__getitem__"):

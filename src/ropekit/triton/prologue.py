@@ -282,7 +282,7 @@ def prologue_kernel(
 @triton.jit
 def _norm_rope_bwd_block(
     g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps, scale,
-    dw_ptr, dw_row, t, b, s, pos, valid, mask_t, h0, H,
+    b, s, pos, valid, mask_t, h0, H,
     pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -291,10 +291,10 @@ def _norm_rope_bwd_block(
     PASS_BLOCK: tl.constexpr,
 ):
     """Gradients of one block of head rows of ``y = rotate(x * r * (w + w_offset)) * scale``: the rotation's
-    transpose first (the same rotation, conjugated), then the norm's backward. ``dx`` goes to ``dx_ptr``; this
-    block's sum of ``g * x * r`` over its rows (the weight's gradient) to row ``dw_row`` of ``dw_ptr`` [*, D]."""
+    transpose first (the same rotation, conjugated), then the norm's backward. ``dx`` goes to ``dx_ptr``; returns
+    the block's sums of ``g * x * r`` over its rows (the weight's gradient terms) at the lo, hi and pass-through
+    columns."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
-    HALF: tl.constexpr = ROT_DIM // 2
     g_base, m = _head_tile(b, s, mask_t, h0, H, g_sb, g_ss, g_sh, BLOCK_H)
     g_lo, g_hi, g_p = _load_rows(g_ptr, g_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
                                  HAS_PASS)
@@ -322,18 +322,62 @@ def _norm_rope_bwd_block(
     dx_base, _ = _head_tile(b, s, mask_t, h0, H, dx_sb, dx_ss, dx_sh, BLOCK_H)
     _store_rows(dx_ptr, dx_base, m, r * (dh_lo - xh_lo * mean), r * (dh_hi - xh_hi * mean), r * (dh_p - xh_p * mean),
                 HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, False, False)
-    # The weight's gradient: rows outside the block (masked: their NaN-free zeros) contribute nothing.
+    # The weight's gradient: rows outside the block (NaN rotations of padded tokens included) contribute nothing.
     dw_lo = tl.sum(tl.sum(tl.where(m, n_lo * xh_lo, 0.0), axis=1), axis=0)
     dw_hi = tl.sum(tl.sum(tl.where(m, n_hi * xh_hi, 0.0), axis=1), axis=0)
+    if HAS_PASS:
+        dw_p = tl.sum(tl.sum(tl.where(m, n_p * xh_p, 0.0), axis=1), axis=0)
+    else:
+        dw_p = tl.zeros([PASS_BLOCK], tl.float32)
+    return dw_lo, dw_hi, dw_p
+
+
+@triton.jit
+def _norm_rope_bwd_heads(
+    g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps, scale,
+    dw_ptr, dw_row, h0, H, S, num_tokens, n_token_blocks,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr,
+    TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr,
+    AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """One block of heads over every ``num_programs(1)``-th token block from ``program_id(1)`` on: the gradients
+    of its rows, and the sum of their weight-gradient terms, stored once as row ``dw_row`` of ``dw_ptr``. The
+    program loops (rather than one program per token block writing a partial row) so that the partial rows are a
+    few hundred, not one per token block, and their sum is deterministic."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    HALF: tl.constexpr = ROT_DIM // 2
+    acc_lo = tl.zeros([HALF_BLOCK], tl.float32)
+    acc_hi = tl.zeros([HALF_BLOCK], tl.float32)
+    acc_p = tl.zeros([PASS_BLOCK], tl.float32)
+    for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = t < num_tokens
+        b32 = t // S
+        s = (t - b32 * S).to(tl.int64)
+        b = b32.to(tl.int64)
+        pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                      n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+        d_lo, d_hi, d_p = _norm_rope_bwd_block(
+            g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps,
+            scale, b, s, pos, valid & mask_t, mask_t, h0, H,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
+            AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_H, HALF_BLOCK, PASS_BLOCK)
+        acc_lo += d_lo
+        acc_hi += d_hi
+        acc_p += d_p
     col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
     i = tl.arange(0, HALF_BLOCK)
     row = dw_ptr + dw_row * HEAD_DIM
-    tl.store(row + tl.reshape(col_lo, [HALF_BLOCK]), dw_lo, mask=i < HALF)
-    tl.store(row + tl.reshape(col_hi, [HALF_BLOCK]), dw_hi, mask=i < HALF)
+    tl.store(row + tl.reshape(col_lo, [HALF_BLOCK]), acc_lo, mask=i < HALF)
+    tl.store(row + tl.reshape(col_hi, [HALF_BLOCK]), acc_hi, mask=i < HALF)
     if HAS_PASS:
-        dw_p = tl.sum(tl.sum(tl.where(m, n_p * xh_p, 0.0), axis=1), axis=0)
         p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        tl.store(row + tl.reshape(p, [PASS_BLOCK]), dw_p, mask=tl.reshape(mp, [PASS_BLOCK]))
+        tl.store(row + tl.reshape(p, [PASS_BLOCK]), acc_p, mask=tl.reshape(mp, [PASS_BLOCK]))
 
 
 @triton.jit(do_not_specialize=["pos_offset"])
@@ -345,7 +389,7 @@ def norm_rope_bwd_kernel(
     pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
     q_scale, k_scale, rotary_scale, pos_sa,
-    qw_ptr, kw_ptr, w_offset, eps,
+    qw_ptr, kw_ptr, w_offset, eps, n_token_blocks,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
@@ -354,35 +398,31 @@ def norm_rope_bwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):
-    """The backward of ``prologue_kernel`` with a norm and no cache: a program handles one block of heads of q or
-    of k for ``BLOCK_T`` tokens, and writes its partial weight gradient to its own row of ``dwq``/``dwk``."""
+    """The backward of ``prologue_kernel`` with a norm and no cache. Grid (head blocks of q then k, G): a program
+    handles one block of heads for every G-th token block and writes its weight-gradient sum to row
+    ``program_id(1) * n_blocks + head block`` of ``dwq``/``dwk`` ([G * n_blocks, D])."""
     hb = tl.program_id(0)
-    tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     n_kb = tl.cdiv(HK, BLOCK_HK)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < num_tokens
-    b32 = t // S
-    s = (t - b32 * S).to(tl.int64)
-    b = b32.to(tl.int64)
-    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
-                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
-    valid = valid & mask_t
+    g = tl.program_id(1).to(tl.int64)
     if hb < n_qb:
-        _norm_rope_bwd_block(
+        _norm_rope_bwd_heads(
             gq_ptr, gq_sb, gq_ss, gq_sh, q_ptr, q_sb, q_ss, q_sh, dq_ptr, dq_sb, dq_ss, dq_sh, qw_ptr, w_offset, eps,
-            q_scale, dwq_ptr, tb.to(tl.int64) * n_qb + hb, t, b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
-            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
-            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
-            AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK)
+            q_scale, dwq_ptr, g * n_qb + hb, hb * BLOCK_HQ, HQ, S, num_tokens, n_token_blocks,
+            pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+            FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HQ,
+            HALF_BLOCK, PASS_BLOCK)
     else:
-        _norm_rope_bwd_block(
+        _norm_rope_bwd_heads(
             gk_ptr, gk_sb, gk_ss, gk_sh, k_ptr, k_sb, k_ss, k_sh, dk_ptr, dk_sb, dk_ss, dk_sh, kw_ptr, w_offset, eps,
-            k_scale, dwk_ptr, tb.to(tl.int64) * n_kb + (hb - n_qb), t, b, s, pos, valid, mask_t,
-            (hb - n_qb) * BLOCK_HK, HK,
-            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
-            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
-            AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_HK, HALF_BLOCK, PASS_BLOCK)
+            k_scale, dwk_ptr, g * n_kb + (hb - n_qb), (hb - n_qb) * BLOCK_HK, HK, S, num_tokens, n_token_blocks,
+            pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+            FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HK,
+            HALF_BLOCK, PASS_BLOCK)
 
 
 def _roles(fn) -> launcher.KernelRoles:
@@ -394,6 +434,9 @@ def _roles(fn) -> launcher.KernelRoles:
 PROLOGUE = _roles(prologue_kernel)
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
+# Backward programs per forward program the device wants (launcher._num_programs_wanted): each loops over token
+# blocks, so a few per SM keep the memory busy.
+BWD_PROGRAMS_PER_SM = 2
 # rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
 _ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
               "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
@@ -404,10 +447,12 @@ _ROPE_CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
-                    q_weight=None, k_weight=None, weight_offset: float = 0.0, eps: float = 1e-6) -> None:
+                    q_weight=None, k_weight=None, weight_offset: float = 0.0, eps: float = 1e-6,
+                    config=None) -> None:
     """Normalise (with weights) and rotate q into ``q_out`` and k into ``k_out`` -- or, with ``cache``, k and v
-    into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing."""
-    launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec)
+    into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing.
+    ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
+    launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
     if launch is None:
         return
     grid, args, constexprs, num_warps = launch
@@ -455,28 +500,32 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
 
 
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
-                         eps: float) -> tuple:
+                         eps: float, config=None) -> tuple:
     """(dq, dk, dq_weight, dk_weight) of ``qk_norm_rope`` for the output gradients ``grad_q``/``grad_k`` (last
     dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec)
+    launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
         return dq.zero_(), dk.zero_(), zq, zq.clone()
     grid, args, constexprs, num_warps = launch
     named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
-    n_tb = grid[1] * grid[2]
+    n_tb = launcher._cdiv(named["num_tokens"], named["BLOCK_T"])
     n_qb = launcher._cdiv(named["HQ"], named["BLOCK_HQ"])
     n_kb = launcher._cdiv(named["HK"], named["BLOCK_HK"])
+    # Programs per head block: enough to fill the device, each looping over its share of the token blocks.
+    groups = min(n_tb, max(1, launcher._cdiv(BWD_PROGRAMS_PER_SM * launcher._num_programs_wanted(q.device),
+                                             n_qb + n_kb)))
+    grid = (n_qb + n_kb, groups, 1)
     D = named["HEAD_DIM"]
-    dwq = torch.zeros(n_tb * n_qb, D, dtype=torch.float32, device=q.device)
-    dwk = torch.zeros(n_tb * n_kb, D, dtype=torch.float32, device=q.device)
+    dwq = torch.empty(groups * n_qb, D, dtype=torch.float32, device=q.device)
+    dwk = torch.empty(groups * n_kb, D, dtype=torch.float32, device=q.device)
     qc, kc = to_canonical(q, spec.layout), to_canonical(k, spec.layout)
     bwd_args = (
         named["q_ptr"], qc, named["qo_ptr"], named["k_ptr"], kc, named["ko_ptr"], dwq, dwk,
         named["q_sb"], named["q_ss"], named["q_sh"], *qc.stride()[:3], named["qo_sb"], named["qo_ss"], named["qo_sh"],
         named["k_sb"], named["k_ss"], named["k_sh"], *kc.stride()[:3], named["ko_sb"], named["ko_ss"], named["ko_sh"],
-        *(named[n] for n in _ROPE_ARGS), q_weight, k_weight, float(weight_offset), float(eps),
+        *(named[n] for n in _ROPE_ARGS), q_weight, k_weight, float(weight_offset), float(eps), n_tb,
     )
     const = {n: named[n] for n in _ROPE_CONSTEXPRS}
     launcher._launch(grid, bwd_args, tuple(const[n] for n in NORM_ROPE_BWD.constexprs), num_warps, q.device,
