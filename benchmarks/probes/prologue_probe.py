@@ -249,6 +249,22 @@ def sweep() -> None:
            for cfg in [None] + shapes}
     src = torch.empty((q.numel() + k.numel()), device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
+    from ropekit.triton import launcher
+
+    fwd[None]()
+    bwd[None]()
+    for key, compiled in launcher._COMPILED.items():
+        print(f"  {key[0].fn.__name__} {key[-3]}: {getattr(compiled, 'n_regs', '?')} registers, "
+              f"{getattr(compiled, 'n_spills', '?')} spills", flush=True)
+    from ropekit.triton import prologue
+
+    default_programs = prologue.BWD_PROGRAMS_PER_SM
+    by_programs = {}
+    for per_sm in (1, 2, 8, 32, 128):
+        prologue.BWD_PROGRAMS_PER_SM = per_sm
+        by_programs[per_sm] = _cold_us({"bwd": bwd[None]})["bwd"]
+    prologue.BWD_PROGRAMS_PER_SM = default_programs
+    print(f"  bwd 4x4096 by BWD_PROGRAMS_PER_SM: { {k: round(v, 1) for k, v in by_programs.items()} }", flush=True)
     for label, fns in (("qk_norm_rope fwd 4x4096", fwd), ("qk_norm_rope bwd 4x4096", bwd)):
         print(f"{label}: kernels {kernel_us(fns[None])}  host {_host_us(fns[None], 50):.1f} us/call", flush=True)
         timed = _cold_us({"copy": lambda: dst.copy_(src), **fns})

@@ -434,9 +434,10 @@ def _roles(fn) -> launcher.KernelRoles:
 PROLOGUE = _roles(prologue_kernel)
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
-# Backward programs per forward program the device wants (launcher._num_programs_wanted): each loops over token
-# blocks, so a few per SM keep the memory busy.
-BWD_PROGRAMS_PER_SM = 2
+# Backward programs per program the launcher wants on the device (launcher._num_programs_wanted, 4 per SM): each
+# loops over token blocks and writes one partial weight-gradient row. At Qwen3-8B 4x4096 on the H200 the backward
+# took 331/322/250/233/303 us at 1/2/8/32/128 (prologue_probe.py --sweep).
+BWD_PROGRAMS_PER_SM = 32
 # rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
 _ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
               "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
