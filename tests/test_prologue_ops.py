@@ -173,3 +173,19 @@ def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(
         for a, b in zip(outs[0], outs[1000]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert torch.equal(outs[0][0], outs[1000][0])  # dq is per element: the same bits
+
+
+def test_readme_decode_example_runs_and_writes_each_sequences_row():
+    # The README's rope_kv_write example, run on CPU tensors (float32): it must keep working as written.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("## Attention prologue")[1].split("```python")[1].split("```")[0]
+    code = code.replace('device="cuda"', 'device="cpu"').replace("torch.bfloat16", "torch.float32")
+    scope: dict = {}
+    exec(code, scope)
+    k_cache, lengths, k, q_rot = scope["k_cache"], scope["lengths"], scope["k"], scope["q_rot"]
+    written = (k_cache != 0).any(-1)  # [B, Hkv, max_len]
+    for b in range(k_cache.shape[0]):
+        assert written[b, :, lengths[b]].all() and int(written[b].sum()) == k_cache.shape[1]
+    assert q_rot.shape == scope["q"].shape and k.shape[0] == k_cache.shape[0]
