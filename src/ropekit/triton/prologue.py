@@ -123,9 +123,10 @@ def _norm_weights(w_ptr, w_offset, ROT_DIM: tl.constexpr, ROT_START: tl.constexp
 @triton.jit
 def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexpr):
     """1 / sqrt(mean(x**2) + eps) over each head row, [BLOCK_T, BLOCK_H, 1]."""
-    ss = tl.sum(x_lo * x_lo, axis=2) + tl.sum(x_hi * x_hi, axis=2)
-    if HAS_PASS:
-        ss += tl.sum(x_p * x_p, axis=2)
+    if HAS_PASS:  # one cross-thread reduction where the spans share a shape
+        ss = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2) + tl.sum(x_p * x_p, axis=2)
+    else:
+        ss = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2)
     return (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, :, None]
 
 
