@@ -30,8 +30,19 @@ from torch import Tensor
 
 from ropekit import _config
 from ropekit._memory import span_bytes
-from ropekit._spec import MAX_POSITION, TENSOR_FIELDS, Mode, RopeSpec, needs_grad, to_canonical, validate
+from ropekit._spec import (
+    MAX_POSITION,
+    TENSOR_FIELDS,
+    Mode,
+    RopeSpec,
+    needs_grad,
+    to_canonical,
+    validate,
+    validate_kv_write,
+    validate_norm_weights,
+)
 from ropekit.autograd import rotate as rotate_spec
+from ropekit.autograd import write_kv as write_kv_spec
 from ropekit.ops import uses_kernels
 
 _PLANS: OrderedDict = OrderedDict()
@@ -122,6 +133,8 @@ def clear() -> None:
     """Forget every plan and sighting (tests; the plans hold no tensors of the calls that made them)."""
     _PLANS.clear()
     _SEEN.clear()
+    _KV_PLANS.clear()
+    _KV_SEEN.clear()
 
 
 def _sighted(key, q, k, options, spec, outs, mode) -> None:
@@ -286,3 +299,182 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
 
 def _same(t: Tensor) -> Tensor:
     return t
+
+
+
+# --- rope_kv_write ---------------------------------------------------------------------------------------------
+# The same scheme for the attention prologue's inference call: a plan per signature, recorded on its second call
+# from the launch the full path made, replayed by filling the data pointers of the call's tensors.
+
+_KV_PLANS: OrderedDict = OrderedDict()
+_KV_SEEN: OrderedDict = OrderedDict()
+# rope_kv_write's options that may be tensors, in the order a plan's sources index them (q_out comes last).
+_KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping", "q_weight", "k_weight",
+               "k_cache_scale", "v_cache_scale", "inv_freq", "cos", "sin", "angles")
+
+
+def write_kv(options: dict) -> Tensor:
+    """:func:`ropekit.rope_kv_write` (``options``: its arguments by name): replay the plan of the call's signature,
+    or validate, run and note the signature."""
+    sig = None
+    if _config.fast_path and not options["check_positions"] and options["cu_seqlens"] is None:
+        sig = _kv_signature(options)
+        if sig is not None:
+            try:
+                plan = _KV_PLANS.get(sig[0])
+            except TypeError:  # an unhashable argument: the full path names it
+                plan = sig = None
+            if plan is not None:
+                _KV_PLANS.move_to_end(sig[0])
+                out = plan(sig[1], options)
+                if out is not None:
+                    return out
+                sig = None  # this call's position offset needs the full path's checks
+    if sig is not None:
+        from ropekit.triton import prologue
+
+        prologue.LAST_LAUNCH.clear()
+    o = options
+    q4, k4, v4, pos4, layout, cache = validate_kv_write(
+        o["q"], o["k"], o["v"], o["k_cache"], o["v_cache"], o["positions"], o["slot_mapping"], o["cache_layout"],
+        o["k_cache_scale"], o["v_cache_scale"], o["cu_seqlens"], o["layout"], o["sections"], o["check_positions"])
+    spec = validate(q4, k4, positions=pos4, inv_freq=o["inv_freq"], base=o["base"], cos=o["cos"], sin=o["sin"],
+                    angles=o["angles"], style=o["style"], layout=layout, rotary_dim=o["rotary_dim"],
+                    rotary_at=o["rotary_at"], q_scale=o["q_scale"], k_scale=o["k_scale"],
+                    rotary_scale=o["rotary_scale"], cu_seqlens=o["cu_seqlens"] if layout == "thd" else None,
+                    sections=o["sections"], section_layout=o["section_layout"], check_positions=o["check_positions"])
+    validate_norm_weights(o["q"], o["k"], o["q_weight"], o["k_weight"], o["eps"], o["weight_offset"], required=False)
+    q_out = write_kv_spec(q4, k4, v4, o["q_weight"], o["k_weight"], float(o["weight_offset"]), float(o["eps"]), spec,
+                          cache)
+    out = q_out.view(o["q"].shape) if o["q"].dim() == 3 else q_out
+    if sig is not None:
+        _kv_sighted(sig, options, q_out, out, to_canonical(q4, layout).shape[1], cache)
+    return out
+
+
+def _kv_signature(options: dict):
+    """(key, tensors) of a rope_kv_write call, or None where plans do not apply (not a kernel call, tracing,
+    tensor subclasses, autograd). ``tensors``: the call's tensor options in ``_KV_TENSORS`` order (None where
+    absent). The key holds every tensor's shape, strides, dtype, device and alignment, which of them share a data
+    pointer, and every other option's value (an int position offset by its type)."""
+    q = options["q"]
+    if type(q) is not Tensor or not uses_kernels(q) or torch.compiler.is_compiling():
+        return None
+    tensors, parts, ptrs = [], [], []
+    for name in _KV_TENSORS:
+        t = options[name]
+        if t is None or not isinstance(t, Tensor):
+            tensors.append(None)
+            continue
+        if type(t) is not Tensor or (t.requires_grad and torch.is_grad_enabled()):
+            return None  # subclasses, and calls the full path refuses for autograd
+        p = t.data_ptr()
+        tensors.append(t)
+        parts.append((name, t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
+        ptrs.append(p)
+    aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
+    scalars = tuple((n, type(v) if n == "positions" else v) for n, v in options.items()
+                    if n not in _KV_TENSORS or not isinstance(v, Tensor))
+    return (tuple(parts), aliasing, scalars), tensors
+
+
+def _kv_sighted(sig, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache) -> None:
+    key = sig[0]
+    if key in _KV_SEEN:
+        del _KV_SEEN[key]
+        from ropekit.triton import prologue
+
+        plan = KvPlan.record(sig[1], options, q_out, out, seqlen, cache, prologue.LAST_LAUNCH)
+        if plan is not None:
+            _KV_PLANS[key] = plan
+            if len(_KV_PLANS) > _MAX_PLANS:
+                _KV_PLANS.popitem(last=False)
+        return
+    _KV_SEEN[key] = None
+    if len(_KV_SEEN) > _MAX_SEEN:
+        _KV_SEEN.popitem(last=False)
+
+
+class KvPlan:
+    """The prologue kernel's launch for one rope_kv_write signature: its arguments with each pointer slot mapped
+    to the call tensor it came from (an index into the call's tensors; ``len(_KV_TENSORS)`` for the fresh q
+    output) or kept as the plan's own constant (the cached default frequencies)."""
+
+    __slots__ = ("grid", "args", "slots", "consts", "constexprs", "num_warps", "roles", "compiled", "device_index",
+                 "q_out", "out_shape", "pos_index", "max_offset", "caches")
+
+    @classmethod
+    def record(cls, tensors: list, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
+        """A plan from the full path's launch (``launch``: what ``launch_prologue`` recorded), or None where a
+        kernel argument is a copy of a call's tensor rather than a view of it."""
+        if len(launch) != 1:
+            return None
+        grid, args, constexprs, num_warps, roles, device = launch[0]
+        by_ptr = {}
+        for j, t in enumerate(tensors):
+            if t is not None:
+                by_ptr.setdefault(t.data_ptr(), j)
+        by_ptr.setdefault(q_out.data_ptr(), len(_KV_TENSORS))
+        plan = cls()
+        plan.args = list(args)
+        slots = []
+        for i in roles.pointers:
+            j = by_ptr.get(args[i].data_ptr())
+            if j is not None:
+                slots.append((i, j))
+                plan.args[i] = None
+            elif not (options["inv_freq"] is None and args[i] is not None and args[i].dim() == 1
+                      and roles.fn.arg_names[i] == "freq_ptr"):
+                return None  # a copy made by validation: the plan could not refill it
+        plan.slots = tuple(slots)
+        # the constants' tensors stay alive with the plan (on CUDA its arguments hold their addresses only)
+        plan.consts = tuple(a for i, a in enumerate(plan.args) if i in roles.pointers and a is not None)
+        plan.grid, plan.constexprs, plan.num_warps, plan.roles = grid, constexprs, num_warps, roles
+        plan.compiled = None
+        plan.device_index = None
+        if device.type == "cuda":
+            plan.device_index = device.index if device.index is not None else torch.cuda.current_device()
+            from ropekit.triton import launcher
+
+            plan.compiled = launcher._COMPILED.get(roles.key(args, constexprs, num_warps, device.index))
+            if plan.compiled is None:
+                return None
+            # constants stay tensors on the interpreter, addresses on CUDA
+            plan.args = [a.data_ptr() if isinstance(a, Tensor) else a for a in plan.args]
+        plan.q_out = (q_out.shape, q_out.dtype)
+        plan.out_shape = out.shape
+        plan.pos_index = None
+        if not isinstance(options["positions"], Tensor):  # an int offset: refilled and bounds-checked per call
+            plan.pos_index = roles.index["pos_offset"]
+            rows = cache.rows if not cache.paged else MAX_POSITION + 1
+            plan.max_offset = min(MAX_POSITION, rows - 1) - max(seqlen, 1) + 1
+        plan.caches = ("k_cache", "v_cache")
+        return plan
+
+    def __call__(self, tensors: list, options: dict):
+        args = self.args.copy()
+        if self.pos_index is not None:
+            offset = int(options["positions"])
+            if not 0 <= offset <= self.max_offset:
+                return None
+            args[self.pos_index] = offset
+        q = tensors[0]
+        q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
+        handles = [*tensors, q_out]
+        cuda = self.compiled is not None
+        for i, j in self.slots:
+            args[i] = handles[j].data_ptr() if cuda else handles[j]
+        if cuda:
+            from ropekit.triton import launcher
+
+            if launcher._current_device() != self.device_index:
+                with torch.cuda.device(self.device_index):
+                    launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+            else:
+                launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+        else:
+            self.roles.fn[self.grid](*args, **dict(zip(self.roles.constexprs, self.constexprs)),
+                                     num_warps=self.num_warps)
+        for name in self.caches:  # the kernel's writes, declared to autograd as the full path does
+            torch.autograd.graph.increment_version(options[name])
+        return q_out.view(self.out_shape)

@@ -21,7 +21,6 @@ from ropekit._spec import (
     Mode,
     Positions,
     validate,
-    validate_kv_write,
     validate_norm_weights,
 )
 
@@ -266,13 +265,11 @@ def rope_kv_write(
     >>> q_rot = ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=cache_lengths, cache_layout="bhsd",
     ...                               q_weight=q_norm.weight, k_weight=k_norm.weight, base=1000000.0)
     """
-    q4, k4, v4, pos4, layout4, cache = validate_kv_write(
-        q, k, v, k_cache, v_cache, positions, slot_mapping, cache_layout, k_cache_scale, v_cache_scale, cu_seqlens,
-        layout, sections, check_positions)
-    spec = validate(q4, k4, positions=pos4, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
-                    style=style, layout=layout4, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens if layout4 == "thd" else None,
-                    sections=sections, section_layout=section_layout, check_positions=check_positions)
-    validate_norm_weights(q, k, q_weight, k_weight, eps, weight_offset, required=False)
-    q_out = autograd.write_kv(q4, k4, v4, q_weight, k_weight, float(weight_offset), float(eps), spec, cache)
-    return q_out.view(q.shape) if q.dim() == 3 else q_out
+    options = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, slot_mapping=slot_mapping,
+                   cache_layout=cache_layout, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                   weight_offset=weight_offset, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
+                   cu_seqlens=cu_seqlens, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                   layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                   rotary_scale=rotary_scale, sections=sections, section_layout=section_layout,
+                   check_positions=check_positions)
+    return _fastpath.write_kv(options)

@@ -433,6 +433,9 @@ def _roles(fn) -> launcher.KernelRoles:
 
 
 PROLOGUE = _roles(prologue_kernel)
+# The latest launch_prologue call's (grid, args, constexprs, num_warps, roles, device), for the eager fast path
+# (ropekit._fastpath), which records a plan from the launch the full path made.
+LAST_LAUNCH: list = []
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
 # Backward programs per program the launcher wants on the device (launcher._num_programs_wanted, 4 per SM): each
@@ -497,8 +500,10 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
                  CACHE_BATCH_PER_TOKEN=cache is not None and cache.cache_batch is not None,
                  K_SCALE_PTR=k_ptr_scale, V_SCALE_PTR=v_ptr_scale, K_FP8=k_fp8, V_FP8=v_fp8,
                  ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
-    launcher._launch(grid, prologue_args, tuple(const[n] for n in PROLOGUE.constexprs), num_warps, q.device,
-                     PROLOGUE)
+    constexprs = tuple(const[n] for n in PROLOGUE.constexprs)
+    launcher._launch(grid, prologue_args, constexprs, num_warps, q.device, PROLOGUE)
+    LAST_LAUNCH.append((grid, prologue_args, constexprs, num_warps, PROLOGUE, q.device))
+    del LAST_LAUNCH[:-1]
 
 
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,

@@ -1,0 +1,124 @@
+"""rope_kv_write's eager fast path (launch plans, ``ropekit._fastpath.KvPlan``) against its full path: the same q
+and the same cache bytes, call after call with fresh data, for every kind of argument a plan refills; and the
+calls a plan must hand back to the full path."""
+
+import os
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import _fastpath
+from ropekit.testing import kernels_on_cpu
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [pytest.param("cpu-kernels", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))]
+FP8 = torch.float8_e4m3fn
+
+
+def _context(device):
+    import contextlib
+
+    return kernels_on_cpu() if device == "cpu-kernels" else contextlib.nullcontext()
+
+
+def _case(name: str, dev: str):
+    """(tensors factory, options factory, cache factory) for one kind of call."""
+    T, HQ, HK, D = 3, 4, 2, 16
+
+    def inputs():
+        qkv = torch.randn(T, (HQ + 2 * HK) * D, device=dev)
+        return qkv.view(T, HQ + 2 * HK, D).split([HQ, HK, HK], dim=1)
+
+    w = torch.randn(D, device=dev)
+    if name == "bhsd-tensor-positions-norm":
+        return (inputs, lambda: dict(positions=torch.randint(0, 8, (T,), device=dev), cache_layout="bhsd",
+                                     q_weight=w, k_weight=w * 2, style="interleaved"),
+                lambda: [torch.full((T, HK, 8, D), float("nan"), device=dev) for _ in range(2)])
+    if name == "bshd-int-offset":
+        return (inputs, lambda: dict(positions=int(torch.randint(0, 6, ()).item()), rotary_dim=8, base=500.0),
+                lambda: [torch.full((T, 8, HK, D), float("nan"), device=dev) for _ in range(2)])
+    if name == "paged-fp8-tensor-scales":
+        return (inputs, lambda: dict(positions=torch.randint(0, 99, (T,), device=dev),
+                                     slot_mapping=torch.tensor([5, -1, 0], device=dev), cache_layout="paged",
+                                     k_cache_scale=torch.tensor(0.5, device=dev), v_cache_scale=0.25,
+                                     inv_freq=torch.rand(8, device=dev)),
+                lambda: [torch.zeros((2, 4, HK, D), device=dev, dtype=FP8) for _ in range(2)])
+    if name == "bshd-tables":
+        cos, sin = torch.rand(16, 8, device=dev), torch.rand(16, 8, device=dev)
+        return (inputs, lambda: dict(positions=torch.randint(0, 8, (T,), device=dev), cos=cos, sin=sin),
+                lambda: [torch.full((T, 8, HK, D), float("nan"), device=dev) for _ in range(2)])
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["bhsd-tensor-positions-norm", "bshd-int-offset", "paged-fp8-tensor-scales",
+                                  "bshd-tables"])
+def test_plans_equal_the_full_path(device, case):
+    dev = "cuda" if device == "cuda" else "cpu"
+    inputs, opts, caches = _case(case, dev)
+    with _context(device), torch.no_grad():
+        _fastpath.clear()
+        for call in range(4):  # the plan is recorded on the second call and serves the third and fourth
+            q, k, v = inputs()
+            o = opts()
+            fast = caches()
+            full = [c.clone() for c in fast]
+            out = ropekit.rope_kv_write(q, k, v, *fast, **o)
+            ropekit.set_fast_path(False)
+            try:
+                ref = ropekit.rope_kv_write(q, k, v, *full, **o)
+            finally:
+                ropekit.set_fast_path(True)
+            assert torch.equal(out.view(torch.uint8) if out.dtype == FP8 else out, ref), (case, call)
+            for a, b in zip(fast, full):  # NaN poison or zeros elsewhere: compare the bytes
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (case, call)
+        assert len(_fastpath._KV_PLANS) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_hands_bad_offsets_back_to_the_full_path(device):
+    dev = "cuda" if device == "cuda" else "cpu"
+    q, k, v = (torch.randn(2, 1, h, 16, device=dev) for h in (4, 2, 2))
+    caches = [torch.zeros(2, 8, 2, 16, device=dev) for _ in range(2)]
+    with _context(device), torch.no_grad():
+        _fastpath.clear()
+        for p in (0, 3, 7):
+            ropekit.rope_kv_write(q, k, v, *caches, positions=p)
+        assert len(_fastpath._KV_PLANS) == 1
+        before = [c.clone() for c in caches]
+        with pytest.raises(IndexError, match="positions"):
+            ropekit.rope_kv_write(q, k, v, *caches, positions=8)
+        with pytest.raises(ValueError, match="positions"):
+            ropekit.rope_kv_write(q, k, v, *caches, positions=-1)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_declares_its_cache_writes(device):
+    dev = "cuda" if device == "cuda" else "cpu"
+    q, k, v = (torch.randn(2, h, 16, device=dev) for h in (4, 2, 2))
+    caches = [torch.zeros(2, 8, 2, 16, device=dev) for _ in range(2)]
+    with _context(device), torch.no_grad():
+        _fastpath.clear()
+        for _ in range(3):
+            versions = [c._version for c in caches]
+            ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([1, 2], device=dev))
+            assert all(c._version > n for c, n in zip(caches, versions))
+        assert len(_fastpath._KV_PLANS) == 1
+
+
+def test_aliasing_differently_gets_its_own_plan():
+    # positions and slot_mapping as one tensor, then as two: the key holds which arguments share memory.
+    q, k, v = (torch.randn(2, h, 16) for h in (4, 2, 2))
+    caches = [torch.zeros(2, 4, 2, 16) for _ in range(2)]
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        ids = torch.tensor([1, 6])
+        for _ in range(2):
+            ropekit.rope_kv_write(q, k, v, *caches, positions=ids, slot_mapping=ids, cache_layout="paged")
+        for _ in range(2):
+            ropekit.rope_kv_write(q, k, v, *caches, positions=ids.clone(), slot_mapping=ids, cache_layout="paged")
+        assert len(_fastpath._KV_PLANS) == 2
