@@ -3,7 +3,8 @@
 ``MODELS``
     name -> attention shape: ``hq``/``hk`` query and key heads, ``head_dim``, ``rotary_dim`` (default: head_dim),
     ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``sections`` (M-RoPE pairs per
-    axis, for positions "mrope"), ``about`` (one line).
+    axis, for positions "mrope"), ``qk_norm`` (True: per-head RMSNorm of q and k before the rotation, as Qwen3;
+    the prologue modes normalise, and norm-fwdbwd needs it), ``about`` (one line).
 ``SIZES``
     name -> list of ``[batch, seqlen]`` pairs. Tokens = batch * seqlen. Decode sizes are ``[batch, 1]``: one new
     token for each of ``batch`` sequences, each at its own cache length.
@@ -11,7 +12,8 @@
     name -> list of groups. A group crosses ``models`` x ``dtypes`` x ``styles`` x ``positions`` x ``sizes`` and
     runs every resulting case in each of its ``modes``. ``sizes`` is a ``SIZES`` name or an explicit list. An
     optional ``impls`` list restricts the implementations (baselines always run). A group's ``name`` is what
-    ``--cases`` selects.
+    ``--cases`` selects. Groups of the KV modes (kv-decode, kv-prefill; no other modes in the group) also cross
+    ``caches``: the K/V caches' dtype, the inputs' dtype or "fp8" (default: the inputs' dtype).
 ``TARGETS``
     list of goals the printed table ends with (GPU runs only). Each is the worst ratio over the rows that qualify
     and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
@@ -33,6 +35,12 @@ Values:
                "fwdbwd" forward + backward through autograd
                "decode" one call replayed from a CUDA graph
                "host"   eager host time per call (no sync inside the loop)
+               attention prologue (ropekit.rope_kv_write into bshd caches [B, max_len, Hkv, D]; qk_norm_rope):
+               "kv-decode"   rope_kv_write of one token per sequence ([B, H, D], positions "batch": each
+                             sequence at a random position), replayed from a CUDA graph
+               "kv-prefill"  rope_kv_write of [B, S, H, D] tokens (e.g. positions "offset"), cold L2, one call
+               "norm-fwdbwd" qk_norm_rope forward + backward through autograd (gradients of q, k and both weights)
+    caches     "bf16", "fp16", "fp32" (the inputs' dtype), "fp8" (float8_e4m3fn with a 0-d fp32 tensor scale)
 """
 
 MODELS = {
@@ -46,12 +54,16 @@ MODELS = {
               "about": "head_dim 256, 16 / 8 heads (Gemma-2-9B class)"},
     "mla-rope": {"hq": 16, "hk": 16, "head_dim": 192, "rotary_dim": 64, "rotary_at": "back", "base": 10000.0,
                  "about": "MLA-style heads (DeepSeek-V2-Lite): D 192 = 128 pass-through + 64 rotated at the back"},
+    "qwen3-8b": {"hq": 32, "hk": 8, "head_dim": 128, "base": 1000000.0, "qk_norm": True,
+                 "about": "Qwen3-8B: GQA 32 / 8 heads, D 128, per-head RMSNorm of q and k before RoPE"},
     "qwen2-vl-7b": {"hq": 28, "hk": 4, "head_dim": 128, "base": 1000000.0, "sections": [16, 24, 24],
                     "about": "Qwen2-VL-7B's language model: GQA 28 / 4 heads, D 128, M-RoPE sections 16/24/24"},
     # Tiny shapes for the CPU smoke run (Triton interpreter); not model shapes.
     "tiny": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "sections": [4, 6, 6], "about": "CPU smoke only"},
     "tiny-back": {"hq": 2, "hk": 2, "head_dim": 32, "rotary_dim": 16, "rotary_at": "back", "base": 10000.0,
                   "about": "CPU smoke only: half the head rotated at the back"},
+    "tiny-qknorm": {"hq": 4, "hk": 2, "head_dim": 32, "base": 1000000.0, "qk_norm": True,
+                    "about": "CPU smoke only: per-head RMSNorm of q and k (a tiny Qwen3)"},
 }
 
 SIZES = {
@@ -63,9 +75,15 @@ SIZES = {
     "mid": [[4, 4096], [8, 4096]],
     # decode: 1..256 sequences, one token each
     "decode": [[1, 1], [2, 1], [4, 1], [8, 1], [16, 1], [32, 1], [64, 1], [128, 1], [256, 1]],
+    # prefill of one sequence: 2k .. 32k tokens (the prologue's prefill, at an offset)
+    "prefill-1seq": [[1, 2048], [1, 4096], [1, 8192], [1, 16384], [1, 32768]],
+    # training batches of 4k-token sequences for qk_norm_rope fwd+bwd
+    "train": [[4, 4096], [8, 4096], [16, 4096]],
 }
 
 _BF16_NEOX = {"dtypes": ["bf16"], "styles": ["neox"]}
+# The attention prologue at Llama-3-8B and Qwen3-8B shapes (without and with the per-head norm).
+_PROLOGUE = {"models": ["llama3-8b", "qwen3-8b"], **_BF16_NEOX}
 
 PRESETS = {
     # One representative case per target; about 2-3 minutes on an H100 (most of it torch.compile of the peer).
@@ -109,6 +127,13 @@ PRESETS = {
          "positions": ["batch"], "sizes": "decode", "modes": ["decode"]},
         {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
          "sizes": [[1, 1], [64, 1]], "modes": ["host"]},
+        # The attention prologue: rope_kv_write against a one-kernel copy of its bytes and the unfused chain.
+        {"name": "prologue-decode", **_PROLOGUE, "positions": ["batch"], "caches": ["bf16", "fp8"],
+         "sizes": "decode", "modes": ["kv-decode"]},
+        {"name": "prologue-prefill", **_PROLOGUE, "positions": ["offset"], "caches": ["bf16", "fp8"],
+         "sizes": "prefill-1seq", "modes": ["kv-prefill"]},
+        {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"], "sizes": "train",
+         "modes": ["norm-fwdbwd"]},
     ],
     # CPU smoke run of the harness itself (TRITON_INTERPRET=1): tiny shapes, not a performance figure.
     "smoke": [
@@ -122,6 +147,12 @@ PRESETS = {
          "positions": ["ids"], "sizes": [[2, 4]], "modes": ["fwd"]},
         {"name": "smoke-decode", "models": ["tiny"], "dtypes": ["fp32"], "styles": ["neox"],
          "positions": ["batch"], "sizes": [[2, 1]], "modes": ["decode", "host"]},
+        {"name": "smoke-kv-decode", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"],
+         "positions": ["batch"], "caches": ["bf16", "fp8"], "sizes": [[3, 1]], "modes": ["kv-decode"]},
+        {"name": "smoke-kv-prefill", "models": ["tiny"], "dtypes": ["fp16"], "styles": ["neox"],
+         "positions": ["offset"], "caches": ["fp8"], "sizes": [[1, 16]], "modes": ["kv-prefill"]},
+        {"name": "smoke-qk-norm", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"],
+         "positions": ["range"], "sizes": [[2, 8]], "modes": ["norm-fwdbwd"]},
     ],
 }
 

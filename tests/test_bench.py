@@ -25,7 +25,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(ROOT / "src"))
 from ropekit.bench import cases as bench_cases  # noqa: E402
-from ropekit.bench import cli, impls, inputs, report, run  # noqa: E402
+from ropekit.bench import cli, impls, inputs, prologue, report, run  # noqa: E402
 from ropekit.bench import env as bench_env  # noqa: E402
 from ropekit.bench import targets as bench_targets  # noqa: E402
 
@@ -107,6 +107,39 @@ def test_registry_presets_expand():
     assert min(decode) == 1 and max(decode) == 256
     mla = next(c for c in full if c.model == "mla-rope")
     assert (mla.head_dim, mla.rotary_dim, mla.rotary_at) == (192, 64, "back")
+    # The attention prologue: Llama-3-8B and Qwen3-8B (with its qk_norm), bf16 and fp8 caches.
+    kv_decode = [c for c in full if "kv-decode" in c.modes]
+    assert {c.model for c in kv_decode} == {"llama3-8b", "qwen3-8b"} and {c.cache for c in kv_decode} == {"bf16", "fp8"}
+    assert {c.tokens for c in kv_decode} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    assert all(c.seqlen == 1 and c.positions == "batch" and (c.hq, c.hk, c.head_dim) == (32, 8, 128)
+               for c in kv_decode)
+    kv_prefill = [c for c in full if "kv-prefill" in c.modes]
+    assert {c.tokens for c in kv_prefill} == {2048, 4096, 8192, 16384, 32768} and {c.batch for c in kv_prefill} == {1}
+    assert {c.cache for c in kv_prefill} == {"bf16", "fp8"} and {c.positions for c in kv_prefill} == {"offset"}
+    norm = [c for c in full if "norm-fwdbwd" in c.modes]
+    assert {c.model for c in norm} == {"qwen3-8b"} and all(c.qk_norm and c.cache is None for c in norm)
+    assert {c.tokens for c in norm} == {4 * 4096, 8 * 4096, 16 * 4096}
+    assert next(c for c in kv_decode if c.model == "qwen3-8b").qk_norm
+    assert not next(c for c in kv_decode if c.model == "llama3-8b").qk_norm
+    assert len({c.name for c in kv_decode}) == len(kv_decode)  # the cache dtype is part of the name
+
+
+@pytest.mark.parametrize("group, error", [
+    ({"modes": ["kv-decode", "decode"]}, "group of their own"),
+    ({"modes": ["decode"], "caches": ["fp8"]}, "KV modes"),
+    ({"caches": ["fp16"]}, "caches are bf16 or fp8"),
+    ({"caches": ["int8"]}, "unknown cache dtype"),
+    ({"sizes": [[1, 4]]}, "one token per sequence"),
+    ({"positions": ["thd"], "modes": ["kv-prefill"]}, "KV modes take positions"),
+    ({"models": ["tiny"], "modes": ["norm-fwdbwd"], "caches": None}, "needs a model with qk_norm"),
+])
+def test_registry_rejects_bad_prologue_groups(group, error):
+    registry = bench_cases.load_registry(str(REGISTRY))
+    base = {"name": "g", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"], "positions": ["batch"],
+            "caches": ["bf16", "fp8"], "sizes": [[2, 1]], "modes": ["kv-decode"]}
+    registry = dict(registry, PRESETS={"p": [dict(base, **group)]})
+    with pytest.raises(ValueError, match=error):
+        bench_cases.expand_preset(registry, "p")
 
 
 def _targets():
@@ -136,6 +169,36 @@ def test_select_cases_filters_and_shards():
         bench_cases.select_cases(cases, groups=None, pattern=None, modes=None, shard="4/3")
     with pytest.raises(ValueError, match="mode"):
         bench_cases.select_cases(cases, groups=None, pattern=None, modes="fwd,backwards", shard=None)
+
+
+@pytest.mark.parametrize("positions, cache, qk_norm", [("batch", "fp8", True), ("offset", "bf16", False),
+                                                     ("ids", "bf16", True), ("range", None, True)])
+def test_prologue_bytes_model_matches_the_tensors(positions, cache, qk_norm):
+    import torch
+
+    seqlen = 1 if positions == "batch" else 8
+    modes = ("norm-fwdbwd",) if cache is None else ("kv-prefill",)
+    case = bench_cases.Case(group="t", family="t", model="tiny-qknorm", hq=4, hk=2, head_dim=32, rotary_dim=32,
+                            rotary_at="front", base=10000.0, dtype="bf16", style="neox", positions=positions, batch=3,
+                            seqlen=seqlen, modes=modes, qk_norm=qk_norm, cache=cache)
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    assert inputs.bytes_model(inp) == inputs.case_bytes(case)
+    nbytes = inputs.bytes_model(inp)
+    T = 3 * seqlen
+    q, k = T * 4 * 32 * 2, T * 2 * 32 * 2
+    if cache is None:
+        assert nbytes["norm-fwdbwd"] >= 5 * (q + k) and inp.v is None and inp.k_cache is None
+        return
+    cache_elem = 1 if cache == "fp8" else 2
+    assert nbytes["kv-prefill"] == nbytes["kv-decode"] >= 2 * q + 2 * k + 2 * k // 2 * cache_elem
+    # q, k, v: views of one packed QKV buffer; the caches hold every position; the index names each token's row
+    assert inp.q.data_ptr() + 4 * 32 * 2 == inp.k.data_ptr() and inp.v.stride() == inp.q.stride()
+    assert inp.k_cache.shape[0] == 3 and inp.k_cache.shape[1] > int(inp.pos_grid.max())
+    assert inp.k_cache.dtype == bench_cases.CACHE_DTYPES[cache] and (inp.cache_scale is not None) == (cache == "fp8")
+    assert (inp.q_weight is not None) == qk_norm
+    seq, pos = inp.cache_index
+    assert seq.tolist() == [b for b in range(3) for _ in range(seqlen)]
+    assert pos.tolist() == inp.pos_grid.reshape(-1).tolist()
 
 
 @pytest.mark.parametrize("positions", bench_cases.POSITION_KINDS)
@@ -273,6 +336,39 @@ def test_triton_rows_on_cpu_without_interpreter_say_why(monkeypatch):
     assert run._try_build(impls.build, "ropekit-launcher", inp, "fwd", None) == why
 
 
+def test_prologue_check_compares_q_and_the_cache_rows(monkeypatch):
+    """An implementation that writes the right values into the wrong cache rows is flagged: the check fills the
+    caches with NaN and reads the rows the tokens go to. fp8 rows may differ by one e4m3 step, q may not."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.group == "smoke-kv-decode")
+    build_unfused = prologue._unfused_kv
+
+    def wrong_rows(inp):
+        b, p = inp.cache_index
+        inp.cache_index = (b, p + 1)
+        try:
+            return build_unfused(inp)
+        finally:
+            inp.cache_index = (b, p)
+
+    monkeypatch.setattr(prologue, "_unfused_kv", wrong_rows)
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    device = torch.device("cpu")
+    timer = run.Timer(device)
+    timer._cpu = lambda fn: 1.0  # no timing needed
+    rows = run.run_case(case, device, timer, None, env, ["ropekit-kv-write", "unfused-kv"], lambda s: None)
+    by_impl = {r["impl"]: r for r in rows}
+    assert by_impl["ropekit-kv-write"]["max_rel_diff"] == "0.00e+00"
+    assert "MISMATCH vs ropekit-kv-write" in by_impl["unfused-kv"]["note"]
+    assert float(by_impl["unfused-kv"]["max_rel_diff"]) == float("inf")
+    ones = torch.ones(4)
+    assert run._agreement([ones, ones * 1.1], [ones, ones], (None, prologue.FP8_MISMATCH)) == (pytest.approx(0.1), True)
+    assert run._agreement([ones * 1.1, ones], [ones, ones], (None, prologue.FP8_MISMATCH))[1] is False
+    assert run._agreement([ones, ones * 1.1], [ones, ones], None)[1] is False
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CPU smoke run, end to end
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,7 +383,8 @@ def smoke_run(tmp_path_factory):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(stand_in), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, "-m", "ropekit.cli", "bench", "--preset", "smoke", "--device", "cpu",
-           "--impls", "ropekit*,hf", "--out", str(out), "--commit", "test", "--history", str(tmp / "history.csv")]
+           "--impls", "ropekit*,hf,unfused-kv,unfused-eager", "--out", str(out), "--commit", "test",
+           "--history", str(tmp / "history.csv")]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
     seconds = time.perf_counter() - t0
@@ -334,18 +431,24 @@ def test_smoke_csv_and_json_rows(smoke_run):
         group = {r["impl"]: r for r in rows if r["case"] == case and r["mode"] == mode}
         base = group[impls.BASELINE[mode]]
         assert float(base["median_us"]) > 0 and float(base["ratio_vs_copy"]) == 1.0
-        rk = group["ropekit"]
+        rk = group[impls.REFERENCE.get(mode, "ropekit")]
         assert float(rk["median_us"]) > 0, rk
         assert float(rk["ratio_vs_copy"]) == pytest.approx(float(rk["median_us"]) / float(base["median_us"]),
                                                            rel=1e-2)
         if mode != "host":
             assert float(rk["gbps"]) == pytest.approx(int(rk["bytes"]) / float(rk["median_us"]) / 1e3, rel=1e-2)
-        assert "ropekit-table" in group
-    # Every timed implementation agrees with ropekit (the peer path's cos/sin layout, THD, partial rotary).
+        if mode in impls.REFERENCE:  # the prologue: the fused op, the unfused code, checked and timed
+            assert set(group) == {impls.BASELINE[mode], *impls.MODE_IMPLS[mode]} - {"unfused-compile"}
+            assert all(r["median_us"] and r["max_rel_diff"] for r in group.values() if r is not base), group
+        else:
+            assert "ropekit-table" in group
+    # Every timed implementation agrees with ropekit (the peer path's cos/sin layout, THD, partial rotary; the
+    # prologue's q and cache rows, fp8 rows within one e4m3 step).
     for row in rows:
         if row["max_rel_diff"]:
-            assert float(row["max_rel_diff"]) < 1e-2, row
+            assert float(row["max_rel_diff"]) < (prologue.FP8_MISMATCH if "/cache-fp8/" in row["case"] else 1e-2), row
             assert "MISMATCH" not in row["note"]
+    assert {r["case"].split("/")[4] for r in rows if r["mode"] in bench_cases.KV_MODES} == {"cache-bf16", "cache-fp8"}
     hf = [r for r in rows if r["impl"] == "hf"]
     assert hf and all(r["median_us"] for r in hf), hf
     assert any("partial rotary" in r["note"] for r in hf)
@@ -357,7 +460,7 @@ def test_smoke_csv_and_json_rows(smoke_run):
 def test_smoke_plots(smoke_run):
     pytest.importorskip("matplotlib")
     _, out, _ = smoke_run
-    for mode in ("fwd", "fwdbwd", "decode"):
+    for mode in ("fwd", "fwdbwd", "decode", "kv-decode", "kv-prefill", "norm-fwdbwd"):
         png = _one(out, f"bench-*-cpu-smoke-{mode}.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 

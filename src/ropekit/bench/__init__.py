@@ -11,15 +11,21 @@ and every mode it asks for, one run times:
   drop-in (``ropekit-hf``);
 * the peers that are present: transformers' ``apply_rotary_pos_emb`` eager (``hf``) and under ``torch.compile``
   (``hf-compile``), Liger's ``liger_rotary_pos_emb`` (``liger``), flash-attn's Triton ``apply_rotary``
-  (``flash-attn``). An absent peer, or one that cannot do a case, gets a row saying why.
+  (``flash-attn``). An absent peer, or one that cannot do a case, gets a row saying why;
+* the attention prologue: ``rope_kv_write`` (``ropekit-kv-write``; modes ``kv-decode`` under graph replay and
+  ``kv-prefill`` with a cold L2) against ``copy-kv`` (one Triton kernel moving the bytes it must move) and the
+  unfused chain (``unfused-kv``: torch ``rms_norm``, ``apply_rope``, the cache scatter by indexing), and
+  ``qk_norm_rope`` fwd+bwd (``ropekit-qk-norm``, mode ``norm-fwdbwd``) against ``copy-5pass`` and the unfused
+  PyTorch code eager and compiled (``unfused-eager``, ``unfused-compile``).
 
 Modes: ``fwd`` (``triton.testing.do_bench``, which zeroes a 256 MB buffer before every call, so every call starts
 with a cold L2), ``fwdbwd`` (forward + ``torch.autograd.grad``), ``decode`` (``do_bench_cudagraph``: many calls
 captured in one CUDA graph, time per call), ``host`` (``time.perf_counter`` around many eager calls with no sync
 inside the loop). Times are medians.
 
-Before timing, every implementation's output (fwdbwd: its gradients) is compared with ropekit's: ``max_rel_diff``
-is ``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` the row's note says ``MISMATCH``.
+Before timing, every implementation's output (fwdbwd: its gradients; KV modes: q and the written cache rows) is
+compared with ropekit's: ``max_rel_diff`` is ``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` (fp8
+cache rows: :data:`prologue.FP8_MISMATCH`) the row's note says ``MISMATCH``.
 
 On a machine without CUDA the same code runs on CPU tensors (ropekit's float64 reference path; the Triton launcher
 needs ``TRITON_INTERPRET=1``) with a ``timeit`` timer: a smoke run of the harness, labelled
@@ -31,7 +37,8 @@ append-only CSV.
 
 Modules, one concern each: :mod:`.cases` (registry, case expansion and selection), :mod:`.env` (the environment
 stamp), :mod:`.inputs` (tensors and the bytes model), :mod:`.peers` (importing the peers), :mod:`.impls` (baselines,
-ropekit and peer builders), :mod:`.timing` (timers), :mod:`.run` (the run loop), :mod:`.targets` (targets from the
+ropekit and peer builders), :mod:`.prologue` (the attention prologue's builders and the ``copy-kv`` kernel),
+:mod:`.timing` (timers), :mod:`.run` (the run loop), :mod:`.targets` (targets from the
 registry and their evaluation), :mod:`.report` (CSV, JSON, Markdown, history, the table), :mod:`.plots` (PNGs),
 :mod:`.cli` (options and :func:`main`).
 """

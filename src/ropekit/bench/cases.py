@@ -14,9 +14,13 @@ import torch
 REGISTRY_PATH = Path("benchmarks") / "registry.py"
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
-MODES = ("fwd", "fwdbwd", "decode", "host")
+MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd")
+KV_MODES = ("kv-decode", "kv-prefill")  # rope_kv_write: the case has K/V caches (its ``cache`` dtype)
+GRAD_MODES = ("fwdbwd", "norm-fwdbwd")  # timed with autograd on
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # a KV cache holds the inputs' dtype or fp8 e4m3
 POSITION_KINDS = ("range", "offset", "batch", "ids", "thd", "mrope")
+KV_POSITION_KINDS = ("range", "offset", "batch", "ids")  # what rope_kv_write's bshd cache rows are indexed by
 POSITION_OFFSET = 1000  # the int offset of positions="offset"
 MAX_CACHE_LEN = 4096  # per-sequence offsets of positions="batch" are drawn from [0, MAX_CACHE_LEN)
 
@@ -42,19 +46,26 @@ class Case:
     modes: tuple[str, ...]
     impls: tuple[str, ...] | None = None
     sections: tuple[int, ...] | None = None  # M-RoPE pairs per axis (the model's), for positions="mrope"
+    qk_norm: bool = False  # the model normalises q and k per head before the rotation (Qwen3)
+    cache: str | None = None  # KV modes: the caches' dtype (a CACHE_DTYPES name); None for the other modes
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seqlen
 
     @property
+    def _stem(self) -> str:
+        stem = f"{self.model}/{self.dtype}/{self.style}/{self.positions}"
+        return stem if self.cache is None else f"{stem}/cache-{self.cache}"
+
+    @property
     def name(self) -> str:
-        return f"{self.model}/{self.dtype}/{self.style}/{self.positions}/{self.batch}x{self.seqlen}"
+        return f"{self._stem}/{self.batch}x{self.seqlen}"
 
     @property
     def series(self) -> str:
         """The plot line group: the name without the size."""
-        return f"{self.model}/{self.dtype}/{self.style}/{self.positions}/{self.family}"
+        return f"{self._stem}/{self.family}"
 
 
 def find_repo_root() -> Path | None:
@@ -112,32 +123,65 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
         for mode in modes:
             if mode not in MODES:
                 raise ValueError(f"group {group['name']!r}: unknown mode {mode!r} (modes: {MODES})")
+        kv = _check_kv_group(group, modes)
         for model_name in group["models"]:
             model = registry["MODELS"][model_name]
+            if "norm-fwdbwd" in modes and not model.get("qk_norm"):
+                raise ValueError(f"group {group['name']!r}: mode 'norm-fwdbwd' needs a model with qk_norm; "
+                                 f"{model_name!r} has none")
             for dtype in group["dtypes"]:
                 if dtype not in DTYPES:
                     raise ValueError(f"group {group['name']!r}: unknown dtype {dtype!r}")
-                for style in group["styles"]:
-                    for positions in group["positions"]:
-                        if positions not in POSITION_KINDS:
-                            raise ValueError(f"group {group['name']!r}: unknown positions {positions!r}")
-                        for batch, seqlen in sizes:
-                            case = Case(
-                                group=group["name"], family=family, model=model_name, hq=model["hq"],
-                                hk=model["hk"], head_dim=model["head_dim"],
-                                rotary_dim=model.get("rotary_dim", model["head_dim"]),
-                                rotary_at=model.get("rotary_at", "front"), base=float(model["base"]), dtype=dtype,
-                                style=style, positions=positions, batch=int(batch), seqlen=int(seqlen), modes=modes,
-                                impls=tuple(group["impls"]) if group.get("impls") else None,
-                                sections=tuple(model["sections"]) if model.get("sections") else None)
-                            if positions == "mrope" and case.sections is None:
-                                raise ValueError(f"group {group['name']!r}: positions 'mrope' needs a model with "
-                                                 f"sections; {model_name!r} has none")
-                            fresh = tuple(m for m in modes if (case.name, m) not in seen)
-                            seen.update((case.name, m) for m in fresh)
-                            if fresh:
-                                cases.append(dataclasses.replace(case, modes=fresh))
+                caches = (group.get("caches") or [dtype]) if kv else [None]
+                for cache in caches:
+                    if kv and cache not in (dtype, "fp8"):
+                        raise ValueError(f"group {group['name']!r}: a {dtype} case's caches are {dtype} or fp8, "
+                                         f"not {cache!r}")
+                    for style in group["styles"]:
+                        for positions in group["positions"]:
+                            if positions not in POSITION_KINDS:
+                                raise ValueError(f"group {group['name']!r}: unknown positions {positions!r}")
+                            for batch, seqlen in sizes:
+                                case = Case(
+                                    group=group["name"], family=family, model=model_name, hq=model["hq"],
+                                    hk=model["hk"], head_dim=model["head_dim"],
+                                    rotary_dim=model.get("rotary_dim", model["head_dim"]),
+                                    rotary_at=model.get("rotary_at", "front"), base=float(model["base"]),
+                                    dtype=dtype, style=style, positions=positions, batch=int(batch),
+                                    seqlen=int(seqlen), modes=modes,
+                                    impls=tuple(group["impls"]) if group.get("impls") else None,
+                                    sections=tuple(model["sections"]) if model.get("sections") else None,
+                                    qk_norm=bool(model.get("qk_norm", False)), cache=cache)
+                                _check_case(group["name"], case)
+                                fresh = tuple(m for m in modes if (case.name, m) not in seen)
+                                seen.update((case.name, m) for m in fresh)
+                                if fresh:
+                                    cases.append(dataclasses.replace(case, modes=fresh))
     return cases
+
+
+def _check_kv_group(group: dict[str, Any], modes: tuple[str, ...]) -> bool:
+    """Whether the group times rope_kv_write (KV modes only: their cases carry a cache dtype, which the other modes
+    would ignore and run twice)."""
+    kv = [m for m in modes if m in KV_MODES]
+    if kv and len(kv) != len(modes):
+        raise ValueError(f"group {group['name']!r}: KV modes {KV_MODES} go in a group of their own")
+    if group.get("caches") and not kv:
+        raise ValueError(f"group {group['name']!r}: 'caches' applies to the KV modes {KV_MODES} only")
+    for cache in group.get("caches") or ():
+        if cache not in CACHE_DTYPES:
+            raise ValueError(f"group {group['name']!r}: unknown cache dtype {cache!r} ({sorted(CACHE_DTYPES)})")
+    return bool(kv)
+
+
+def _check_case(group: str, case: Case) -> None:
+    if case.positions == "mrope" and case.sections is None:
+        raise ValueError(f"group {group!r}: positions 'mrope' needs a model with sections; {case.model!r} has none")
+    if case.cache is not None and case.positions not in KV_POSITION_KINDS:
+        raise ValueError(f"group {group!r}: KV modes take positions {KV_POSITION_KINDS}, not {case.positions!r}")
+    if "kv-decode" in case.modes and (case.seqlen != 1 or case.positions != "batch"):
+        raise ValueError(f"group {group!r}: kv-decode is one token per sequence at its own position (positions "
+                         f"'batch', sizes [B, 1]), not {case.positions!r} {case.batch}x{case.seqlen}")
 
 
 def select_cases(cases: list[Case], *, groups: str | None, pattern: str | None, modes: str | None,

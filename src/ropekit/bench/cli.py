@@ -20,6 +20,7 @@ from .impls import MODE_IMPLS
 from .inputs import case_bytes
 from .peers import load_peers
 from .plots import plot_results
+from .prologue import FP8_MISMATCH
 from .report import append_history, format_table, skip_notes, write_results
 from .run import MISMATCH, _recover, run_case
 from .targets import evaluate_targets, targets_from_registry
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                          shard=args.shard)
     if args.list:
         for c in cases:
-            print(f"{c.group:24s} {c.name:44s} {case_bytes(c)['fwd'] / 1e6:9.1f} MB  {','.join(c.modes)}")
+            print(f"{c.group:24s} {c.name:56s} {case_bytes(c)[c.modes[0]] / 1e6:9.1f} MB  {','.join(c.modes)}")
         print(f"{len(cases)} cases from {registry['source']}, preset {preset}")
         return 0
     if not cases:
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
               if impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs)}
     peers = load_peers(wanted, args.flash_attn_rotary)
     meta = dict(env, preset=preset, registry=registry["source"], peers=peers.versions, peers_missing=peers.missing,
-                argv=list(sys.argv[1:] if argv is None else argv), mismatch_threshold=MISMATCH)
+                argv=list(sys.argv[1:] if argv is None else argv), mismatch_threshold=MISMATCH,
+                mismatch_threshold_fp8_cache=FP8_MISMATCH)
     if device.type == "cuda":
         dynamo_config = importlib.import_module("torch._dynamo").config
         for knob in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions

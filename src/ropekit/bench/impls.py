@@ -1,5 +1,6 @@
 """Implementation builders: the baselines, ropekit's entry points and the peers, each prepared as a :class:`Bench`
-(what is timed, and fresh outputs for the check against ropekit)."""
+(what is timed, and fresh outputs for the check against ropekit). The attention prologue's (KV modes,
+norm-fwdbwd) are in :mod:`.prologue`."""
 
 from __future__ import annotations
 
@@ -19,16 +20,26 @@ from .peers import Peers
 from .timing import _sync
 
 # The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
-BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_"}
+BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_", "kv-decode": "copy-kv",
+            "kv-prefill": "copy-kv", "norm-fwdbwd": "copy-5pass"}
 EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
 ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d")
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
+# The attention prologue (src/ropekit/bench/prologue.py): rope_kv_write and qk_norm_rope, and the unfused code.
+PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "unfused-kv")
+PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
+PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS
 MODE_IMPLS = {
     "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d") + PEER_IMPLS,
     "fwdbwd": ("ropekit", "ropekit-table", "ropekit-hf") + PEER_IMPLS,
     "decode": ROPEKIT_IMPLS + PEER_IMPLS,
     "host": ROPEKIT_IMPLS + PEER_IMPLS,
+    "kv-decode": PROLOGUE_KV_IMPLS,
+    "kv-prefill": PROLOGUE_KV_IMPLS,
+    "norm-fwdbwd": PROLOGUE_NORM_IMPLS,
 }
+# The implementation every other one of a mode is checked against (its outputs are the reference).
+REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm"}
 
 
 class Unsupported(Exception):
@@ -44,6 +55,8 @@ class Bench:
     result: Callable[[], tuple[Tensor, ...]] | None = None
     bytes: int | None = None  # baselines move their own bytes
     note: str = ""
+    # per output of ``result``: the largest max_rel_diff that is not a mismatch (None: run.MISMATCH)
+    tolerances: tuple[float | None, ...] | None = None
 
 
 def _flat_copy(inp: Inputs, nbytes: int) -> Bench:
@@ -67,6 +80,10 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
         q_out = torch.empty_like(inp.q)
         return Bench(run=lambda: q_out.copy_(inp.q), bytes=2 * inp.q.numel() * inp.q.element_size(),
                      note="one copy_ of q alone (a device-to-device memcpy)")
+    if name in ("copy-kv", "copy-5pass"):
+        from .prologue import build_copy_5pass, build_copy_kv
+
+        return build_copy_kv(inp) if name == "copy-kv" else build_copy_5pass(inp, nbytes)
     if name == "add_":
         x = torch.zeros_like(inp.q)
         return Bench(run=lambda: x.add_(1), note="x.add_(1), x shaped like q")
@@ -311,6 +328,10 @@ def _need_triton_device(device: torch.device) -> None:
 
 
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
+    if name in PROLOGUE_IMPLS:
+        from .prologue import build_prologue  # it builds on this module
+
+        return build_prologue(name, inp, mode)
     if name in ROPEKIT_IMPLS:
         return build_ropekit(name, inp, mode, peers)
     return build_peer(name, inp, mode, peers)

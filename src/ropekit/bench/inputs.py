@@ -1,5 +1,6 @@
 """Inputs and the bytes model: the tensors of a case, shared by every implementation, and the bytes each mode must
-move at the least."""
+move at the least. KV modes add v and the K/V caches (q, k and v are views of one packed QKV buffer, as a fused
+projection gives them); cases of a model with ``qk_norm`` add the norms' weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from torch import Tensor
 from ropekit._spec import pair_axis_tensor
 from ropekit.modules import hf_tables
 
-from .cases import DTYPES, MAX_CACHE_LEN, POSITION_OFFSET, Case
+from .cases import CACHE_DTYPES, DTYPES, MAX_CACHE_LEN, POSITION_OFFSET, Case
+
+FP8_CACHE_SCALE = 0.05  # fp8 caches: stored = value / scale (N(0, 1) values stay well inside e4m3's +-448)
+NORM_EPS = 1e-6  # the per-head RMSNorm's eps (Qwen3's)
 
 
 @dataclasses.dataclass
@@ -34,6 +38,13 @@ class Inputs:
     sin_tab: Tensor
     pos_axes: Tensor | None = None  # positions="mrope": int64 [3, B, S], axis 0 equal to pos_grid
     pair_axis: Tensor | None = None  # positions="mrope": the axis of each pair
+    q_weight: Tensor | None = None  # models with qk_norm: the norms' weights [D] in the input dtype
+    k_weight: Tensor | None = None
+    v: Tensor | None = None  # KV modes: v [B, S, Hk, D] (q, k, v: views of one packed [B, S, (Hq + 2 Hk) D] buffer)
+    k_cache: Tensor | None = None  # KV modes: bshd caches [B, max_len, Hk, D] in the case's cache dtype
+    v_cache: Tensor | None = None
+    cache_scale: Tensor | None = None  # fp8 caches: a 0-d fp32 tensor (the same for k and v)
+    cache_index: tuple[Tensor, Tensor] | None = None  # KV modes: each token's (sequence, position), int64 [T] each
     _hf: tuple[Tensor, Tensor] | None = None
 
     @property
@@ -49,6 +60,29 @@ class Inputs:
         if c.positions == "mrope":
             kwargs["sections"] = c.sections
         return kwargs
+
+    def kv_call(self) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+        """q, k, v and the keyword arguments of ``rope_kv_write`` for this case: one token per sequence ([B, H, D],
+        positions [B]) for decode sizes [B, 1] at per-sequence positions, else the 4-D [B, S, H, D] tensors."""
+        c = self.case
+        kw = {key: v for key, v in self.rope_kwargs().items() if key != "cu_seqlens"}
+        kw["positions"] = 0 if self.positions is None else self.positions
+        if self.q_weight is not None:
+            kw.update(q_weight=self.q_weight, k_weight=self.k_weight, eps=NORM_EPS)
+        if self.cache_scale is not None:
+            kw.update(k_cache_scale=self.cache_scale, v_cache_scale=self.cache_scale)
+        if c.seqlen == 1 and c.positions == "batch":
+            kw.pop("layout")
+            return self.q[:, 0], self.k[:, 0], self.v[:, 0], kw
+        return self.q, self.k, self.v, kw
+
+    def cache_rows(self) -> tuple[Tensor, Tensor]:
+        """The K and V cache rows the case's tokens go to, [T, Hk, D], dequantised (fp8: times the scale)."""
+        b, p = self.cache_index
+        rows = self.k_cache[b, p], self.v_cache[b, p]
+        if self.cache_scale is not None:
+            rows = tuple(r.float() * self.cache_scale for r in rows)
+        return rows
 
     def hf_tables(self) -> tuple[Tensor, Tensor]:
         """transformers' convention: cos/sin [Bc, S, R] (thd: [1, T, R]) in the input dtype, gathered per token,
@@ -99,7 +133,12 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     B, S, D, R = case.batch, case.seqlen, case.head_dim, case.rotary_dim
     layout = "thd" if case.positions == "thd" else "bshd"
     lead = (B * S,) if layout == "thd" else (B, S)
-    q, k = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), dtype=dtype)
+    v = None
+    if case.cache is None:
+        q, k = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), dtype=dtype)
+    else:  # one packed QKV projection output; q, k and v are views of it (the op reads them in place)
+        (qkv,) = _randn(device, seed, (B, S, (case.hq + 2 * case.hk) * D), dtype=dtype)
+        q, k, v = qkv.view(B, S, case.hq + 2 * case.hk, D).split([case.hq, case.hk, case.hk], dim=2)
     base_pos = torch.arange(S, dtype=torch.int64)
     cu_seqlens, max_seqlen, positions = None, S, None
     if case.positions == "range":
@@ -134,17 +173,34 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     exponent = torch.arange(0, R, 2, dtype=torch.int64).to(torch.float32) / R
     inv_freq = 1.0 / (case.base ** exponent)
     angle = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)
-    return Inputs(case=case, device=device, dtype=dtype, layout=layout, q=q, k=k, positions=positions,
-                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pos_grid=grid.contiguous().to(device),
-                  inv_freq=inv_freq.to(device), cos_tab=torch.cos(angle).to(torch.float32).to(device),
-                  sin_tab=torch.sin(angle).to(torch.float32).to(device),
-                  pos_axes=positions if case.positions == "mrope" else None, pair_axis=pair_axis)
+    inp = Inputs(case=case, device=device, dtype=dtype, layout=layout, q=q, k=k, positions=positions,
+                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pos_grid=grid.contiguous().to(device),
+                 inv_freq=inv_freq.to(device), cos_tab=torch.cos(angle).to(torch.float32).to(device),
+                 sin_tab=torch.sin(angle).to(torch.float32).to(device),
+                 pos_axes=positions if case.positions == "mrope" else None, pair_axis=pair_axis, v=v)
+    if case.qk_norm:  # weights near 1, as trained norms are
+        gen_w = torch.Generator(device=device).manual_seed(seed + 2)
+        inp.q_weight, inp.k_weight = (torch.rand(D, generator=gen_w, device=device).add_(0.5).to(dtype)
+                                      for _ in range(2))
+    if case.cache is not None:  # bshd caches long enough for every position, at least MAX_CACHE_LEN rows
+        max_len = max(MAX_CACHE_LEN, -(-rows // MAX_CACHE_LEN) * MAX_CACHE_LEN)
+        inp.k_cache = torch.zeros(B, max_len, case.hk, D, device=device, dtype=CACHE_DTYPES[case.cache])
+        inp.v_cache = torch.zeros_like(inp.k_cache)
+        if case.cache == "fp8":
+            inp.cache_scale = torch.tensor(FP8_CACHE_SCALE, device=device, dtype=torch.float32)
+        seq = torch.arange(B, dtype=torch.int64).repeat_interleave(S)
+        inp.cache_index = (seq.to(device), grid.reshape(-1).to(device))
+    return inp
 
 
 def case_bytes(case: Case) -> dict[str, int]:
     """:func:`bytes_model` from the case alone (no tensors): what ``--list`` prints and the tests check."""
     elem = DTYPES[case.dtype].itemsize
-    qk = case.tokens * (case.hq + case.hk) * case.head_dim * elem
+    q = case.tokens * case.hq * case.head_dim * elem
+    kv = case.tokens * case.hk * case.head_dim * elem  # k's bytes, and v's
+    cache_elem = CACHE_DTYPES[case.cache or case.dtype].itemsize
+    weights = 2 * case.head_dim * elem if case.qk_norm else 0
+    qk = q + kv
     extra = (case.rotary_dim // 2) * 4
     if case.positions == "batch":
         extra += case.batch * 8
@@ -155,7 +211,9 @@ def case_bytes(case: Case) -> dict[str, int]:
     elif case.positions == "thd":
         extra += (case.batch + 1) * 4
     fwd = 2 * qk + extra
-    return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd}
+    kv_write = 2 * q + 2 * kv + 2 * kv // elem * cache_elem + extra + weights + (8 if case.cache == "fp8" else 0)
+    return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights}
 
 
 def _randn(device: torch.device, seed: int, *shapes: tuple[int, ...], dtype: torch.dtype) -> list[Tensor]:
@@ -171,11 +229,25 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
       cu_seqlens) and the fp32 ``inv_freq``; exact angles need no table.
     * ``fwdbwd``: twice that (the backward reads the output gradients and writes the input gradients).
     * ``decode``, ``host``: as ``fwd``.
+    * ``kv-decode``, ``kv-prefill`` (``rope_kv_write``): q, k and v read, q written, the K and V cache rows written
+      (in the cache dtype), plus the position data, ``inv_freq``, the norms' weights (qk_norm models) and the fp8
+      scales.
+    * ``norm-fwdbwd`` (``qk_norm_rope`` through autograd): 5 passes over q and k (the forward reads and writes them;
+      the backward reads the output gradients and the inputs and writes the input gradients), the position data
+      and ``inv_freq`` twice, and the weights three times (read twice, their gradients written).
     """
-    qk = (inp.q.numel() + inp.k.numel()) * inp.q.element_size()
+    elem = inp.q.element_size()
+    q, k = inp.q.numel() * elem, inp.k.numel() * elem
+    qk = q + k
     extra = inp.inv_freq.numel() * inp.inv_freq.element_size()
     for t in (inp.positions, inp.cu_seqlens):
         if isinstance(t, Tensor):
             extra += t.numel() * t.element_size()
+    weights = sum(w.numel() * w.element_size() for w in (inp.q_weight, inp.k_weight) if w is not None)
+    cache_elem = inp.dtype.itemsize if inp.k_cache is None else inp.k_cache.element_size()
+    scales = 0 if inp.cache_scale is None else 2 * inp.cache_scale.numel() * inp.cache_scale.element_size()
+    v = k if inp.v is None else inp.v.numel() * elem
+    kv_write = 2 * q + k + v + (k + v) // elem * cache_elem + extra + weights + scales
     fwd = 2 * qk + extra
-    return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd}
+    return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights}

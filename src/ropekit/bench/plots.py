@@ -11,15 +11,15 @@ from .impls import BASELINE, EXTRA_BASELINES
 
 
 def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
-    """One PNG per mode (fwd, fwdbwd, decode): a panel per series, GB/s against tokens, one line per
-    implementation (the baseline dashed)."""
+    """One PNG per mode (fwd, fwdbwd, decode and the prologue's kv-decode, kv-prefill, norm-fwdbwd): a panel per
+    series, GB/s against tokens, one line per implementation (the baseline dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for mode in ("fwd", "fwdbwd", "decode"):
+    for mode in ("fwd", "fwdbwd", "decode", "kv-decode", "kv-prefill", "norm-fwdbwd"):
         mrows = [r for r in rows if r["mode"] == mode and r["gbps"]]
         if not mrows:
             continue

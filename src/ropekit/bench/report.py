@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .env import PERF_LABEL
-from .impls import BASELINE, EXTRA_BASELINES, PEER_IMPLS, ROPEKIT_IMPLS
+from .impls import BASELINE, EXTRA_BASELINES, PEER_IMPLS, PROLOGUE_IMPLS, ROPEKIT_IMPLS
 
 NO_TARGETS_LINE = "Targets not evaluated: CPU timings are not performance figures (targets need a CUDA GPU)."
 
@@ -59,7 +59,7 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
                  markdown: bool = False) -> str:
     """The short table: a line per (case, mode) with the mode's baseline time, then a column per implementation
     with its ratio to that baseline (Markdown: time and ratio), then the targets."""
-    order = [*ROPEKIT_IMPLS, *PEER_IMPLS, *(n for v in EXTRA_BASELINES.values() for n in v)]
+    order = [*ROPEKIT_IMPLS, *PROLOGUE_IMPLS, *PEER_IMPLS, *(n for v in EXTRA_BASELINES.values() for n in v)]
     timed = {r["impl"] for r in rows if r["median_us"]}
     impls = [i for i in order if i in timed]  # "copy" is also decode's reference row
     header = ["case", "mode", "tokens", "MB", "baseline us", *impls, "exact/table"]
@@ -95,8 +95,8 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
     head = (f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | ropekit {meta['ropekit']} @ "
             f"{meta['commit']} | {meta['date']}")
     intro = ("baseline us = median microseconds of the mode's baseline (fwd: copy of the same bytes; fwdbwd: "
-             "copy-4pass; decode: copy-q; host: add_); Nx = time / baseline time; exact/table = ropekit / "
-             "ropekit-table")
+             "copy-4pass; decode: copy-q; host: add_; kv-decode, kv-prefill: copy-kv; norm-fwdbwd: copy-5pass); "
+             "Nx = time / baseline time; exact/table = ropekit / ropekit-table")
     label = f"**{meta['label']}**" if markdown else f"*** {meta['label']} ***"
     out = [label] if meta["label"] != PERF_LABEL else []
     out += [head, intro, ""]

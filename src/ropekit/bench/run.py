@@ -10,8 +10,8 @@ import torch
 
 from ropekit.testing import max_relative_error
 
-from .cases import Case
-from .impls import BASELINE, EXTRA_BASELINES, MODE_IMPLS, Bench, Unsupported, build, build_baseline
+from .cases import GRAD_MODES, Case
+from .impls import BASELINE, EXTRA_BASELINES, MODE_IMPLS, REFERENCE, Bench, Unsupported, build, build_baseline
 from .inputs import bytes_model, make_inputs
 from .peers import Peers
 from .timing import Timer
@@ -22,8 +22,8 @@ MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagge
 def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: dict[str, Any],
              impl_globs: list[str] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every mode of ``case``: baselines first, then ropekit and the peers; one row each. Each implementation is
-    built, checked against ropekit's output, timed and freed before the next one (memory stays at the inputs,
-    ropekit's reference output and one implementation)."""
+    built, checked against ropekit's output (the mode's :data:`impls.REFERENCE`, else ``ropekit``), timed and freed
+    before the next one (memory stays at the inputs, ropekit's reference output and one implementation)."""
     rows: list[dict[str, Any]] = []
     inp = make_inputs(case, device)
     nbytes = bytes_model(inp)
@@ -35,10 +35,11 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
         times: dict[str, float] = {}
         # fwd/decode/host run without autograd, as inference does; fwd+bwd with it. torch.compile warms up in
         # the same grad mode as the calls it times.
-        with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
+        reference = REFERENCE.get(mode, "ropekit")
+        with torch.enable_grad() if mode in GRAD_MODES else torch.no_grad():
             refs = None
-            if "ropekit" in names:
-                ref_bench = _try_build(build, "ropekit", inp, mode, peers)
+            if reference in names:
+                ref_bench = _try_build(build, reference, inp, mode, peers)
                 if isinstance(ref_bench, Bench):
                     got = _try_build(ref_bench.result)
                     refs = tuple(t.detach() for t in got) if isinstance(got, (tuple, list)) else None
@@ -58,10 +59,10 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                 try:
                     if refs is not None and bench.result is not None:
                         outs = [t.detach() for t in bench.result()]
-                        diff = 0.0 if name == "ropekit" else max_relative_error(outs, refs)
+                        diff, agree = (0.0, True) if name == reference else _agreement(outs, refs, bench.tolerances)
                         row["max_rel_diff"] = f"{diff:.2e}"
-                        if not diff <= MISMATCH:
-                            row["note"] = f"MISMATCH vs ropekit; {row['note']}"
+                        if not agree:
+                            row["note"] = f"MISMATCH vs {reference}; {row['note']}"
                     us = _time(timer, mode, bench.run)
                 except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the run
                     row["note"] = f"failed: {_first_line(exc)}; {row['note']}"
@@ -78,16 +79,32 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
         for row in mode_rows:
             if row["impl"] in times and base:
                 row["ratio_vs_copy"] = f"{times[row['impl']] / base:.4f}"
-            if device.type != "cuda" and mode == "decode":
+            if device.type != "cuda" and mode in ("decode", "kv-decode"):
                 row["note"] = "; ".join(x for x in ("eager (no CUDA graph on CPU)", row["note"]) if x)
         rows += mode_rows
         log(f"  {mode:7s} " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()) + " (us)")
     return rows
 
 
+def _agreement(outs: list[torch.Tensor], refs: tuple[torch.Tensor, ...],
+               tolerances: tuple[float | None, ...] | None) -> tuple[float, bool]:
+    """The worst max_rel_diff over the outputs, and whether each is within its tolerance (default
+    :data:`MISMATCH`)."""
+    if len(outs) != len(refs):
+        raise ValueError(f"{len(outs)} outputs against {len(refs)} of the reference")
+    diffs = [max_relative_error(o, r) for o, r in zip(outs, refs)]
+    limits = tolerances or (None,) * len(diffs)
+    agree = all(d <= (MISMATCH if lim is None else lim) for d, lim in zip(diffs, limits, strict=True))
+    return max(diffs, default=0.0), agree
+
+
 def _impl_version(name: str, peers: Peers, env: dict[str, Any]) -> str:
     if name.startswith("ropekit"):
         return f"ropekit {env['ropekit']}"
+    if name.startswith("unfused"):  # the prologue's PyTorch code (around ropekit.apply_rope for unfused-kv)
+        return f"torch {env['torch']}"
+    if name == "copy-kv":
+        return f"triton {env['triton']}"
     if name in ("hf", "hf-compile"):
         return f"transformers {peers.versions.get('transformers', '')}".strip()
     if name in ("liger", "flash-attn"):
@@ -111,7 +128,7 @@ def _try_build(make: Callable[..., Any], *args: Any) -> Any:
 
 
 def _time(timer: Timer, mode: str, fn: Callable[[], Any]) -> float:
-    if mode == "decode":
+    if mode in ("decode", "kv-decode"):
         return timer.graph(fn)
     if mode == "host":
         return timer.host(fn)

@@ -1,0 +1,235 @@
+"""The attention prologue's implementations: ``rope_kv_write`` (RoPE, the optional per-head RMSNorm and the K/V
+cache write in one launch) and ``qk_norm_rope`` fwd+bwd, their baselines (a one-kernel copy of the bytes the fused
+op must move; one copy of 5 passes over q and k) and the unfused code a user has today.
+
+KV modes (``kv-decode``, ``kv-prefill``): every implementation writes into the case's caches; the check against
+``ropekit-kv-write`` compares the returned q and the cache rows the tokens go to (the caches are filled with NaN
+first, so a row left unwritten counts as a mismatch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._triton import tl, triton
+from .impls import PROLOGUE_KV_IMPLS, Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device
+from .inputs import NORM_EPS, Inputs
+from .timing import _sync
+
+# fp8 cache rows agree within one e4m3 step: a value rounded from bf16 (the unfused chain) and from fp32 (the
+# fused op) may land on neighbouring steps, and a step is up to 1/8 of a value (3 mantissa bits).
+FP8_MISMATCH = 0.13
+FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_copy_kv(inp: Inputs) -> Bench:
+    """``copy-kv``: one Triton kernel moving the bytes ``rope_kv_write`` must move: read q, k and v (the same
+    strided views), write q to a preallocated output and k and v to the cache rows of each token (cast to the
+    cache dtype, no scale), reading the same position data. One program per token."""
+    if triton is None:
+        raise Unsupported("triton not importable")
+    _need_triton_device(inp.device)
+    c = inp.case
+    q, k, v = inp.q, inp.k, inp.v
+    if q.stride(0) != c.seqlen * q.stride(1) or k.stride() != v.stride():
+        raise Unsupported("copy-kv reads q, k and v as views of one packed [B, S, W] buffer")
+    q_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    pos = inp.positions
+    if isinstance(pos, Tensor):
+        pos_kind, pos_ptr, offset = (1 if c.positions == "batch" else 2), pos, 0
+    else:
+        pos_kind, pos_ptr, offset = 0, inp.cache_index[1], int(pos or 0)  # pointer unused
+    kc, vc = inp.k_cache, inp.v_cache
+    qw, kw = c.hq * c.head_dim, c.hk * c.head_dim
+    grid = (c.tokens,)
+
+    def launch() -> None:
+        _copy_kv_kernel[grid](q, k, v, q_out, kc, vc, pos_ptr, offset, c.seqlen, q.stride(1), k.stride(1),
+                              kc.stride(0), kc.stride(1), QW=qw, KW=kw, QB=triton.next_power_of_2(qw),
+                              KB=triton.next_power_of_2(kw), POS_KIND=pos_kind, num_warps=4)
+
+    pos_bytes = pos.numel() * pos.element_size() if isinstance(pos, Tensor) else 0
+    nbytes = 2 * q.numel() * q.element_size() + 2 * k.numel() * (k.element_size() + kc.element_size()) + pos_bytes
+    return Bench(run=launch, bytes=nbytes, note="one Triton kernel: q to a buffer, k and v to the cache rows (a "
+                                                "cast, no norm, rotation or scale)")
+
+
+def build_copy_5pass(inp: Inputs, nbytes: dict[str, int]) -> Bench:
+    b = _flat_copy(inp, nbytes["norm-fwdbwd"])
+    b.note = "ideal qk_norm_rope fwd+bwd: one copy of 5 passes over q and k"
+    return b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope_kv_write and the unfused chain (KV modes)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _kv_bench(inp: Inputs, call: Callable[[], Tensor], note: str) -> Bench:
+    """``call`` writes the case's caches and returns q; the check reads q and the cache rows of the tokens."""
+    fp8 = inp.cache_scale is not None
+
+    def result() -> tuple[Tensor, ...]:
+        inp.k_cache.fill_(float("nan"))
+        inp.v_cache.fill_(float("nan"))
+        q_out = call()
+        return (q_out.reshape(inp.case.tokens, inp.case.hq, inp.case.head_dim), *inp.cache_rows())
+
+    return Bench(run=call, result=result, note=note, tolerances=(None, FP8_MISMATCH, FP8_MISMATCH) if fp8 else None)
+
+
+def _unfused_kv(inp: Inputs) -> Callable[[], Tensor]:
+    """torch ``rms_norm`` of q and k (models with qk_norm), ``ropekit.apply_rope``, then the cache scatter by
+    advanced indexing (fp8: ``(x.float() / scale).clamp(-448, 448)`` converted to e4m3)."""
+    import ropekit
+
+    c = inp.case
+    kw = inp.rope_kwargs()
+    T, D = c.tokens, c.head_dim
+    b, p = inp.cache_index
+    q, k, v, kc, vc, scale = inp.q, inp.k, inp.v, inp.k_cache, inp.v_cache, inp.cache_scale
+    v_rows = v.reshape(T, c.hk, D)  # a view: v's rows are equally spaced in the packed buffer
+
+    def store(cache: Tensor, x: Tensor) -> None:
+        if scale is not None:
+            x = (x.float() / scale).clamp(-448, 448).to(FP8)
+        cache[b, p] = x
+
+    def call() -> Tensor:
+        qq, kk = q, k
+        if inp.q_weight is not None:
+            qq = torch.nn.functional.rms_norm(q, (D,), inp.q_weight, NORM_EPS)
+            kk = torch.nn.functional.rms_norm(k, (D,), inp.k_weight, NORM_EPS)
+        q_rot, k_rot = ropekit.apply_rope(qq, kk, **kw)
+        store(kc, k_rot.reshape(T, c.hk, D))
+        store(vc, v_rows)
+        return q_rot
+
+    return call
+
+
+def _kv_note(inp: Inputs) -> str:
+    c = inp.case
+    cache = (f"fp8 e4m3 caches, 0-d tensor scale (rows agree within one e4m3 step: max_rel_diff <= "
+             f"{FP8_MISMATCH})") if c.cache == "fp8" else f"{c.cache} caches"
+    return f"bshd {cache}" + ("; per-head RMSNorm" if c.qk_norm else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qk_norm_rope fwd+bwd and the unfused PyTorch code (norm-fwdbwd)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _norm_leaves(inp: Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.q_weight, inp.k_weight))
+
+
+def _norm_autograd_bench(inp: Inputs, forward: Callable[..., tuple[Tensor, Tensor]], note: str) -> Bench:
+    """fwd+bwd: ``forward(q, k, q_weight, k_weight)`` on leaf copies, then ``torch.autograd.grad`` of all four with
+    preallocated output gradients (nothing accumulates into ``.grad``)."""
+    leaves = _norm_leaves(inp)
+    gq, gk = _grad_outputs(inp)
+
+    def run() -> tuple[Tensor, ...]:
+        return torch.autograd.grad(forward(*leaves), leaves, (gq, gk))
+
+    def result() -> tuple[Tensor, ...]:
+        fresh = _norm_leaves(inp)
+        return tuple(torch.autograd.grad(forward(*fresh), fresh, (gq.clone(), gk.clone())))
+
+    return Bench(run=run, result=result, note=note)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def unfused_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                      eps: float = NORM_EPS) -> tuple[Tensor, Tensor]:
+    """Qwen3's attention prologue in PyTorch: ``rms_norm`` per head, then transformers' rotate_half RoPE with
+    cos/sin tables [Bc, S, 1, D] (bshd)."""
+    D = q.shape[-1]
+    qn = torch.nn.functional.rms_norm(q, (D,), q_weight, eps)
+    kn = torch.nn.functional.rms_norm(k, (D,), k_weight, eps)
+    return qn * cos + _rotate_half(qn) * sin, kn * cos + _rotate_half(kn) * sin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
+    import ropekit
+
+    c = inp.case
+    if name in PROLOGUE_KV_IMPLS:
+        if inp.k_cache is None:
+            raise Unsupported("KV modes only (the case has no caches)")
+        if name == "ropekit-kv-write":
+            q, k, v, kw = inp.kv_call()
+            return _kv_bench(inp, lambda: ropekit.rope_kv_write(q, k, v, inp.k_cache, inp.v_cache, **kw),
+                             "one launch; " + _kv_note(inp))
+        return _kv_bench(inp, _unfused_kv(inp), ("torch rms_norm x2 + " if c.qk_norm else "")
+                         + "ropekit.apply_rope + cache scatter by indexing; " + _kv_note(inp))
+    if inp.q_weight is None:
+        raise Unsupported("qk_norm_rope needs a model with qk_norm")
+    if name == "ropekit-qk-norm":
+        kw = inp.rope_kwargs()
+        return _norm_autograd_bench(
+            inp, lambda q, k, qw, kwt: ropekit.qk_norm_rope(q, k, qw, kwt, eps=NORM_EPS, **kw),
+            "qk_norm_rope through autograd (gradients of q, k and both weights)")
+    if name in ("unfused-eager", "unfused-compile"):
+        if c.style != "neox" or c.rotary_dim != c.head_dim or inp.layout != "bshd" or c.positions == "mrope":
+            raise Unsupported("the unfused code rotates full-width NeoX (rotate_half) pairs of bshd tensors")
+        cos, sin = (t.unsqueeze(2) for t in inp.hf_tables())  # [Bc, S, 1, D] in the input dtype
+        fn = unfused_norm_rope
+        note = "torch rms_norm x2 + transformers-style rotate_half RoPE, cos/sin [Bc, S, 1, D] in the input dtype"
+        if name == "unfused-compile":
+            torch.compiler.reset()  # a fresh, shape-specialised compile per case
+            fn = torch.compile(unfused_norm_rope, dynamic=False, fullgraph=True)
+            note = "torch.compile(fullgraph, static shapes) of " + note
+        bench = _norm_autograd_bench(inp, lambda q, k, qw, kwt: fn(q, k, qw, kwt, cos, sin), note)
+        if name == "unfused-compile":  # compile the forward and the backward outside the timed region
+            t0 = time.perf_counter()
+            bench.run()
+            _sync(inp.device)
+            bench.note += f"; compiled in {time.perf_counter() - t0:.1f} s"
+        return bench
+    raise ValueError(name)
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, pos_offset, S, q_st, kv_st, c_sb,
+                        c_ss, QW: tl.constexpr, KW: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                        POS_KIND: tl.constexpr):
+        """One program per token t = b * S + s: q's row to q_out, k's and v's rows to the caches' row [b, pos]
+        (bshd). POS_KIND 0: pos = pos_offset + s; 1: pos_ptr[b] + s (per-sequence offsets); 2: pos_ptr[t]."""
+        t = tl.program_id(0)
+        b = t // S
+        s = t % S
+        if POS_KIND == 0:
+            pos = (pos_offset + s).to(tl.int64)
+        elif POS_KIND == 1:
+            pos = tl.load(pos_ptr + b).to(tl.int64) + s
+        else:
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+        t64 = t.to(tl.int64)
+        iq = tl.arange(0, QB)
+        x = tl.load(q_ptr + t64 * q_st + iq, mask=iq < QW)
+        tl.store(qo_ptr + t64 * QW + iq, x, mask=iq < QW)
+        ik = tl.arange(0, KB)
+        row = b.to(tl.int64) * c_sb + pos * c_ss
+        kx = tl.load(k_ptr + t64 * kv_st + ik, mask=ik < KW)
+        vx = tl.load(v_ptr + t64 * kv_st + ik, mask=ik < KW)
+        tl.store(kc_ptr + row + ik, kx.to(kc_ptr.dtype.element_ty), mask=ik < KW)
+        tl.store(vc_ptr + row + ik, vx.to(vc_ptr.dtype.element_ty), mask=ik < KW)
+else:  # pragma: no cover
+    _copy_kv_kernel = None
