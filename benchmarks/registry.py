@@ -86,7 +86,8 @@ _BF16_NEOX = {"dtypes": ["bf16"], "styles": ["neox"]}
 _PROLOGUE = {"models": ["llama3-8b", "qwen3-8b"], **_BF16_NEOX}
 
 PRESETS = {
-    # One representative case per target; about 2-3 minutes on an H100 (most of it torch.compile of the peer).
+    # One representative case per target; about 3-4 minutes on an H100 (an estimate: 2-3 before the prologue's
+    # cases; most of it torch.compile of the peers).
     "quick": [
         {"name": "fwd-large", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"],
          "sizes": [[8, 4096]], "modes": ["fwd"]},
@@ -98,6 +99,12 @@ PRESETS = {
          "sizes": [[1, 1], [64, 1]], "modes": ["decode"]},
         {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
          "sizes": [[1, 1]], "modes": ["host"]},
+        {"name": "prologue-decode", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["batch"],
+         "caches": ["bf16"], "sizes": [[1, 1], [64, 1]], "modes": ["kv-decode"]},
+        {"name": "prologue-prefill", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["offset"],
+         "caches": ["fp8"], "sizes": [[1, 8192]], "modes": ["kv-prefill"]},
+        {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"],
+         "sizes": [[8, 4096]], "modes": ["norm-fwdbwd"]},
     ],
     # Everything the issue lists. Split it with --cases GROUP or --shard I/N to fit a time limit per command.
     "full": [
@@ -171,4 +178,18 @@ TARGETS = [
      "mode": "fwd", "where": {"bytes": [100_000_000, None]}, "versus": "ropekit-1d"},
     {"key": "mrope-decode", "what": "M-RoPE decode (graph replay) vs the same call with 1-D positions",
      "limit": 1.02, "mode": "decode", "versus": "ropekit-1d"},
+    # The attention prologue (rope_kv_write, qk_norm_rope). "unfused >= 2x slower" is written as fused / unfused.
+    {"key": "prologue-decode", "what": "rope_kv_write decode 1-64 tokens, 32/8 heads D128, graph replay, vs copy-kv",
+     "limit": 1.10, "mode": "kv-decode", "impl": "ropekit-kv-write",
+     "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
+    {"key": "prologue-decode-vs-unfused",
+     "what": "rope_kv_write decode 1-64 tokens, 32/8 heads D128, vs the unfused chain (<= 0.5: >= 2x faster)",
+     "limit": 0.5, "mode": "kv-decode", "impl": "ropekit-kv-write", "versus": "unfused-kv",
+     "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
+    {"key": "prologue-prefill", "what": "rope_kv_write prefill 2k-32k tokens, cold L2, vs copy-kv", "limit": 1.05,
+     "mode": "kv-prefill", "impl": "ropekit-kv-write", "where": {"tokens": [2048, 32768]}},
+    {"key": "qk-norm-fwdbwd", "what": "qk_norm_rope fwd+bwd, >= 8x4096 tokens, vs ideal 5-pass copy", "limit": 1.10,
+     "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "where": {"tokens": [32768, None]}},
+    {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
+     "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
 ]

@@ -237,11 +237,38 @@ def test_targets_take_the_worst_qualifying_row():
     assert results["fwdbwd"]["ok"] is None and results["host"]["worst"] is None
 
 
+def test_prologue_targets():
+    def row(case, mode, impl, us, ratio, tokens, **kw):
+        return dict(case=case, mode=mode, impl=impl, median_us=str(us), ratio_vs_copy=str(ratio), tokens=tokens,
+                    bytes=10**6, hq=32, hk=8, head_dim=128, **kw)
+
+    rows = [row("d1", "kv-decode", "ropekit-kv-write", 5, 1.05, 1), row("d1", "kv-decode", "unfused-kv", 20, 4.2, 1),
+            row("d64", "kv-decode", "ropekit-kv-write", 6, 1.2, 64), row("d64", "kv-decode", "unfused-kv", 10, 2, 64),
+            row("d256", "kv-decode", "ropekit-kv-write", 9, 2.0, 256),  # beyond 64 tokens: not counted
+            row("p", "kv-prefill", "ropekit-kv-write", 100, 1.04, 8192),
+            row("n4", "norm-fwdbwd", "ropekit-qk-norm", 300, 1.3, 16384),  # below 8x4096: the copy target skips it
+            row("n4", "norm-fwdbwd", "unfused-compile", 400, 1.7, 16384),
+            row("n8", "norm-fwdbwd", "ropekit-qk-norm", 500, 1.08, 32768),
+            row("n8", "norm-fwdbwd", "unfused-compile", 450, 0.97, 32768)]
+    results = {t["target"]: t for t in bench_targets.evaluate_targets(rows, _targets())}
+    assert (results["prologue-decode"]["worst"], results["prologue-decode"]["cases"]) == (1.2, 2)
+    assert results["prologue-decode"]["ok"] is False and results["prologue-decode"]["case"] == "d64"
+    vs = results["prologue-decode-vs-unfused"]  # fused / unfused <= 0.5: the unfused chain >= 2x slower
+    assert vs["worst"] == pytest.approx(0.6) and vs["ok"] is False and vs["cases"] == 2
+    assert results["prologue-prefill"]["ok"] is True
+    assert (results["qk-norm-fwdbwd"]["worst"], results["qk-norm-fwdbwd"]["cases"]) == (1.08, 1)
+    assert results["qk-norm-vs-compile"]["worst"] == pytest.approx(500 / 450, abs=1e-4)
+    assert results["qk-norm-vs-compile"]["ok"] is False and results["qk-norm-vs-compile"]["cases"] == 2
+    assert results["decode"]["ok"] is None  # the apply_rope targets ignore the prologue's rows
+
+
 def test_targets_come_from_the_registry_data(tmp_path):
     registry = bench_cases.load_registry(str(REGISTRY))
     assert [t.key for t in _targets()] == [entry["key"] for entry in registry["TARGETS"]]
     assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table",
-                                           "mrope-fwd", "mrope-decode"}
+                                           "mrope-fwd", "mrope-decode", "prologue-decode",
+                                           "prologue-decode-vs-unfused", "prologue-prefill", "qk-norm-fwdbwd",
+                                           "qk-norm-vs-compile"}
     # Another registry file with other targets: the harness evaluates those, nothing built in.
     text = REGISTRY.read_text() + textwrap.dedent('''
         TARGETS = [{"key": "tiny-fwd", "what": "fwd of tiny shapes", "limit": 2.0, "mode": "fwd",
