@@ -110,6 +110,7 @@ def test_a_plan_declares_its_cache_writes(device):
         assert len(_fastpath._KV_PLANS) == 1
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 def test_aliasing_differently_gets_its_own_plan():
     # positions and slot_mapping as one tensor, then as two: the key holds which arguments share memory.
     q, k, v = (torch.randn(2, h, 16) for h in (4, 2, 2))
