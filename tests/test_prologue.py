@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
 
 import ropekit
+from helpers import ROUTES
 from ropekit.testing import (
     assert_close_to_ref,
     kernels_on_cpu,
@@ -29,13 +29,7 @@ from ropekit.testing import (
     tolerance,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cpu-kernels", id="cpu-kernels",
-                 marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
+DEVICES = ROUTES
 # The tolerance column of each device. The contract of both ops is fp32 math with one rounding at the store on
 # every route; on CPU tensors that is the table's "float32-path" entry (fp32 math, one rounding to nearest), which
 # a float64 CPU implementation meets too. Under the interpreter bfloat16 stores truncate ("triton-interpreter").

@@ -2,26 +2,18 @@
 and the same cache bytes, call after call with fresh data, for every kind of argument a plan refills; and the
 calls a plan must hand back to the full path."""
 
-import os
 
 import pytest
 import torch
 
 import ropekit
+from helpers import INTERPRETED, KERNEL_ROUTES, route_context
 from ropekit import _fastpath
 from ropekit.testing import kernels_on_cpu
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = [pytest.param("cpu-kernels", marks=pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))]
+DEVICES = KERNEL_ROUTES
 FP8 = torch.float8_e4m3fn
-
-
-def _context(device):
-    import contextlib
-
-    return kernels_on_cpu() if device == "cpu-kernels" else contextlib.nullcontext()
+_context = route_context
 
 
 def _case(name: str, dev: str):
@@ -110,7 +102,7 @@ def test_a_plan_declares_its_cache_writes(device):
         assert len(_fastpath._KV_PLANS) == 1
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 def test_aliasing_differently_gets_its_own_plan():
     # positions and slot_mapping as one tensor, then as two: the key holds which arguments share memory.
     q, k, v = (torch.randn(2, h, 16) for h in (4, 2, 2))

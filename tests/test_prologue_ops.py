@@ -2,32 +2,20 @@
 ``ropekit::qk_norm_rope_backward`` and ``ropekit::rope_kv_write``, and the differential checks that the eager
 routes (no dispatcher: ``autograd.EagerNormRope``, ``ops.write_kv``) give exactly what the registered ops give."""
 
-import os
 
 import pytest
 import torch
 from torch.library import opcheck
 
 import ropekit
+from helpers import KERNEL_ROUTES, ROUTES, route_context, route_device
 from ropekit import autograd, ops
 from ropekit._spec import validate, validate_kv_write
-from ropekit.testing import kernels_on_cpu
 
-HAS_CUDA = torch.cuda.is_available()
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-DEVICES = ["cpu", pytest.param("cpu-kernels", marks=pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))]
-
-
-def _context(device: str):
-    import contextlib
-
-    return kernels_on_cpu() if device == "cpu-kernels" else contextlib.nullcontext()
-
-
-def _dev(device: str) -> str:
-    return "cuda" if device == "cuda" else "cpu"
+DEVICES = ROUTES
+_context = route_context
+_dev = route_device
 
 
 def _norm_inputs(device, dtype=torch.float32):
@@ -153,7 +141,7 @@ def test_rope_kv_write_compiled_equals_eager():
     assert caches[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("device", KERNEL_ROUTES)
 def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(device, monkeypatch):
     # The backward's programs loop over token blocks and write one weight-gradient row each; one program or many
     # (every token block its own) must give the same gradients up to the order of an fp32 sum.

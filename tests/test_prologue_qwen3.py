@@ -6,23 +6,17 @@ the cache holds what transformers' own StaticCache holds."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
 
 import ropekit
+from helpers import ROUTES
 from ropekit.testing import kernels_on_cpu
 
 transformers = pytest.importorskip("transformers")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cpu-kernels", id="cpu-kernels",
-                 marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
+DEVICES = ROUTES
 PROMPT_LEN, NEW_TOKENS = 5, 8
 MAX_LEN = 16
 # Model-level agreement between two float32 computations of the same logits (transformers' fp32 cos/sin tables

@@ -66,23 +66,31 @@ def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     returns."""
     sig = None
     if _config.fast_path and not options["check_positions"]:
-        sig = signature(q, k, mode, options)
-        if sig is not None:
-            try:
-                plan = _PLANS.get(sig[0])
-            except TypeError:  # an unhashable argument: the full path names it
-                plan = sig = None
-            if plan is not None:
-                _PLANS.move_to_end(sig[0])
-                outs = plan(q, k, sig[1], options, mode)
-                if outs is not None:
-                    return outs
-                sig = None  # the plan exists; this call's offset or memory needed the full path
+        plan, sig = _planned(_PLANS, signature(q, k, mode, options))
+        if plan is not None:
+            outs = plan(q, k, sig[1], options, mode)
+            if outs is not None:
+                return outs
+            sig = None  # the plan exists; this call's offset or memory needed the full path
     spec = validate(q, k, mode=mode, **options)
     outs = rotate_spec(q, k, spec, mode.inplace)
     if sig is not None:
         _sighted(sig[0], q, k, options, spec, outs, mode)
     return outs[0] if k is None else outs
+
+
+def _planned(plans: OrderedDict, sig):
+    """(the plan recorded for ``sig``'s key or None, ``sig``) -- ``sig`` None where there is none or its key is
+    unhashable (the full path then names the argument)."""
+    if sig is None:
+        return None, None
+    try:
+        plan = plans.get(sig[0])
+    except TypeError:
+        return None, None
+    if plan is not None:
+        plans.move_to_end(sig[0])
+    return plan, sig
 
 
 def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
@@ -318,18 +326,12 @@ def write_kv(options: dict) -> Tensor:
     or validate, run and note the signature."""
     sig = None
     if _config.fast_path and not options["check_positions"] and options["cu_seqlens"] is None:
-        sig = _kv_signature(options)
-        if sig is not None:
-            try:
-                plan = _KV_PLANS.get(sig[0])
-            except TypeError:  # an unhashable argument: the full path names it
-                plan = sig = None
-            if plan is not None:
-                _KV_PLANS.move_to_end(sig[0])
-                out = plan(sig[1], options)
-                if out is not None:
-                    return out
-                sig = None  # this call's position offset needs the full path's checks
+        plan, sig = _planned(_KV_PLANS, _kv_signature(options))
+        if plan is not None:
+            out = plan(sig[1], options)
+            if out is not None:
+                return out
+            sig = None  # this call's position offset needs the full path's checks
     if sig is not None:
         from ropekit.triton import prologue
 

@@ -224,6 +224,23 @@ def _rotation(
 
 
 @triton.jit
+def _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b):
+    """Pairs [BLOCK_T, BLOCK_H, HALF_BLOCK] turned by a token rotation [BLOCK_T, HALF_BLOCK] (:func:`_rotation`'s
+    four factors)."""
+    c_lo, c_hi, s_a, s_b = c_lo[:, None, :], c_hi[:, None, :], s_a[:, None, :], s_b[:, None, :]
+    return x_lo * c_lo - x_hi * s_a, x_hi * c_hi + x_lo * s_b
+
+
+@triton.jit
+def _token_block(tb, num_tokens, S, BLOCK_T: tl.constexpr):
+    """(t, mask_t, b, s) of token block ``tb``: canonical token indices (int32) ``t = b * S + s``, the ones before
+    ``num_tokens``, and b, s (int64, for addresses)."""
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    b32 = t // S
+    return t, t < num_tokens, b32.to(tl.int64), (t - b32 * S).to(tl.int64)
+
+
+@triton.jit
 def _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H: tl.constexpr):
     """Element offsets of the start of each row [BLOCK_T, BLOCK_H, 1] of a block of heads, and its row mask."""
     h = h0 + tl.arange(0, BLOCK_H)
@@ -288,12 +305,7 @@ def _store_heads(
     """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each, which carries the output
     scale already), store; the pass-through columns are multiplied by ``scale``."""
     HALF: tl.constexpr = ROT_DIM // 2
-    c_lo = c_lo[:, None, :]
-    c_hi = c_hi[:, None, :]
-    s_a = s_a[:, None, :]
-    s_b = s_b[:, None, :]
-    y_lo = x_lo * c_lo - x_hi * s_a
-    y_hi = x_hi * c_hi + x_lo * s_b
+    y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
     if NEOX:
         i = tl.arange(0, HALF_BLOCK)[None, None, :]
         mi = _within(m, i, HALF, HALF_BLOCK)
@@ -370,11 +382,7 @@ def rope_kernel(
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < num_tokens
-    b32 = t // S
-    s = (t - b32 * S).to(tl.int64)
-    b = b32.to(tl.int64)
+    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
     if hb < n_qb:
         _rope_head_block(
             q_ptr, qo_ptr, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, t, b, s, mask_t, hb * BLOCK_HQ, HQ, q_scale,

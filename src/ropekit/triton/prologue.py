@@ -26,7 +26,9 @@ from ropekit.triton.kernel import (
     _pass_columns,
     _rotation,
     _table_columns,
+    _token_block,
     _token_positions,
+    _turn,
     _within,
 )
 
@@ -179,9 +181,7 @@ def _norm_rope_block(
         b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
         False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
-    c_lo, c_hi, s_a, s_b = c_lo[:, None, :], c_hi[:, None, :], s_a[:, None, :], s_b[:, None, :]
-    y_lo = x_lo * c_lo - x_hi * s_a
-    y_hi = x_hi * c_hi + x_lo * s_b
+    y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
     h = h0 + tl.arange(0, BLOCK_H)
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
@@ -238,11 +238,7 @@ def prologue_kernel(
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     n_kb = tl.cdiv(HK, BLOCK_HK)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < num_tokens
-    b32 = t // S
-    s = (t - b32 * S).to(tl.int64)
-    b = b32.to(tl.int64)
+    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
     pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                   n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     valid = valid & mask_t
@@ -306,10 +302,8 @@ def _norm_rope_bwd_block(
         b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
         True, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
-    c_lo, c_hi, s_a, s_b = c_lo[:, None, :], c_hi[:, None, :], s_a[:, None, :], s_b[:, None, :]
     # d loss / d(normalised x): the conjugate rotation of the output gradient
-    n_lo = g_lo * c_lo - g_hi * s_a
-    n_hi = g_hi * c_hi + g_lo * s_b
+    n_lo, n_hi = _turn(g_lo, g_hi, c_lo, c_hi, s_a, s_b)
     n_p = g_p * scale
     r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
     w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
@@ -355,11 +349,7 @@ def _norm_rope_bwd_heads(
     acc_hi = tl.zeros([HALF_BLOCK], tl.float32)
     acc_p = tl.zeros([PASS_BLOCK], tl.float32)
     for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = t < num_tokens
-        b32 = t // S
-        s = (t - b32 * S).to(tl.int64)
-        b = b32.to(tl.int64)
+        t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
         pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                       n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
         d_lo, d_hi, d_p = _norm_rope_bwd_block(
