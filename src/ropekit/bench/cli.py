@@ -7,6 +7,7 @@ import datetime as _dt
 import fnmatch
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shown_path(path: str) -> str:
+    """``path`` as result files record it: relative to the working directory when inside it (a checkout's
+    ``benchmarks/registry.py``), else its file name -- results name no machine's directories."""
+    rel = os.path.relpath(path)
+    return path if not os.path.isabs(path) else (os.path.basename(path) if rel.startswith("..") else rel)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ropekit bench``."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {n for names in MODE_IMPLS.values() for n in names
               if impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs)}
     peers = load_peers(wanted, args.flash_attn_rotary)
-    meta = dict(env, preset=preset, registry=registry["source"], peers=peers.versions, peers_missing=peers.missing,
+    meta = dict(env, preset=preset, registry=_shown_path(registry["source"]), peers=peers.versions, peers_missing=peers.missing,
                 argv=list(sys.argv[1:] if argv is None else argv), mismatch_threshold=MISMATCH,
                 mismatch_threshold_fp8_cache=FP8_MISMATCH)
     if device.type == "cuda":
