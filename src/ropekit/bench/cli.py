@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {n for names in MODE_IMPLS.values() for n in names
               if impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs)}
     peers = load_peers(wanted, args.flash_attn_rotary)
-    meta = dict(env, preset=preset, registry=_shown_path(registry["source"]), peers=peers.versions, peers_missing=peers.missing,
-                argv=list(sys.argv[1:] if argv is None else argv), mismatch_threshold=MISMATCH,
-                mismatch_threshold_fp8_cache=FP8_MISMATCH)
+    meta = dict(env, preset=preset, registry=_shown_path(registry["source"]), peers=peers.versions,
+                peers_missing=peers.missing, argv=list(sys.argv[1:] if argv is None else argv),
+                mismatch_threshold=MISMATCH, mismatch_threshold_fp8_cache=FP8_MISMATCH)
     if device.type == "cuda":
         dynamo_config = importlib.import_module("torch._dynamo").config
         for knob in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
