@@ -26,7 +26,7 @@ def test_check_lists_backends_missing_their_packages(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "triton", None)  # find_spec and import both see it absent
     monkeypatch.setitem(sys.modules, "wgpu", None)
     lines = _run_check(capsys)
-    n_triton = len(check._case_table("cpu", True))
+    n_triton = len(check._case_table("cpu", True)) + check._PROLOGUE_ROWS
     backend = "cuda" if check.torch.cuda.is_available() else "triton-interpreter"
     assert any(line.startswith(f"skipped {backend} ({n_triton} cases)") and 'pip install "ropekit[triton]"' in line
                for line in lines), lines
@@ -53,6 +53,14 @@ def test_check_lists_webgpu_without_an_adapter(monkeypatch, capsys):
 def test_webgpu_case_count_matches_the_module():
     webgpu = pytest.importorskip("ropekit.webgpu")
     assert check._WEBGPU_CASES == len(webgpu._CHECK_CASES)
+
+
+def test_prologue_rows_count_and_pass_on_the_cpu_path():
+    # The rows `ropekit check` reports for the prologue (and counts as skipped without Triton), on the float64
+    # CPU path; they run through the kernels in the check's own run.
+    rows = check._prologue_rows("cpu", "cpu")
+    assert len(rows) == check._PROLOGUE_ROWS
+    assert all(row.passed for row in rows), [(r.case, r.max_error, r.tolerance) for r in rows]
 
 
 def test_check_table_keeps_long_device_names_whole(monkeypatch):

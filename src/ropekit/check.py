@@ -123,6 +123,76 @@ def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwa
     return CheckRow(backend, device, name, err, max_relative_tolerance(dtype, backend))
 
 
+def _prologue_rows(backend: str, device: str) -> list[CheckRow]:
+    """The attention prologue against float64: ``qk_norm_rope`` (outputs and the gradients of q, k and both
+    weights) and ``rope_kv_write`` (the returned q and the cache rows it writes: a head-major bf16 cache, a paged
+    fp8 cache with a skipped slot)."""
+    import contextlib
+
+    import ropekit
+    from ropekit.reference import rms_norm_reference
+    from ropekit.testing import kernels_on_cpu
+
+    route = kernels_on_cpu() if backend == "triton-interpreter" else contextlib.nullcontext()
+    T, HQ, HK, D = 6, 8, 2, 64
+    rows = []
+
+    def tol(dtype):
+        return max_relative_tolerance(dtype, backend)
+
+    def normed_rotated(q, k, qw, kw, **rope):
+        qn, kn = rms_norm_reference(q, qw, 0.0, 1e-6), rms_norm_reference(k, kw, 0.0, 1e-6)
+        return ropekit.apply_rope(qn, kn, **rope)
+
+    q, k = torch.randn(2, T, HQ, D, dtype=torch.float64), torch.randn(2, T, HK, D, dtype=torch.float64)
+    qw, kw = torch.rand(D, dtype=torch.float64) + 0.5, torch.rand(D, dtype=torch.float64) + 0.5
+    ids = torch.randint(0, 1 << 20, (2, T))
+    leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    ref = normed_rotated(*leaves, positions=ids, base=1e6)
+    grads = [torch.randn_like(r) for r in ref]
+    ref_grads = torch.autograd.grad(ref, leaves, grads)
+    with route:
+        dev = [t.to(device, torch.float32).requires_grad_() for t in (q, k, qw, kw)]
+        out = ropekit.qk_norm_rope(*dev, eps=1e-6, positions=ids.to(device), base=1e6)
+        got = torch.autograd.grad(out, dev, [g.to(device, torch.float32) for g in grads])
+        rows.append(CheckRow(backend, device, "prologue: qk_norm_rope (Qwen3 QK-norm + RoPE)",
+                             max_relative_error(out, ref), tol(torch.float32)))
+        rows.append(CheckRow(backend, device, "prologue: qk_norm_rope gradients (q, k, both weights)",
+                             max_relative_error(got, ref_grads), tol(torch.float32)))
+
+        qkv = torch.randn(T, (HQ + 2 * HK) * D, dtype=torch.float64)
+        qd, kd, vd = qkv.view(T, HQ + 2 * HK, D).split([HQ, HK, HK], dim=1)
+        pos = torch.randint(0, 100, (T,))
+        rq, rk = normed_rotated(qd, kd, qw, kw, positions=pos, layout="thd", style="interleaved")
+        caches = [torch.full((T, HK, 128, D), float("nan"), device=device, dtype=torch.bfloat16) for _ in range(2)]
+        with torch.no_grad():
+            got_q = ropekit.rope_kv_write(*(x.to(device, torch.bfloat16) for x in (qd, kd, vd)), *caches,
+                                          positions=pos.to(device), cache_layout="bhsd", q_weight=qw.to(device),
+                                          k_weight=kw.to(device), style="interleaved")
+        t = torch.arange(T)
+        rows.append(CheckRow(backend, device, "prologue: rope_kv_write decode into a bhsd cache",
+                             max_relative_error((got_q, caches[0][t, :, pos], caches[1][t, :, pos]),
+                                                (rq, rk, vd.to(torch.bfloat16))), tol(torch.bfloat16)))
+
+        rq, rk = ropekit.apply_rope(qd, kd, positions=pos, layout="thd")
+        slots = torch.tensor([9, -1, 0, 31, 4, 17])
+        caches = [torch.zeros((4, 8, HK, D), device=device, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        with torch.no_grad():
+            ropekit.rope_kv_write(*(x.to(device, torch.float32) for x in (qd, kd, vd)), *caches,
+                                  positions=pos.to(device), slot_mapping=slots.to(device), cache_layout="paged",
+                                  k_cache_scale=0.25, v_cache_scale=torch.tensor(0.5, device=device))
+        kept = slots >= 0
+        flat = [c.view(32, HK, D).float() for c in caches]
+        written = (flat[0][slots[kept]], flat[1][slots[kept]])
+        refs = (rk[kept] / 0.25, vd[kept] / 0.5)
+        untouched = all(int(c.view(32, HK, D)[~torch.isin(torch.arange(32), slots)].float().abs().sum()) == 0
+                        for c in caches)
+        err = max_relative_error(written, refs) if untouched else float("inf")
+        rows.append(CheckRow(backend, device, "prologue: rope_kv_write paged fp8 cache, slot -1 skipped", err,
+                             tol(torch.float8_e4m3fn)))
+    return rows
+
+
 def _property_rows() -> list[CheckRow]:
     """Properties of the float64 CPU path: conjugate undoes forward, pair norms kept, relative positions."""
     import ropekit
@@ -189,8 +259,9 @@ def run_all(small: bool | None = None) -> tuple[list[CheckRow], list[SkippedBack
     if why is None:
         for name, dtype, make in cases:
             rows.append(_run_case(backend, device, name, dtype, make, small))
+        rows += _prologue_rows(backend, device)
     else:
-        skipped.append(SkippedBackend(backend, len(cases), why))
+        skipped.append(SkippedBackend(backend, len(cases) + _PROLOGUE_ROWS, why))
     rows += _property_rows()
     runner, why = _webgpu_runner()
     if runner is None:
@@ -203,6 +274,7 @@ def run_all(small: bool | None = None) -> tuple[list[CheckRow], list[SkippedBack
     return rows, skipped
 
 
+_PROLOGUE_ROWS = 4  # len(_prologue_rows(...))
 _WEBGPU_CASES = 7  # len(ropekit.webgpu._CHECK_CASES), for when that module cannot import (no numpy)
 
 

@@ -89,11 +89,15 @@ UNIT_MAX = 5.0
 # float64 outputs always come from float64 math (the reference path, whichever backend is asked for):
 # rtol 5e-13 and atol 1e-12 leave two to three orders of magnitude over its ~1e-15 error for summation order.
 _F64 = Tolerance(rtol=5e-13, atol=1e-12)
+# float8_e4m3fn cache stores (rope_kv_write): one rounding to 3 mantissa bits, half an ulp (2**-4), and half the
+# subnormal spacing (2**-10) near zero; the same on every backend (the interpreter rounds in software to match).
+_FP8 = Tolerance(rtol=2.0**-4, atol=2.0**-10)
 _KERNELS = {
     torch.float64: _F64,
     torch.float32: Tolerance(rtol=1e-6, atol=5e-6),
     torch.float16: Tolerance(rtol=2.0**-11, atol=5e-6),
     torch.bfloat16: Tolerance(rtol=2.0**-8, atol=5e-6),
+    torch.float8_e4m3fn: _FP8,
 }
 TOLERANCES: dict[str, dict[torch.dtype, Tolerance]] = {
     "kernels": _KERNELS,
@@ -103,6 +107,7 @@ TOLERANCES: dict[str, dict[torch.dtype, Tolerance]] = {
         torch.float32: Tolerance(rtol=2.0**-24, atol=1e-6),
         torch.float16: Tolerance(rtol=2.0**-11, atol=1e-6),
         torch.bfloat16: Tolerance(rtol=2.0**-8, atol=1e-6),
+        torch.float8_e4m3fn: _FP8,
     },
     "float32-path": _KERNELS,
     "webgpu": {torch.float32: _KERNELS[torch.float32], torch.float16: _KERNELS[torch.float16]},
