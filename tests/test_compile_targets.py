@@ -40,9 +40,16 @@ def _compile_for(target: str, q, k, config, **api_kwargs):
     gpu_target, hip_version = TARGETS[target]
 
     conjugate = api_kwargs.pop("conjugate", False)
+    angles_method = api_kwargs.pop("exact_angles", "float64")  # the integer-turn path of GPUs with slow float64
     spec = validate(q, k, **api_kwargs, mode=BACKWARD if conjugate else FORWARD)
     out_k = None if k is None else torch.empty_like(k)
-    _, args, constexprs, num_warps = L.kernel_launch(q, k, torch.empty_like(q), out_k, spec, config=config)
+    from ropekit import _config
+
+    previous, _config.exact_angles = _config.exact_angles, angles_method
+    try:
+        _, args, constexprs, num_warps = L.kernel_launch(q, k, torch.empty_like(q), out_k, spec, config=config)
+    finally:
+        _config.exact_angles = previous
     consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=L.fast_trig("cuda", hip_version))
     signature, attrs, values = {}, {}, iter(args)
     for index, name in enumerate(K.rope_kernel.arg_names):
@@ -77,6 +84,10 @@ SPECIALISATIONS = [
      dict(positions=torch.randint(0, 99, (3, 2, 16)), sections=(24, 20, 20), section_layout="interleaved")),
     ("mrope-contiguous-decode-bf16", (8, 1, 28, 128), 4, torch.bfloat16, None,
      dict(positions=torch.randint(0, 99, (3, 8, 1)), sections=(16, 24, 24))),
+    ("integer-angles-decode-bf16", (4, 1, 32, 128), 8, torch.bfloat16, None,
+     dict(positions=torch.arange(4), exact_angles="integer")),
+    ("integer-angles-mrope-prefill-fp16", (2, 32, 8, 128), 2, torch.float16, None,
+     dict(positions=torch.randint(0, 99, (3, 2, 32)), sections=(16, 24, 24), exact_angles="integer")),
 ]
 
 

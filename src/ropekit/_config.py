@@ -9,6 +9,10 @@
   :func:`ropekit.testing.kernels_on_cpu`.
 * ``float32_path_on_cpu``: CPU tensors take the float32 torch path that devices without Triton kernels or float64
   use (MPS, XPU, ...), so that CPU-only CI tests it; see :func:`ropekit.testing.float32_path_on_cpu`.
+* ``exact_angles``: how the kernels reduce in-kernel angles exactly: None (by device: float64 on GPUs with fast
+  float64, 64-bit integer turns on the others; float64 under the interpreter -- see
+  ``ropekit.triton.launcher.integer_angles``), ``"float64"`` or ``"integer"``. ``ROPEKIT_EXACT_ANGLES`` sets it at
+  import; :func:`ropekit.testing.exact_angles` for a block.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 fast_path: bool = os.environ.get("ROPEKIT_DISABLE_FAST_PATH", "0").strip().lower() in ("", "0", "false", "no")
 kernels_on_cpu: bool = False
 float32_path_on_cpu: bool = False
+exact_angles: str | None = os.environ.get("ROPEKIT_EXACT_ANGLES") or None
 
 
 def set_fast_path(enabled: bool) -> bool:

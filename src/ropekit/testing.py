@@ -55,6 +55,24 @@ def float32_path_on_cpu() -> Iterator[None]:
         _config.float32_path_on_cpu = previous
 
 
+@contextlib.contextmanager
+def exact_angles(method: str) -> Iterator[None]:
+    """Within the block, the kernels reduce in-kernel angles by ``method``: ``"float64"`` or ``"integer"`` (64-bit
+    integer turns, the path of GPUs without fast float64), whatever the device; see ``ropekit._config``."""
+    from ropekit import _config, _fastpath
+
+    if method not in ("float64", "integer"):
+        raise ValueError(f"method must be 'float64' or 'integer', got {method!r}")
+    previous = _config.exact_angles
+    _config.exact_angles = method
+    _fastpath.clear()  # plans hold launches bound to the other method
+    try:
+        yield
+    finally:
+        _config.exact_angles = previous
+        _fastpath.clear()
+
+
 class Tolerance(NamedTuple):
     """``|out - ref| <= atol + rtol * |ref|`` element by element, against the float64 reference, for inputs of
     unit scale (standard normal). ``rtol`` is the one rounding at the store, ``atol`` the error of the math

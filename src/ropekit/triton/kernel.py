@@ -31,6 +31,7 @@ POS_VARLEN = 3  # t - cu_seqlens[seq] + (seq_offsets[seq] or pos_offset), B == 1
 FREQ_INV_FREQ = 0  # angle = pos * inv_freq[i], in the kernel
 FREQ_TABLE = 1  # cos/sin rows
 FREQ_ANGLES = 2  # raw angle rows (cuDNN's freqs)
+FREQ_INV_FREQ_INT = 3  # as FREQ_INV_FREQ, the angle reduced in 64-bit integer turns: no float64 (see _angle_turns)
 
 _TWO_PI = tl.constexpr(6.283185307179586)
 _TWO_PI_LO = tl.constexpr(2.4492935982947064e-16)  # 2*pi - float64(2*pi)
@@ -38,6 +39,11 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 # NaN as its bit pattern: a float NaN global never equals itself, and Triton >= 3.8 refuses a global whose value
 # differs between the kernels that use it.
 _NAN_BITS = tl.constexpr(0x7FC00000)
+# 1 / (2*pi) to 96 bits, as three 32-bit words from the most significant (the WGSL shader's constants).
+_INV_TWO_PI_2 = tl.constexpr(0x28BE60DB)
+_INV_TWO_PI_1 = tl.constexpr(0x9391054A)
+_INV_TWO_PI_0 = tl.constexpr(0x7F09D5F4)
+_TWO_PI_OVER_2_64 = tl.constexpr(3.4061215800865545e-19)  # one 2**-64 turn in radians
 # Positions past this are invalid (NaN): the angle accuracy is documented up to here (ropekit.reference).
 _MAX_POSITION = tl.constexpr(2**31 - 1)
 
@@ -64,6 +70,64 @@ def _sincos_reduced(angle, FAST_TRIG: tl.constexpr):
         return c, s
     else:
         return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _turns_per_unit(freq):
+    """``freq / (2*pi)`` of fp32 ``freq`` as a 64-bit fraction of a turn (uint64, whole turns dropped): the 24-bit
+    significand times the 96 bits of 1/(2*pi), shifted by the exponent, in integer arithmetic (as the WGSL
+    shader's ``turns_per_position``). Its error, below 2**-64 turn per unit, stays below 1e-9 rad for positions
+    under 2**31. Zero and subnormal frequencies give 0; the sign is the caller's."""
+    bits = freq.to(tl.int32, bitcast=True)
+    be = ((bits >> 23) & 0xFF).to(tl.int64)
+    sig = ((bits & 0x7FFFFF) | 0x800000).to(tl.uint64)
+    t2 = sig * tl.full([], _INV_TWO_PI_0, tl.uint64)  # each < 2**56
+    t1 = sig * tl.full([], _INV_TWO_PI_1, tl.uint64)
+    t0 = sig * tl.full([], _INV_TWO_PI_2, tl.uint64)
+    # the 120-bit product as two 64-bit words
+    lo = t2 + (t1 << 32)
+    hi = t0 + (t1 >> 32) + (lo < t2).to(tl.uint64)
+    # freq = sig * 2**(be - 150): the fraction of a turn is the product shifted right by r = 182 - be
+    r = 182 - be
+    right = tl.minimum(tl.maximum(r, 1), 63).to(tl.uint64)
+    mid = (hi << (64 - right)) | (lo >> right)
+    high = hi >> (tl.minimum(tl.maximum(r - 64, 0), 63)).to(tl.uint64)
+    left = lo << (tl.minimum(tl.maximum(-r, 0), 63)).to(tl.uint64)
+    zero = tl.zeros_like(lo)
+    g = tl.where(r == 0, lo, tl.where((r > 0) & (r < 64), mid, tl.where((r >= 64) & (r < 128), high, zero)))
+    g = tl.where((r < 0) & (r > -64), left, g)
+    return tl.where(be == 0, zero, g)
+
+
+@triton.jit
+def _sincos_turns(turns, FAST_TRIG: tl.constexpr):
+    """fp32 (cos, sin) of a 64-bit fraction of a turn (uint64): the nearest quarter turn from the top bits, the
+    rest (at most an eighth of a turn) as an fp32 angle, then the quarter turns applied exactly."""
+    shifted = turns + tl.full([], 1 << 61, tl.uint64)
+    quadrant = (shifted >> 62).to(tl.int32)
+    rest = (shifted & tl.full([], (1 << 62) - 1, tl.uint64)).to(tl.int64) - (1 << 61)
+    r = rest.to(tl.float32) * _TWO_PI_OVER_2_64
+    if FAST_TRIG:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        c = tl.cos(r)
+        s = tl.sin(r)
+    # + q quarter turns: (c, s) -> (-s, c) -> (-c, -s) -> (s, -c)
+    cq = tl.where(quadrant == 0, c, tl.where(quadrant == 1, -s, tl.where(quadrant == 2, -c, s)))
+    sq = tl.where(quadrant == 0, s, tl.where(quadrant == 1, c, tl.where(quadrant == 2, -s, -c)))
+    return cq, sq
+
+
+@triton.jit
+def _angle_turns(pos, freq):
+    """``pos * freq`` as a 64-bit fraction of a turn (uint64): the position (>= 0, < 2**31; broadcast by the
+    caller) times the frequency's turns per unit, modulo whole turns -- exact integer arithmetic, so the angle's
+    error does not grow with the position and no float64 is needed (GPUs with slow float64)."""
+    turns = pos.to(tl.uint64) * _turns_per_unit(freq)
+    return tl.where(freq < 0, tl.zeros_like(turns) - turns, turns)
 
 
 @triton.jit
@@ -172,7 +236,18 @@ def _rotation(
     HALF: tl.constexpr = ROT_DIM // 2
     i = tl.arange(0, HALF_BLOCK)
     mask_i = i < HALF
-    if FREQ_MODE == 0:
+    if FREQ_MODE == 3:
+        inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0)
+        if NUM_AXES > 1:
+            pair_pos, valid = _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES,
+                                              AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            turns = _angle_turns(pair_pos, inv_freq[None, :])
+        else:
+            turns = _angle_turns(pos[:, None], inv_freq[None, :])
+        c_lo, s_lo = _sincos_turns(turns, FAST_TRIG)
+        c_hi = c_lo
+        s_hi = s_lo
+    elif FREQ_MODE == 0:
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0).to(tl.float64)
         if NUM_AXES > 1:
             pair_pos, valid = _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES,

@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from ropekit import _config
 from ropekit._spec import MAX_AXES, RopeSpec, to_canonical
 from ropekit.triton import kernel
 
@@ -74,6 +75,33 @@ def fast_trig(device_type: str, hip_version: str | None) -> bool:
     NVIDIA GPUs only. ROCm builds of torch also call their devices "cuda"; there (``torch.version.hip`` set) and
     under the interpreter the kernel calls ``tl.sin``/``tl.cos``."""
     return device_type == "cuda" and hip_version is None
+
+
+# GPUs whose float64 runs at 1/2 the fp32 rate (data-centre parts); the rest run it at 1/32-1/64.
+_FAST_FLOAT64_NVIDIA = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+_FAST_FLOAT64_AMD = ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950")
+
+
+@functools.cache
+def _fast_float64(device_index: int) -> bool:
+    props = torch.cuda.get_device_properties(device_index)
+    if torch.version.hip:
+        return getattr(props, "gcnArchName", "").split(":")[0] in _FAST_FLOAT64_AMD
+    return (props.major, props.minor) in _FAST_FLOAT64_NVIDIA
+
+
+def integer_angles(device: torch.device) -> bool:
+    """Whether in-kernel angles on ``device`` are reduced in 64-bit integer turns (``kernel.FREQ_INV_FREQ_INT``)
+    rather than float64: on GPUs without fast float64, or as ``ropekit._config.exact_angles`` says. Both are
+    exact to the same bound; float64 stays where it is fast (it is the path measured at the copy limit)."""
+    choice = _config.exact_angles
+    if choice is not None:
+        if choice not in ("float64", "integer"):
+            raise ValueError(f"ROPEKIT_EXACT_ANGLES / exact_angles must be 'float64' or 'integer', got {choice!r}")
+        return choice == "integer"
+    if device.type != "cuda":
+        return False
+    return not _fast_float64(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _num_programs_wanted(device: torch.device) -> int:
@@ -182,6 +210,9 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         t_sb = t_sr = t_sc = table_rows = 0
         table_full = False
 
+    freq_mode_id = _FREQ_MODES[freq_mode]
+    if freq_mode == "inv_freq" and inv_freq.dtype == torch.float32 and integer_angles(q.device):
+        freq_mode_id = kernel.FREQ_INV_FREQ_INT
     copy_pass_q = D != rotary_dim and (q_out.data_ptr() != q.data_ptr() or q_scale != 1.0)
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
     if q.device.type != "cuda":  # the CPU interpreter pays per program: fewer, larger ones
@@ -211,7 +242,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     )
     constexprs = (
         D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
-        _FREQ_MODES[freq_mode], table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
+        freq_mode_id, table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
         *axis_constexprs(sections, section_layout),
