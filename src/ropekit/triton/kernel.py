@@ -62,6 +62,12 @@ def _sincos_reduced(angle, FAST_TRIG: tl.constexpr):
     inv_two_pi = tl.full([], _INV_TWO_PI, tl.float64)
     turns = tl.floor(angle * inv_two_pi + 0.5)
     r = ((angle - turns * two_pi) - turns * two_pi_lo).to(tl.float32)
+    return _cos_sin(r, FAST_TRIG)
+
+
+@triton.jit
+def _cos_sin(r, FAST_TRIG: tl.constexpr):
+    """fp32 (cos, sin) of a reduced fp32 angle (|r| <= pi): the hardware approximations with ``FAST_TRIG``."""
     if FAST_TRIG:
         c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
                                       pack=1)
@@ -106,15 +112,7 @@ def _sincos_turns(turns, FAST_TRIG: tl.constexpr):
     shifted = turns + tl.full([], 1 << 61, tl.uint64)
     quadrant = (shifted >> 62).to(tl.int32)
     rest = (shifted & tl.full([], (1 << 62) - 1, tl.uint64)).to(tl.int64) - (1 << 61)
-    r = rest.to(tl.float32) * _TWO_PI_OVER_2_64
-    if FAST_TRIG:
-        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        c = tl.cos(r)
-        s = tl.sin(r)
+    c, s = _cos_sin(rest.to(tl.float32) * _TWO_PI_OVER_2_64, FAST_TRIG)
     # + q quarter turns: (c, s) -> (-s, c) -> (-c, -s) -> (s, -c)
     cq = tl.where(quadrant == 0, c, tl.where(quadrant == 1, -s, tl.where(quadrant == 2, -c, s)))
     sq = tl.where(quadrant == 0, s, tl.where(quadrant == 1, c, tl.where(quadrant == 2, -s, -c)))
