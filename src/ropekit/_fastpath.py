@@ -331,11 +331,22 @@ def write_kv(options: dict) -> Tensor:
             out = plan(sig[1], options)
             if out is not None:
                 return out
-            sig = None  # this call's position offset needs the full path's checks
-    if sig is not None:
-        from ropekit.triton import prologue
+            sig = None  # this call's position offset or cache placement needs the full path's checks
+    if sig is None:
+        return _write_kv_full(options, None)
+    from ropekit.triton import prologue
 
+    prologue.LAST_LAUNCH.clear()
+    prologue.RECORD_LAUNCH = True
+    try:
+        return _write_kv_full(options, sig)
+    finally:  # the launch holds the call's tensors (caches included): drop it once recorded or not needed
+        prologue.RECORD_LAUNCH = False
         prologue.LAST_LAUNCH.clear()
+
+
+def _write_kv_full(options: dict, sig) -> Tensor:
+    """The full path of :func:`write_kv`: validate, run, and note ``sig`` (None: not planned)."""
     o = options
     q4, k4, v4, pos4, layout, cache = validate_kv_write(
         o["q"], o["k"], o["v"], o["k_cache"], o["v_cache"], o["positions"], o["slot_mapping"], o["cache_layout"],
@@ -403,7 +414,7 @@ class KvPlan:
     output) or kept as the plan's own constant (the cached default frequencies)."""
 
     __slots__ = ("grid", "args", "slots", "consts", "constexprs", "num_warps", "roles", "compiled", "device_index",
-                 "q_out", "out_shape", "pos_index", "max_offset", "caches")
+                 "q_out", "out_shape", "pos_index", "max_offset", "caches", "kv_spans")
 
     @classmethod
     def record(cls, tensors: list, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
@@ -450,8 +461,19 @@ class KvPlan:
             plan.pos_index = roles.index["pos_offset"]
             rows = cache.rows if not cache.paged else MAX_POSITION + 1
             plan.max_offset = min(MAX_POSITION, rows - 1) - max(seqlen, 1) + 1
+            const = dict(zip(roles.constexprs, constexprs))
+            if const["FREQ_MODE"] in (1, 2) and not const["TABLE_BY_TOKEN"]:  # a table indexed by position
+                plan.max_offset = min(plan.max_offset, args[roles.index["table_rows"]] - max(seqlen, 1))
         plan.caches = ("k_cache", "v_cache")
+        # the full path proved the caches disjoint at this relative offset (or as disjoint address ranges)
+        kc, vc = options["k_cache"], options["v_cache"]
+        plan.kv_spans = (span_bytes(kc), span_bytes(vc), vc.data_ptr() - kc.data_ptr())
         return plan
+
+    def _caches_disjoint(self, kc: Tensor, vc: Tensor) -> bool:
+        k_span, v_span, delta = self.kv_spans
+        kp, vp = kc.data_ptr(), vc.data_ptr()
+        return vp >= kp + k_span or kp >= vp + v_span or vp - kp == delta
 
     def __call__(self, tensors: list, options: dict):
         args = self.args.copy()
@@ -460,6 +482,8 @@ class KvPlan:
             if not 0 <= offset <= self.max_offset:
                 return None
             args[self.pos_index] = offset
+        if not self._caches_disjoint(tensors[3], tensors[4]):
+            return None  # the full path decides (and raises where they overlap)
         q = tensors[0]
         q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
         handles = [*tensors, q_out]

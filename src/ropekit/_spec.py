@@ -270,6 +270,7 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
         if inv_freq.shape[0] != rotary_dim // 2:
             raise ValueError(f"inv_freq must have rotary_dim/2 = {rotary_dim // 2} entries, got "
                              f"{inv_freq.shape[0]}")
+        inv_freq = inv_freq.contiguous()  # the kernels index it densely (a copy only for a strided view)
         freq_mode = "inv_freq"
     elif cos is not None or sin is not None:
         if cos is None or sin is None:
@@ -653,6 +654,9 @@ def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                              f"strides {c.stride()}")
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if not torch.compiler.is_compiling() and overlap(k_cache, v_cache):  # addresses are unknown while tracing
+        raise ValueError("k_cache and v_cache share memory: the rows written for k and for v would overwrite "
+                         "each other. Pass two caches (or non-overlapping views of one buffer)")
     expected = {"bshd": "[B, max_seq, Hkv, D]", "bhsd": "[B, Hkv, max_seq, D]",
                 "paged": "[num_blocks, block_size, Hkv, D]"}[cache_layout]
     kcv = k_cache if cache_layout != "bhsd" else k_cache.transpose(1, 2)

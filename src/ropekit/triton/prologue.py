@@ -22,6 +22,7 @@ import triton.language as tl
 from ropekit._spec import CacheSpec, RopeSpec, to_canonical
 from ropekit.triton import launcher
 from ropekit.triton.kernel import (
+    _MAX_POSITION,
     _head_tile,
     _pass_columns,
     _rotation,
@@ -146,7 +147,7 @@ def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss,
         off = cb * c_sb + tl.where(ok, pos, 0) * c_ss
     else:
         slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
-        ok = mask_t & (slot >= 0) & (slot < cache_rows)
+        ok = valid & (slot >= 0) & (slot < cache_rows)  # valid: within mask_t, and a valid position
         slot = tl.where(ok, slot, 0)
         blk = slot // block_size
         off = blk * c_sb + (slot - blk * block_size) * c_ss
@@ -246,7 +247,16 @@ def prologue_kernel(
         k_row = b * ko_sb + s * ko_ss
         k_ok = mask_t
     else:
-        k_row, k_ok = _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
+        # Tokens whose rotation is NaN write no cache row: past a position-indexed table, or (multi-axis) invalid
+        # on a later axis, as well as invalid on the first.
+        row_valid = valid
+        if FREQ_MODE == 1 or FREQ_MODE == 2:
+            if not TABLE_BY_TOKEN:
+                row_valid = row_valid & (pos < table_rows)
+        for a in tl.static_range(1, NUM_AXES):
+            p = tl.load(pos_ptr + a * pos_sa + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
+            row_valid = row_valid & (p >= 0) & (p <= _MAX_POSITION)
+        k_row, k_ok = _cache_rows(t, b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
                                   block_size, c_sb, c_ss, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
     if hb < n_qb:
         _norm_rope_block(
@@ -424,8 +434,10 @@ def _roles(fn) -> launcher.KernelRoles:
 
 PROLOGUE = _roles(prologue_kernel)
 # The latest launch_prologue call's (grid, args, constexprs, num_warps, roles, device), for the eager fast path
-# (ropekit._fastpath), which records a plan from the launch the full path made.
+# (ropekit._fastpath), which records a plan from the launch the full path made: kept only while the fast path
+# sets RECORD_LAUNCH (it holds the call's tensors) and cleared by it after use.
 LAST_LAUNCH: list = []
+RECORD_LAUNCH = False
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
 # Backward programs per program the launcher wants on the device (launcher._num_programs_wanted, 4 per SM): each
@@ -468,6 +480,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = _latency_config(q, k, spec)
+    if q_weight is not None:  # the kernel indexes the weights densely
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
     if launch is None:
         return
@@ -513,8 +527,9 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
                  ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
     constexprs = tuple(const[n] for n in PROLOGUE.constexprs)
     launcher._launch(grid, prologue_args, constexprs, num_warps, q.device, PROLOGUE)
-    LAST_LAUNCH.append((grid, prologue_args, constexprs, num_warps, PROLOGUE, q.device))
-    del LAST_LAUNCH[:-1]
+    if RECORD_LAUNCH:
+        LAST_LAUNCH.append((grid, prologue_args, constexprs, num_warps, PROLOGUE, q.device))
+        del LAST_LAUNCH[:-1]
 
 
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
@@ -522,6 +537,7 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     """(dq, dk, dq_weight, dk_weight) of ``qk_norm_rope`` for the output gradients ``grad_q``/``grad_k`` (last
     dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
     dq, dk = torch.empty_like(q), torch.empty_like(k)
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
