@@ -24,7 +24,7 @@ from ropekit.triton import launcher as L
 triton = pytest.importorskip("triton")
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-          torch.int32: "i32"}
+          torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 # target -> (Triton's target, what torch.version.hip reads on such a machine, warp size)
@@ -34,10 +34,7 @@ TARGETS = {"sm90": (("cuda", 90, 32), None), "gfx942": (("hip", "gfx942", 64), "
 def _compile_for(target: str, q, k, config, **api_kwargs):
     """Compile the specialisation the launcher would launch for these (CPU) tensors on ``target``, as the GPU's
     JIT would: 16-byte aligned pointers and ints divisible by 16 marked so, FAST_TRIG as the launcher picks it."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    gpu_target, hip_version = TARGETS[target]
+    _, hip_version = TARGETS[target]
 
     conjugate = api_kwargs.pop("conjugate", False)
     angles_method = api_kwargs.pop("exact_angles", "float64")  # the integer-turn path of GPUs with slow float64
@@ -51,8 +48,18 @@ def _compile_for(target: str, q, k, config, **api_kwargs):
     finally:
         _config.exact_angles = previous
     consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=L.fast_trig("cuda", hip_version))
+    return _compile_kernel(target, K.rope_kernel, args, consts, num_warps)
+
+
+def _compile_kernel(target: str, fn, args, consts: dict, num_warps: int):
+    """Compile ``fn`` for ``target`` with these runtime arguments (CPU tensors stand for device pointers: 16-byte
+    aligned, as the GPU's JIT marks them; ints divisible by 16 marked so) and constexprs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    gpu_target, _ = TARGETS[target]
     signature, attrs, values = {}, {}, iter(args)
-    for index, name in enumerate(K.rope_kernel.arg_names):
+    for index, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
             continue
@@ -66,8 +73,45 @@ def _compile_for(target: str, q, k, config, **api_kwargs):
             signature[name] = "i32"
             if value % 16 == 0 and name != "pos_offset":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(K.rope_kernel, signature, consts, attrs)
+    source = ASTSource(fn, signature, consts, attrs)
     return triton.compile(source, target=GPUTarget(*gpu_target), options={"num_warps": num_warps})
+
+
+def _compile_prologue(target: str, case: str):
+    """Compile the attention prologue's forward (norm + RoPE + paged fp8 cache write, or bshd bf16) or its
+    backward for ``target``, with the launch its launcher builds for small CPU tensors."""
+    from ropekit._spec import validate_kv_write
+    from ropekit.triton import prologue as P
+
+    seen = {}
+
+    def capture(grid, args, constexprs, num_warps, device, roles=L.ROPE):
+        seen.update(fn=roles.fn, args=args, consts=dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
+
+    original, L._launch = L._launch, capture
+    try:
+        q, k, v = torch.randn(4, 8, 128, dtype=torch.bfloat16), *(torch.randn(4, 2, 128, dtype=torch.bfloat16)
+                                                                 for _ in range(2))
+        w = torch.rand(128, dtype=torch.bfloat16)
+        if case == "bwd":
+            q4, k4 = q.view(1, 4, 8, 128), k.view(1, 4, 2, 128)
+            P.launch_norm_rope_bwd(q4, q4, k4, k4, validate(q4, k4, positions=3), w, w, 0.0, 1e-6)
+        else:
+            fp8 = case == "paged-fp8"
+            dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            caches = [torch.zeros((4, 16, 2, 128) if fp8 else (4, 64, 2, 128), dtype=dtype) for _ in range(2)]
+            slots = torch.tensor([3, -1, 9, 60]) if fp8 else None
+            q4, k4, v4, pos4, layout, cache = validate_kv_write(
+                q, k, v, *caches, torch.tensor([1, 2, 3, 4]), slots, "paged" if fp8 else "bshd",
+                torch.tensor(0.5) if fp8 else None, 2.0 if fp8 else None, None, "bshd", None, False)
+            spec = validate(q4, k4, positions=pos4, layout=layout)
+            P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, q_weight=w, k_weight=w)
+    finally:
+        L._launch = original
+    consts = dict(seen["consts"], FAST_TRIG=L.fast_trig("cuda", TARGETS[target][1]))
+    if "ROUND_FP8" in consts:
+        consts["ROUND_FP8"] = False  # the GPU's own conversion (the software rounding is the interpreter's)
+    return _compile_kernel(target, seen["fn"], seen["args"], consts, seen["num_warps"])
 
 
 SPECIALISATIONS = [
@@ -91,15 +135,21 @@ SPECIALISATIONS = [
 ]
 
 
+PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd"]
+
+
 def _compile_case(target: str, case) -> str:
     """'ok', or why the case did not compile to a binary (cubin without local memory / hsaco) for ``target``."""
-    _, shape, hk, dtype, config, kwargs = case
-    q = torch.randn(*shape, dtype=dtype)
-    if kwargs.get("layout") == "thd":
-        q = q[0]
-    k = None if hk == 0 else torch.randn(*q.shape[:-2], hk, q.shape[-1], dtype=dtype)
     try:
-        compiled = _compile_for(target, q, k, config, **dict(kwargs))
+        if isinstance(case, str):
+            compiled = _compile_prologue(target, case)
+        else:
+            _, shape, hk, dtype, config, kwargs = case
+            q = torch.randn(*shape, dtype=dtype)
+            if kwargs.get("layout") == "thd":
+                q = q[0]
+            k = None if hk == 0 else torch.randn(*q.shape[:-2], hk, q.shape[-1], dtype=dtype)
+            compiled = _compile_for(target, q, k, config, **dict(kwargs))
     except Exception as exc:  # noqa: BLE001 - reported to the test in the parent process
         return f"{type(exc).__name__}: {str(exc)[:500]}"
     if target == "gfx942":
@@ -126,6 +176,12 @@ def test_kernel_compiles_for_each_target(case, target, compile_results):
     assert compile_results[f"{target}/{case[0]}"] == "ok"
 
 
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("case", PROLOGUE_CASES)
+def test_prologue_kernels_compile_for_each_target(case, target, compile_results):
+    assert compile_results[f"{target}/prologue-{case}"] == "ok"
+
+
 def test_hardware_sin_cos_only_on_nvidia():
     assert L.fast_trig("cuda", None)  # CUDA build of torch, NVIDIA GPU
     assert not L.fast_trig("cuda", "6.2")  # ROCm build: its GPUs are "cuda" devices too
@@ -133,5 +189,7 @@ def test_hardware_sin_cos_only_on_nvidia():
 
 
 if __name__ == "__main__":
-    print(json.dumps({f"{target}/{case[0]}": _compile_case(target, case) for target in TARGETS
-                      for case in SPECIALISATIONS}))
+    results = {f"{target}/{case[0]}": _compile_case(target, case) for target in TARGETS for case in SPECIALISATIONS}
+    results.update({f"{target}/prologue-{case}": _compile_case(target, case) for target in TARGETS
+                    for case in PROLOGUE_CASES})
+    print(json.dumps(results))
