@@ -137,3 +137,41 @@ def test_caches_that_share_memory_are_refused():
         with pytest.raises(ValueError, match="k_cache and v_cache"):  # same signature, overlapping caches
             ropekit.rope_kv_write(q, k, v, buf[:n].view(T, 8, HK, D), buf[4: n + 4].view(T, 8, HK, D), positions=0)
     assert not buf.any()
+
+
+def test_caches_overlapping_an_input_are_refused_on_every_route():
+    # A cache that holds q, k or v would change an input while the kernel reads it: refused by name before
+    # anything is written, on the full path and when a plan exists for the signature.
+    from ropekit import _fastpath
+    from ropekit.testing import kernels_on_cpu
+
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        buf = torch.randn(2 * 2 * 8 * 2 * 16 + 2 * 4 * 16)
+        k_cache = buf[: 2 * 8 * 2 * 16].view(2, 8, 2, 16)
+        v_cache = buf[2 * 8 * 2 * 16: 2 * 2 * 8 * 2 * 16].view(2, 8, 2, 16)
+        q = torch.randn(2, 4, 16)
+        k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+        for _ in range(3):  # a plan for inputs outside the caches
+            ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=torch.tensor([1, 2]))
+        assert len(_fastpath._KV_PLANS) == 1
+        inside = k_cache[1, 6:8].clone()  # same shape and strides as k: a view into the cache itself
+        inside_view = k_cache[1, 6:8]
+        assert inside_view.shape == k.shape and inside_view.stride() == k.stride()
+        before = (k_cache.clone(), v_cache.clone())
+        with pytest.raises(ValueError, match="k_cache and k share memory"):
+            ropekit.rope_kv_write(q, inside_view, v, k_cache, v_cache, positions=torch.tensor([1, 2]))
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+        assert torch.equal(inside_view, inside)
+
+
+def test_inference_caches_outside_inference_mode_are_refused():
+    q, k, v = (torch.randn(2, h, 16) for h in (4, 2, 2))
+    with torch.inference_mode():
+        caches = [torch.zeros(2, 8, 2, 16) for _ in range(2)]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="inference tensor"):
+        ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([0, 1]))
+    with torch.inference_mode():
+        for _ in range(3):  # and work inside it, plans included
+            ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([0, 1]))
+    assert caches[0].abs().sum() > 0

@@ -388,7 +388,9 @@ def _kv_signature(options: dict):
     aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
     scalars = tuple((n, type(v) if n == "positions" else v) for n, v in options.items()
                     if n not in _KV_TENSORS or not isinstance(v, Tensor))
-    return (tuple(parts), aliasing, scalars), tensors
+    # writing inference-tensor caches is refused outside inference mode by the full path: part of the key
+    inference = (*(c.is_inference() for c in tensors[3:5] if c is not None), torch.is_inference_mode_enabled())
+    return (tuple(parts), aliasing, scalars, inference), tensors
 
 
 def _kv_sighted(sig, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache) -> None:
@@ -414,7 +416,7 @@ class KvPlan:
     output) or kept as the plan's own constant (the cached default frequencies)."""
 
     __slots__ = ("grid", "args", "slots", "consts", "constexprs", "num_warps", "roles", "compiled", "device_index",
-                 "q_out", "out_shape", "pos_index", "max_offset", "caches", "kv_spans")
+                 "q_out", "out_shape", "pos_index", "max_offset", "caches", "kv_spans", "input_spans")
 
     @classmethod
     def record(cls, tensors: list, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
@@ -465,10 +467,23 @@ class KvPlan:
             if const["FREQ_MODE"] in (1, 2) and not const["TABLE_BY_TOKEN"]:  # a table indexed by position
                 plan.max_offset = min(plan.max_offset, args[roles.index["table_rows"]] - max(seqlen, 1))
         plan.caches = ("k_cache", "v_cache")
-        # the full path proved the caches disjoint at this relative offset (or as disjoint address ranges)
+        # the full path proved the caches disjoint at this relative offset (or as disjoint address ranges), and
+        # each cache disjoint from q, k and v
         kc, vc = options["k_cache"], options["v_cache"]
         plan.kv_spans = (span_bytes(kc), span_bytes(vc), vc.data_ptr() - kc.data_ptr())
+        plan.input_spans = tuple(span_bytes(options[n]) for n in ("q", "k", "v"))
         return plan
+
+    def _inputs_outside_caches(self, tensors: list) -> bool:
+        """q, k and v lie outside both caches' address ranges (else the full path decides exactly)."""
+        k_span, v_span, _ = self.kv_spans
+        caches = ((tensors[3].data_ptr(), k_span), (tensors[4].data_ptr(), v_span))
+        for x, span in zip(tensors[:3], self.input_spans):
+            xp = x.data_ptr()
+            for cp, c_span in caches:
+                if not (xp >= cp + c_span or cp >= xp + span):
+                    return False
+        return True
 
     def _caches_disjoint(self, kc: Tensor, vc: Tensor) -> bool:
         k_span, v_span, delta = self.kv_spans
@@ -482,7 +497,7 @@ class KvPlan:
             if not 0 <= offset <= self.max_offset:
                 return None
             args[self.pos_index] = offset
-        if not self._caches_disjoint(tensors[3], tensors[4]):
+        if not self._caches_disjoint(tensors[3], tensors[4]) or not self._inputs_outside_caches(tensors):
             return None  # the full path decides (and raises where they overlap)
         q = tensors[0]
         q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)

@@ -654,9 +654,18 @@ def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                              f"strides {c.stride()}")
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if not torch.compiler.is_compiling() and overlap(k_cache, v_cache):  # addresses are unknown while tracing
-        raise ValueError("k_cache and v_cache share memory: the rows written for k and for v would overwrite "
-                         "each other. Pass two caches (or non-overlapping views of one buffer)")
+    if not torch.compiler.is_compiling():  # addresses are unknown while tracing
+        if overlap(k_cache, v_cache):
+            raise ValueError("k_cache and v_cache share memory: the rows written for k and for v would overwrite "
+                             "each other. Pass two caches (or non-overlapping views of one buffer)")
+        for cache_name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.is_inference() and not torch.is_inference_mode_enabled():
+                raise RuntimeError(f"{cache_name} is an inference tensor: writing it outside torch.inference_mode() "
+                                   "is refused, as torch refuses in-place updates of inference tensors there")
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                if overlap(c, x):
+                    raise ValueError(f"{cache_name} and {name} share memory: the cache write would change the "
+                                     f"input while it is read. Pass {name} as a tensor outside the cache")
     expected = {"bshd": "[B, max_seq, Hkv, D]", "bhsd": "[B, Hkv, max_seq, D]",
                 "paged": "[num_blocks, block_size, Hkv, D]"}[cache_layout]
     kcv = k_cache if cache_layout != "bhsd" else k_cache.transpose(1, 2)
