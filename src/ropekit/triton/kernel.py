@@ -343,30 +343,86 @@ def _pass_columns(m, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: t
     return p, mp
 
 
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, in fp32 arithmetic, so
+    that the cast after it is exact: the interpreter's own fp32 -> fp8 cast does not round to nearest even
+    (compiled kernels' does, and skip this)."""
+    bits = x.to(tl.int32, bitcast=True)
+    # below 2**-6 the spacing is the subnormals' 2**-9; above 2**8 only NaN or inf remain (|x| <= 448)
+    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, -6), 8)
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    big = ulp * 12582912.0  # 1.5 * 2**23 ulps: adding and removing it rounds to a multiple of ulp
+    r = (tl.abs(x) + big) - big
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _to_store(y, o_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """``y`` (fp32) converted for a store into ``o_ptr``: saturated to +-448 first for a float8_e4m3fn target
+    (NaN stays NaN)."""
+    if FP8:
+        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
+        if ROUND_FP8:
+            y = _round_to_e4m3(y)
+    return y.to(o_ptr.dtype.element_ty)
+
+
 @triton.jit
 def _load_heads(
     x_ptr, base, m, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr, PAD_ZERO: tl.constexpr,
 ):
     """fp32 (x_lo, x_hi, x_pass) of a block of heads: the pairs' two elements, and the pass-through columns when
-    ``COPY_PASS`` (else ``x_lo`` again, unused)."""
+    ``COPY_PASS`` (else ``x_lo`` again, unused); zero in padded columns with ``PAD_ZERO`` (a norm sums them),
+    undefined there otherwise (nothing reads them)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    other = 0.0 if PAD_ZERO else None
+    if NEOX:
+        i = tl.arange(0, HALF_BLOCK)[None, None, :]
+        mi = _within(m, i, HALF, HALF_BLOCK)
+        x_lo = tl.load(x_ptr + base + ROT_START + i, mask=mi, other=other).to(tl.float32)
+        x_hi = tl.load(x_ptr + base + (ROT_START + HALF) + i, mask=mi, other=other).to(tl.float32)
+    else:
+        # Load the rotated span contiguously and de-interleave in registers (no stride-2 accesses).
+        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
+        x = tl.load(x_ptr + base + ROT_START + j, mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK),
+                    other=other).to(tl.float32)
+        x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
+    if COPY_PASS:
+        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        x_p = tl.load(x_ptr + base + p, mask=mp, other=other).to(tl.float32)
+    else:
+        x_p = x_lo
+    return x_lo, x_hi, x_p
+
+
+@triton.jit
+def _store_pairs(
+    o_ptr, base, m, y_lo, y_hi, y_p,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr, FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
+):
+    """Store a block of heads' rotated pairs (fp32 [BLOCK_T, BLOCK_H, HALF_BLOCK]) and, with ``COPY_PASS``, its
+    pass-through columns ``y_p``, converted by :func:`_to_store` (float8 targets saturate)."""
     HALF: tl.constexpr = ROT_DIM // 2
     if NEOX:
         i = tl.arange(0, HALF_BLOCK)[None, None, :]
         mi = _within(m, i, HALF, HALF_BLOCK)
-        x_lo = tl.load(x_ptr + base + ROT_START + i, mask=mi).to(tl.float32)
-        x_hi = tl.load(x_ptr + base + (ROT_START + HALF) + i, mask=mi).to(tl.float32)
+        tl.store(o_ptr + base + ROT_START + i, _to_store(y_lo, o_ptr, FP8, ROUND_FP8), mask=mi)
+        tl.store(o_ptr + base + (ROT_START + HALF) + i, _to_store(y_hi, o_ptr, FP8, ROUND_FP8), mask=mi)
     else:
-        # Load the rotated span contiguously and de-interleave in registers (no stride-2 accesses).
         j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
-        x = tl.load(x_ptr + base + ROT_START + j, mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK)).to(tl.float32)
-        x_lo, x_hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF_BLOCK, 2]))
+        y = tl.reshape(tl.join(y_lo, y_hi), [y_lo.shape[0], y_lo.shape[1], 2 * HALF_BLOCK])
+        tl.store(o_ptr + base + ROT_START + j, _to_store(y, o_ptr, FP8, ROUND_FP8),
+                 mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK))
     if COPY_PASS:
         p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        x_p = tl.load(x_ptr + base + p, mask=mp).to(tl.float32)
-    else:
-        x_p = x_lo
-    return x_lo, x_hi, x_p
+        tl.store(o_ptr + base + p, _to_store(y_p, o_ptr, FP8, ROUND_FP8), mask=mp)
 
 
 @triton.jit
@@ -377,21 +433,9 @@ def _store_heads(
 ):
     """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each, which carries the output
     scale already), store; the pass-through columns are multiplied by ``scale``."""
-    HALF: tl.constexpr = ROT_DIM // 2
     y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
-    if NEOX:
-        i = tl.arange(0, HALF_BLOCK)[None, None, :]
-        mi = _within(m, i, HALF, HALF_BLOCK)
-        tl.store(o_ptr + base + ROT_START + i, y_lo.to(o_ptr.dtype.element_ty), mask=mi)
-        tl.store(o_ptr + base + (ROT_START + HALF) + i, y_hi.to(o_ptr.dtype.element_ty), mask=mi)
-    else:
-        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
-        y = tl.reshape(tl.join(y_lo, y_hi), [y_lo.shape[0], y_lo.shape[1], 2 * HALF_BLOCK])
-        tl.store(o_ptr + base + ROT_START + j, y.to(o_ptr.dtype.element_ty),
-                 mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK))
-    if COPY_PASS:
-        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        tl.store(o_ptr + base + p, (x_p * scale).to(o_ptr.dtype.element_ty), mask=mp)
+    _store_pairs(o_ptr, base, m, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
+                 PASS_BLOCK, COPY_PASS, False, False)
 
 
 @triton.jit
@@ -413,7 +457,7 @@ def _rope_head_block(
     the data round trip."""
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
-                                  COPY_PASS)
+                                  COPY_PASS, False)
     pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                   n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     # The output scale goes into cos/sin with the rotary scale (one scalar product): per column, not per element.

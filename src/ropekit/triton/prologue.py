@@ -24,9 +24,12 @@ from ropekit.triton import launcher
 from ropekit.triton.kernel import (
     _MAX_POSITION,
     _head_tile,
+    _load_heads,
     _pass_columns,
     _rotation,
+    _store_pairs,
     _table_columns,
+    _to_store,
     _token_block,
     _token_positions,
     _turn,
@@ -38,71 +41,12 @@ CACHE_NONE = 0  # k goes to k_out like q (qk_norm_rope)
 CACHE_ROWS = 1  # k and v go to cache[batch, position] ("bshd", "bhsd")
 CACHE_PAGED = 2  # k and v go to cache[slot // block_size, slot % block_size] ("paged")
 
-FP8_E4M3_MAX = tl.constexpr(448.0)
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """``x`` (fp32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, in fp32 arithmetic, so
-    that the cast after it is exact: the interpreter's own fp32 -> fp8 cast does not round to nearest even
-    (compiled kernels' does, and skip this)."""
-    bits = x.to(tl.int32, bitcast=True)
-    # below 2**-6 the spacing is the subnormals' 2**-9; above 2**8 only NaN or inf remain (|x| <= 448)
-    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, -6), 8)
-    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    big = ulp * 12582912.0  # 1.5 * 2**23 ulps: adding and removing it rounds to a multiple of ulp
-    r = (tl.abs(x) + big) - big
-    return tl.where(x < 0, -r, r)
-
-
-@triton.jit
-def _to_store(y, o_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """``y`` (fp32) converted for a store into ``o_ptr``: saturated to +-448 first for a float8_e4m3fn target
-    (NaN stays NaN)."""
-    if FP8:
-        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
-        if ROUND_FP8:
-            y = _round_to_e4m3(y)
-    return y.to(o_ptr.dtype.element_ty)
-
-
 @triton.jit
 def _pair_columns(ROT_START: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr):
     """Head columns of the lo and hi element of each pair [1, 1, HALF_BLOCK]."""
     i = tl.arange(0, HALF_BLOCK)
     col_lo, col_hi = _table_columns(i, HALF, NEOX, True)
     return (ROT_START + col_lo)[None, None, :], (ROT_START + col_hi)[None, None, :]
-
-
-@triton.jit
-def _load_rows(x_ptr, base, m, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr,
-               NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr):
-    """fp32 (x_lo, x_hi, x_pass) of a block of head rows, zero in padded columns (the norm sums them)."""
-    HALF: tl.constexpr = ROT_DIM // 2
-    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
-    mi = _within(m, tl.arange(0, HALF_BLOCK)[None, None, :], HALF, HALF_BLOCK)
-    x_lo = tl.load(x_ptr + base + col_lo, mask=mi, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_ptr + base + col_hi, mask=mi, other=0.0).to(tl.float32)
-    if HAS_PASS:
-        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        x_p = tl.load(x_ptr + base + p, mask=mp, other=0.0).to(tl.float32)
-    else:
-        x_p = x_lo
-    return x_lo, x_hi, x_p
-
-
-@triton.jit
-def _store_rows(o_ptr, base, m, y_lo, y_hi, y_p, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
-                ROT_START: tl.constexpr, NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-                HAS_PASS: tl.constexpr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
-    HALF: tl.constexpr = ROT_DIM // 2
-    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
-    mi = _within(m, tl.arange(0, HALF_BLOCK)[None, None, :], HALF, HALF_BLOCK)
-    tl.store(o_ptr + base + col_lo, _to_store(y_lo, o_ptr, FP8, ROUND_FP8), mask=mi)
-    tl.store(o_ptr + base + col_hi, _to_store(y_hi, o_ptr, FP8, ROUND_FP8), mask=mi)
-    if HAS_PASS:
-        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        tl.store(o_ptr + base + p, _to_store(y_p, o_ptr, FP8, ROUND_FP8), mask=mp)
 
 
 @triton.jit
@@ -169,8 +113,8 @@ def _norm_rope_block(
     ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
-    x_lo, x_hi, x_p = _load_rows(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
-                                 HAS_PASS)
+    x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
     if NORM:
         r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
         w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK,
@@ -186,7 +130,7 @@ def _norm_rope_block(
     h = h0 + tl.arange(0, BLOCK_H)
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
-    _store_rows(o_ptr, o_base, om, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
+    _store_pairs(o_ptr, o_base, om, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
                 PASS_BLOCK, HAS_PASS, FP8, ROUND_FP8)
 
 
@@ -303,11 +247,11 @@ def _norm_rope_bwd_block(
     columns."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     g_base, m = _head_tile(b, s, mask_t, h0, H, g_sb, g_ss, g_sh, BLOCK_H)
-    g_lo, g_hi, g_p = _load_rows(g_ptr, g_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
-                                 HAS_PASS)
+    g_lo, g_hi, g_p = _load_heads(g_ptr, g_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
     x_base, _ = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
-    x_lo, x_hi, x_p = _load_rows(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
-                                 HAS_PASS)
+    x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
     c_lo, c_hi, s_a, s_b = _rotation(
         b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
@@ -325,7 +269,7 @@ def _norm_rope_bwd_block(
         dot += tl.sum(dh_p * xh_p, axis=2)
     mean = (dot / HEAD_DIM)[:, :, None]
     dx_base, _ = _head_tile(b, s, mask_t, h0, H, dx_sb, dx_ss, dx_sh, BLOCK_H)
-    _store_rows(dx_ptr, dx_base, m, r * (dh_lo - xh_lo * mean), r * (dh_hi - xh_hi * mean), r * (dh_p - xh_p * mean),
+    _store_pairs(dx_ptr, dx_base, m, r * (dh_lo - xh_lo * mean), r * (dh_hi - xh_hi * mean), r * (dh_p - xh_p * mean),
                 HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, False, False)
     # The weight's gradient: rows outside the block (NaN rotations of padded tokens included) contribute nothing.
     dw_lo = tl.sum(tl.sum(tl.where(m, n_lo * xh_lo, 0.0), axis=1), axis=0)
