@@ -416,7 +416,7 @@ class KvPlan:
     output) or kept as the plan's own constant (the cached default frequencies)."""
 
     __slots__ = ("grid", "args", "slots", "consts", "constexprs", "num_warps", "roles", "compiled", "device_index",
-                 "q_out", "out_shape", "pos_index", "max_offset", "caches", "kv_spans", "input_spans")
+                 "q_out", "out_shape", "pos_index", "max_offset", "kv_spans", "input_spans")
 
     @classmethod
     def record(cls, tensors: list, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
@@ -466,7 +466,6 @@ class KvPlan:
             const = dict(zip(roles.constexprs, constexprs))
             if const["FREQ_MODE"] in (1, 2) and not const["TABLE_BY_TOKEN"]:  # a table indexed by position
                 plan.max_offset = min(plan.max_offset, args[roles.index["table_rows"]] - max(seqlen, 1))
-        plan.caches = ("k_cache", "v_cache")
         # the full path proved the caches disjoint at this relative offset (or as disjoint address ranges), and
         # each cache disjoint from q, k and v
         kc, vc = options["k_cache"], options["v_cache"]
@@ -513,9 +512,10 @@ class KvPlan:
                     launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
             else:
                 launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
-        else:
-            self.roles.fn[self.grid](*args, **dict(zip(self.roles.constexprs, self.constexprs)),
-                                     num_warps=self.num_warps)
-        for name in self.caches:  # the kernel's writes, declared to autograd as the full path does
-            torch.autograd.graph.increment_version(options[name])
+        else:  # the interpreter: the launcher's own CPU path
+            from ropekit.triton import launcher
+
+            launcher._launch(self.grid, args, self.constexprs, self.num_warps, q.device, self.roles)
+        for cache in tensors[3:5]:  # the kernel's writes, declared to autograd as the full path does
+            torch.autograd.graph.increment_version(cache)
         return q_out.view(self.out_shape)

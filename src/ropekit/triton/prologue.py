@@ -78,7 +78,7 @@ def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexp
 
 
 @triton.jit
-def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, c_sb, c_ss,
+def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, c_sb, c_ss,
                 CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr):
     """(row offset [BLOCK_T] of each token's cache row, tokens that write): ``CACHE_ROWS`` at (batch, position)
     with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of ``cache_rows`` slots."""
@@ -101,7 +101,7 @@ def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss,
 @triton.jit
 def _norm_rope_block(
     x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, w_ptr, w_offset, eps, scale,
-    t, b, s, pos, valid, mask_t, h0, H,
+    b, s, pos, valid, mask_t, h0, H,
     pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
@@ -200,12 +200,12 @@ def prologue_kernel(
         for a in tl.static_range(1, NUM_AXES):
             p = tl.load(pos_ptr + a * pos_sa + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
             row_valid = row_valid & (p >= 0) & (p <= _MAX_POSITION)
-        k_row, k_ok = _cache_rows(t, b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
+        k_row, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
                                   block_size, c_sb, c_ss, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
     if hb < n_qb:
         _norm_rope_block(
             q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, q_scale,
-            t, b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
+            b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
             pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, False, ROUND_FP8, BLOCK_HQ,
@@ -216,7 +216,7 @@ def prologue_kernel(
             scale = scale / tl.load(ks_ptr).to(tl.float32)
         _norm_rope_block(
             k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
-            t, b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
+            b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
             pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
