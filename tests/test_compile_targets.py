@@ -79,7 +79,8 @@ def _compile_kernel(target: str, fn, args, consts: dict, num_warps: int):
 
 def _compile_prologue(target: str, case: str):
     """Compile the attention prologue's forward (norm + RoPE + paged fp8 cache write, or bshd bf16) or its
-    backward for ``target``, with the launch its launcher builds for small CPU tensors."""
+    backward for ``target``, with the launch its launcher builds for small CPU tensors; ``*-large``: qk_norm_rope's
+    forward and backward at the block shapes their launchers pick for large grids on a GPU."""
     from ropekit._spec import validate_kv_write
     from ropekit.triton import prologue as P
 
@@ -96,6 +97,16 @@ def _compile_prologue(target: str, case: str):
         if case == "bwd":
             q4, k4 = q.view(1, 4, 8, 128), k.view(1, 4, 2, 128)
             P.launch_norm_rope_bwd(q4, q4, k4, k4, validate(q4, k4, positions=3), w, w, 0.0, 1e-6)
+        elif case.endswith("-large"):
+            q4, k4 = torch.randn(1, 8, 32, 128, dtype=torch.bfloat16), torch.randn(1, 8, 8, 128, dtype=torch.bfloat16)
+            shape = (1 << 14, 32, 8, 128, 2, 4 * 132)
+            if case == "bwd-large":
+                config = L.block_config(*shape, head_tile_elems=P.NORM_HEAD_TILE_ELEMS)
+                P.launch_norm_rope_bwd(q4, q4, k4, k4, validate(q4, k4), w, w, 0.0, 1e-6, config=config)
+            else:
+                config = L.block_config(*shape, P.NORM_FWD_TILE_BYTES, head_tile_elems=P.NORM_HEAD_TILE_ELEMS)
+                P.launch_prologue(q4, k4, torch.empty_like(q4), torch.empty_like(k4), validate(q4, k4),
+                                  q_weight=w, k_weight=w, config=config)
         else:
             fp8 = case == "paged-fp8"
             dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -135,7 +146,7 @@ SPECIALISATIONS = [
 ]
 
 
-PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd"]
+PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd", "norm-fwd-large", "bwd-large"]
 
 
 def _compile_case(target: str, case) -> str:

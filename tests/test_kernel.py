@@ -236,6 +236,23 @@ def test_block_config_shapes():
     assert block_config(64, 64, 8, 128, 2, sms4) == (1, 8, 8, 4)  # 576 programs: still latency-bound
     bt, bq, bk, warps = block_config(16384, 16, 16, 64, 2, sms4)
     assert (bt, bq, bk) == (1, 16, 16) and warps == 1
+    # cos/sin tables: 16 B per thread and at least 8 heads per program (head_dim 256: 8, not 4)
+    assert block_config(32768, 32, 8, 128, 2, sms4, table=True) == (1, 8, 8, 4)
+    assert block_config(32768, 16, 8, 256, 2, sms4, table=True) == (1, 8, 8, 8)
+    assert block_config(32768, 16, 16, 64, 2, sms4, table=True) == (1, 16, 16, 4)
+    assert block_config(64, 16, 8, 256, 2, sms4, table=True) == (1, 4, 4, 4)  # decode keeps its shape
+
+
+def test_norm_kernels_take_larger_programs_on_large_grids():
+    """qk_norm_rope's forward and backward on a CUDA device: 2 tokens x 16 heads x 4 warps and 1 x 16 x 2 warps at
+    Qwen3-8B 4x4096 (prologue.NORM_FWD_TILE_BYTES, NORM_HEAD_TILE_ELEMS); decode grids keep the latency shape."""
+    from ropekit.triton import launcher, prologue
+
+    sms4 = 4 * 132
+    big = (16384, 32, 8, 128, 2, sms4)
+    assert launcher.block_config(*big, prologue.NORM_FWD_TILE_BYTES,
+                                 head_tile_elems=prologue.NORM_HEAD_TILE_ELEMS) == (2, 16, 8, 4)
+    assert launcher.block_config(*big, head_tile_elems=prologue.NORM_HEAD_TILE_ELEMS) == (1, 16, 8, 2)
 
 
 def _spec_for(q):

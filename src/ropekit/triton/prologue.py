@@ -232,7 +232,7 @@ def prologue_kernel(
 
 @triton.jit
 def _norm_rope_bwd_block(
-    g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps, scale,
+    g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_lo, w_hi, w_p, eps, scale,
     b, s, pos, valid, mask_t, h0, H,
     pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
@@ -241,10 +241,11 @@ def _norm_rope_bwd_block(
     AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr,
     PASS_BLOCK: tl.constexpr,
 ):
-    """Gradients of one block of head rows of ``y = rotate(x * r * (w + w_offset)) * scale``: the rotation's
+    """Gradients of one block of head rows of ``y = rotate(x * r * w) * scale`` (``w``: the weights plus their
+    offset at the lo, hi and pass-through columns, loaded once by the caller): the rotation's
     transpose first (the same rotation, conjugated), then the norm's backward. ``dx`` goes to ``dx_ptr``; returns
-    the block's sums of ``g * x * r`` over its rows (the weight's gradient terms) at the lo, hi and pass-through
-    columns."""
+    the block's weight-gradient terms ``g * x * r`` at the lo, hi and pass-through columns, per row (the caller
+    sums them once, after its loop: a sum over heads here would cross warps on every token block)."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     g_base, m = _head_tile(b, s, mask_t, h0, H, g_sb, g_ss, g_sh, BLOCK_H)
     g_lo, g_hi, g_p = _load_heads(g_ptr, g_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
@@ -260,8 +261,6 @@ def _norm_rope_bwd_block(
     n_lo, n_hi = _turn(g_lo, g_hi, c_lo, c_hi, s_a, s_b)
     n_p = g_p * scale
     r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
-    w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
-                                    HAS_PASS)
     xh_lo, xh_hi, xh_p = x_lo * r, x_hi * r, x_p * r
     dh_lo, dh_hi, dh_p = n_lo * w_lo, n_hi * w_hi, n_p * w_p
     dot = tl.sum(dh_lo * xh_lo, axis=2) + tl.sum(dh_hi * xh_hi, axis=2)
@@ -272,12 +271,11 @@ def _norm_rope_bwd_block(
     _store_pairs(dx_ptr, dx_base, m, r * (dh_lo - xh_lo * mean), r * (dh_hi - xh_hi * mean), r * (dh_p - xh_p * mean),
                 HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, False, False)
     # The weight's gradient: rows outside the block (NaN rotations of padded tokens included) contribute nothing.
-    dw_lo = tl.sum(tl.sum(tl.where(m, n_lo * xh_lo, 0.0), axis=1), axis=0)
-    dw_hi = tl.sum(tl.sum(tl.where(m, n_hi * xh_hi, 0.0), axis=1), axis=0)
+    dw_lo = tl.where(m, n_lo * xh_lo, 0.0)
+    dw_hi = tl.where(m, n_hi * xh_hi, 0.0)
+    dw_p = dw_lo  # no pass-through columns: unused
     if HAS_PASS:
-        dw_p = tl.sum(tl.sum(tl.where(m, n_p * xh_p, 0.0), axis=1), axis=0)
-    else:
-        dw_p = tl.zeros([PASS_BLOCK], tl.float32)
+        dw_p = tl.where(m, n_p * xh_p, 0.0)
     return dw_lo, dw_hi, dw_p
 
 
@@ -299,30 +297,35 @@ def _norm_rope_bwd_heads(
     few hundred, not one per token block, and their sum is deterministic."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     HALF: tl.constexpr = ROT_DIM // 2
-    acc_lo = tl.zeros([HALF_BLOCK], tl.float32)
-    acc_hi = tl.zeros([HALF_BLOCK], tl.float32)
-    acc_p = tl.zeros([PASS_BLOCK], tl.float32)
+    # per-row accumulators, in the tiles' own layout: summed over tokens and heads once, after the loop
+    acc_lo = tl.zeros([BLOCK_T, BLOCK_H, HALF_BLOCK], tl.float32)
+    acc_hi = tl.zeros([BLOCK_T, BLOCK_H, HALF_BLOCK], tl.float32)
+    acc_p = tl.zeros([BLOCK_T, BLOCK_H, PASS_BLOCK], tl.float32)
+    w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
+                                    HAS_PASS)
     for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
         t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
         pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                       n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
         d_lo, d_hi, d_p = _norm_rope_bwd_block(
-            g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps,
+            g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_lo, w_hi, w_p, eps,
             scale, b, s, pos, valid & mask_t, mask_t, h0, H,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
             AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_H, HALF_BLOCK, PASS_BLOCK)
         acc_lo += d_lo
         acc_hi += d_hi
-        acc_p += d_p
+        if HAS_PASS:
+            acc_p += d_p
     col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
     i = tl.arange(0, HALF_BLOCK)
     row = dw_ptr + dw_row * HEAD_DIM
-    tl.store(row + tl.reshape(col_lo, [HALF_BLOCK]), acc_lo, mask=i < HALF)
-    tl.store(row + tl.reshape(col_hi, [HALF_BLOCK]), acc_hi, mask=i < HALF)
+    tl.store(row + tl.reshape(col_lo, [HALF_BLOCK]), tl.sum(tl.sum(acc_lo, axis=1), axis=0), mask=i < HALF)
+    tl.store(row + tl.reshape(col_hi, [HALF_BLOCK]), tl.sum(tl.sum(acc_hi, axis=1), axis=0), mask=i < HALF)
     if HAS_PASS:
         p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        tl.store(row + tl.reshape(p, [PASS_BLOCK]), acc_p, mask=tl.reshape(mp, [PASS_BLOCK]))
+        tl.store(row + tl.reshape(p, [PASS_BLOCK]), tl.sum(tl.sum(acc_p, axis=1), axis=0),
+                 mask=tl.reshape(mp, [PASS_BLOCK]))
 
 
 @triton.jit(do_not_specialize=["pos_offset"])
@@ -414,6 +417,23 @@ def _latency_config(q, k, spec: RopeSpec):
 
 LATENCY_HEADS = 4
 LATENCY_WARPS = 4
+# qk_norm_rope's kernels on large grids: larger programs than rope_kernel's, 16 heads of D 128 per token -- the
+# norm's reductions over each row leave the default 2 KB programs short of loads in flight. prologue_probe.py
+# --sweep on the H100, Qwen3-8B 4x4096 / 8x4096: the forward at (2 tokens, 16 heads, 4 warps) 117 / 228 us against
+# 128 / 249 us by default (a copy of its bytes: 116 / 226 us); the backward at (1, 16, 2 warps) 220 / 390 us against
+# 229 / 399 us.
+NORM_FWD_TILE_BYTES = 8192
+NORM_HEAD_TILE_ELEMS = 2048
+
+
+def _norm_config(q, k, spec: RopeSpec, tile_bytes: int):
+    """The block shape of a norm kernel's launch on a CUDA device (None elsewhere: the launcher's choice)."""
+    if not q.is_cuda:
+        return None
+    B, S, HQ, D = to_canonical(q, spec.layout).shape
+    HK = to_canonical(k, spec.layout).shape[2]
+    return launcher.block_config(B * S, HQ, HK, D, q.element_size(), launcher._num_programs_wanted(q.device),
+                                 tile_bytes, head_tile_elems=NORM_HEAD_TILE_ELEMS)
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
@@ -424,6 +444,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = _latency_config(q, k, spec)
+        if config is None and q_weight is not None and cache is None:
+            config = _norm_config(q, k, spec, NORM_FWD_TILE_BYTES)
     if q_weight is not None:  # the kernel indexes the weights densely
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
@@ -482,6 +504,8 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
+    if config is None:
+        config = _norm_config(q, k, spec, launcher.TILE_BYTES)
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
