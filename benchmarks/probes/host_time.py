@@ -21,6 +21,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # --help exits here
 
+import inspect
 import statistics
 import timeit
 
@@ -28,7 +29,7 @@ import torch
 
 import ropekit
 from ropekit import _fastpath
-from ropekit._spec import FORWARD
+from ropekit._spec import FORWARD, validate
 from ropekit.triton.bound import _current_raw_stream, _launch_hooks_idle
 
 
@@ -53,15 +54,15 @@ def main(args: argparse.Namespace) -> None:
     ropekit.apply_rope(q, k, positions=pos)
     ropekit.apply_rope(q, k, cos=cos, sin=sin)
     ropekit.apply_rope(q, k, positions=4095)  # the second call of a signature records its plan
-    options = dict(positions=4095, inv_freq=None, base=10000.0, cos=None, sin=None, angles=None, style="neox",
-                   layout="bshd", rotary_dim=None, rotary_at="front", q_scale=1.0, k_scale=1.0, rotary_scale=1.0,
-                   cu_seqlens=None, check_positions=False, out_dtype=None, backend="auto")
+    # the public call's options in the signature's order, defaults but for the position
+    defaults = inspect.signature(validate).parameters
+    options = {name: 4095 if name == "positions" else defaults[name].default for name in _fastpath._OPTIONS}
     key, ptrs = _fastpath.signature(q, k, FORWARD, options)
     plan = _fastpath._PLANS[key]
     launch = plan.launch
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     qp, kp, qop, kop = q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr()
-    fp = plan.const_freq_handle
+    tables = tuple(ptrs[i] if i >= 0 else plan.const_handles[~i] for i in plan.slots)  # as Plan.__call__ does
 
     ql, kl = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
@@ -103,7 +104,7 @@ def main(args: argparse.Namespace) -> None:
         ("  part: plan lookup", lambda: _fastpath._PLANS.get(key)),
         ("  part: torch.empty(shape, dtype, device)",
          lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)),
-        ("  part: bound launch (Triton's launcher)", lambda: launch(qp, qop, kp, kop, qp, qp, qp, fp, qp, qp, 4095)),
+        ("  part: bound launch (Triton's launcher)", lambda: launch(qp, qop, kp, kop, *tables, 4095)),
         ("  part: current raw stream", lambda: _current_raw_stream(0)),
         ("  part: Triton launch-hook check", _launch_hooks_idle),
         ("  part: torch.compiler.is_compiling()", torch.compiler.is_compiling),

@@ -25,9 +25,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill", default="2048,8192,32768", help="comma-separated prefill token counts")
     parser.add_argument("--train", default="4096,16384,32768", help="qk_norm_rope fwd+bwd token counts")
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile baseline (faster)")
+    parser.add_argument("--sweep-batch", type=int, default=4,
+                        help="with --sweep: sequences of 4096 tokens in the qk_norm_rope forward/backward sweep")
     parser.add_argument("--sweep", action="store_true",
                         help="instead: each kernel's device time (profiler), the host time per eager call, and a "
-                             "block-shape sweep of the raw launchers (decode 1/64 tokens, 4x4096 fwd and bwd)")
+                             "block-shape sweep of the raw launchers (decode 1/64 tokens, qk_norm_rope fwd and bwd)")
     return parser.parse_args(argv)
 
 
@@ -201,7 +203,7 @@ def _host_us(fn, calls: int = 200) -> float:
     return best
 
 
-def sweep() -> None:
+def sweep(batch: int) -> None:
     """Device time per kernel, host time per call, and block shapes of the raw launchers."""
     from ropekit._spec import validate, validate_kv_write
     from ropekit.triton.prologue import launch_norm_rope_bwd, launch_prologue
@@ -232,12 +234,22 @@ def sweep() -> None:
             print(f"{name} rope_kv_write T={T}: kernels {kernel_us(public)}  host us/call: public "
                   f"{_host_us(public):.1f}, validation {_host_us(checks):.1f}, raw launch {_host_us(raw[None]):.1f}",
                   flush=True)
-            timed = graph_us_interleaved(raw) if T <= 256 else _cold_us(raw)
-            best = sorted(timed.items(), key=lambda kv: kv[1])[:4]
-            print(f"  default {timed[None]:.2f} us; fastest {[(c, round(t, 2)) for c, t in best]}", flush=True)
+            # the same launch with angles from a cos/sin table (no in-kernel angle math), and the bytes' copy
+            inv = default_inv_freq(m["base"], D, torch.device("cuda"))
+            angles = torch.outer(torch.arange(k_cache.shape[1], device="cuda", dtype=torch.float64), inv.double())
+            spec_table = validate(q4, k4, positions=pos4, layout=layout, cos=angles.cos().float(),
+                                  sin=angles.sin().float())
+            reference = {"table": lambda: launch_prologue(q4, k4, q_out, None, spec_table, v=v4, cache=cache,
+                                                          **norm)}
+            if T == B:
+                reference["copy-kv"] = lambda: copy_rows(q, k, v, q_out.view(q.shape), k_cache, v_cache, pos, S)
+            timed = graph_us_interleaved({**raw, **reference}) if T <= 256 else _cold_us({**raw, **reference})
+            best = sorted(((c, t) for c, t in timed.items() if c not in reference), key=lambda kv: kv[1])[:4]
+            print(f"  default {timed[None]:.2f} us, " + ", ".join(f"{n} {timed[n]:.2f} us" for n in reference)
+                  + f"; fastest {[(c, round(t, 2)) for c, t in best]}", flush=True)
     m = MODELS["qwen3-8b"]
-    q = torch.randn(4, 4096, m["hq"], D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(4, 4096, m["hk"], D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, 4096, m["hq"], D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, 4096, m["hk"], D, device="cuda", dtype=torch.bfloat16)
     qw = torch.rand(D, device="cuda", dtype=torch.bfloat16)
     kw = torch.rand(D, device="cuda", dtype=torch.bfloat16)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
@@ -264,8 +276,9 @@ def sweep() -> None:
         prologue.BWD_PROGRAMS_PER_SM = per_sm
         by_programs[per_sm] = _cold_us({"bwd": bwd[None]})["bwd"]
     prologue.BWD_PROGRAMS_PER_SM = default_programs
-    print(f"  bwd 4x4096 by BWD_PROGRAMS_PER_SM: { {k: round(v, 1) for k, v in by_programs.items()} }", flush=True)
-    for label, fns in (("qk_norm_rope fwd 4x4096", fwd), ("qk_norm_rope bwd 4x4096", bwd)):
+    print(f"  bwd {batch}x4096 by BWD_PROGRAMS_PER_SM: { {k: round(v, 1) for k, v in by_programs.items()} }",
+          flush=True)
+    for label, fns in ((f"qk_norm_rope fwd {batch}x4096", fwd), (f"qk_norm_rope bwd {batch}x4096", bwd)):
         print(f"{label}: kernels {kernel_us(fns[None])}  host {_host_us(fns[None], 50):.1f} us/call", flush=True)
         timed = _cold_us({"copy": lambda: dst.copy_(src), **fns})
         best = sorted(((c, t) for c, t in timed.items() if c != "copy"), key=lambda kv: kv[1])[:4]
@@ -276,7 +289,7 @@ def sweep() -> None:
 def main(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.sweep:
-        sweep()
+        sweep(ARGS.sweep_batch)
         return
     print("times: median (decode: per call in CUDA-graph replay; else best of 3 cold-L2 medians); ratio vs copy")
     for name, m in MODELS.items():

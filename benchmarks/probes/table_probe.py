@@ -1,0 +1,89 @@
+"""Where the cos/sin-table path loses against exact angles on a CUDA GPU: the transformers drop-in
+(``apply_rotary_pos_emb`` on transformers' [B, H, S, D] views with full-width bf16 tables [1, S, D]) against the
+native call with exact angles and with half-width fp32 tables, each against a copy of q and k, cold L2; then the
+drop-in's launch at other block shapes (raw launcher), to tell the block shape from the table reads.
+
+    python benchmarks/probes/table_probe.py [--shapes 8x4096] [--models llama3-8b,hd256]
+"""
+
+# ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
+from __future__ import annotations
+
+import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="8x4096", help="comma-separated BxS shapes")
+    parser.add_argument("--models", default="llama3-8b,hd256", help="comma-separated: llama3-8b, hd256, mha16-d64")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help exits here
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import ropekit
+from ropekit._spec import validate
+from ropekit.integrations.transformers import apply_rotary_pos_emb
+from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
+
+MODELS = {"llama3-8b": (32, 8, 128), "hd256": (16, 8, 256), "mha16-d64": (16, 16, 64)}
+
+
+def _us(fn) -> float:
+    return min(do_bench(fn, warmup=10, rep=100, return_mode="median") for _ in range(2)) * 1e3
+
+
+def main(args: argparse.Namespace) -> None:
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    for model in args.models.split(","):
+        HQ, HK, D = MODELS[model]
+        for shape in args.shapes.split(","):
+            B, S = (int(x) for x in shape.split("x"))
+            q = torch.randn(B, S, HQ, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16)
+            src = torch.empty(2 * (q.numel() + k.numel()), dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            t_copy = _us(lambda: dst.copy_(src))
+            inv = 10000.0 ** (-torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D)
+            ang = torch.outer(torch.arange(S, device="cuda", dtype=torch.float64), inv)
+            cos_half, sin_half = ang.cos().float(), ang.sin().float()
+            cos_hf = torch.cat([ang, ang], -1).cos().to(torch.bfloat16)[None]  # transformers: [1, S, D], bf16
+            sin_hf = torch.cat([ang, ang], -1).sin().to(torch.bfloat16)[None]
+            qv, kv = q.transpose(1, 2), k.transpose(1, 2)  # transformers' [B, H, S, D] views
+            rows = {
+                "exact angles": lambda: ropekit.apply_rope(q, k, base=10000.0),
+                "fp32 half table": lambda: ropekit.apply_rope(q, k, cos=cos_half, sin=sin_half),
+                "bf16 half table": lambda: ropekit.apply_rope(q, k, cos=cos_half.bfloat16(), sin=sin_half.bfloat16()),
+                "drop-in bf16 full": lambda: apply_rotary_pos_emb(qv, kv, cos_hf, sin_hf),
+                "drop-in fp32 full": lambda: apply_rotary_pos_emb(qv, kv, cos_hf.float(), sin_hf.float()),
+            }
+            print(f"{model} {shape}: copy of q and k {t_copy:.1f} us")
+            for name, fn in rows.items():
+                t = _us(fn)
+                print(f"  {name:<22} {t:>8.1f} us {t / t_copy:>7.3f}x")
+            spec = validate(qv, kv, cos=cos_hf, sin=sin_hf, style="neox", layout="bhsd", rotary_dim=D)
+            qo, ko = torch.empty_like(qv), torch.empty_like(kv)
+            default = block_config(B * S, HQ, HK, D, 2, _num_programs_wanted(q.device))
+            timed = {}
+            for bt in (1, 2, 4, 8):
+                for bh in (2, 4, 8, 16):
+                    for nw in (2, 4, 8):
+                        if bh > HQ or bt * bh * D * 2 > 32768:
+                            continue
+                        cfg = (bt, bh, min(bh, HK), nw)
+                        timed[cfg] = _us(lambda c=cfg: launch_rope(qv, kv, qo, ko, spec, config=c))
+            t_default = _us(lambda: launch_rope(qv, kv, qo, ko, spec))
+            ranked = sorted(timed.items(), key=lambda kv_: kv_[1])
+            print(f"  drop-in launch, default {default} {t_default:.1f} us {t_default / t_copy:.3f}x; by shape "
+                  "(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps):")
+            for i in range(0, len(ranked), 6):
+                print("    " + "  ".join(f"{c} {t / t_copy:.3f}x" for c, t in ranked[i:i + 6]))
+
+
+if __name__ == "__main__":
+    main(ARGS)
