@@ -236,11 +236,11 @@ def test_block_config_shapes():
     assert block_config(64, 64, 8, 128, 2, sms4) == (1, 8, 8, 4)  # 576 programs: still latency-bound
     bt, bq, bk, warps = block_config(16384, 16, 16, 64, 2, sms4)
     assert (bt, bq, bk) == (1, 16, 16) and warps == 1
-    # cos/sin tables: 16 B per thread and at least 8 heads per program (head_dim 256: 8, not 4)
-    assert block_config(32768, 32, 8, 128, 2, sms4, table=True) == (1, 8, 8, 4)
-    assert block_config(32768, 16, 8, 256, 2, sms4, table=True) == (1, 8, 8, 8)
-    assert block_config(32768, 16, 16, 64, 2, sms4, table=True) == (1, 16, 16, 4)
-    assert block_config(64, 16, 8, 256, 2, sms4, table=True) == (1, 4, 4, 4)  # decode keeps its shape
+    # full-width cos/sin tables: 16 B per thread and at least 8 heads per program (head_dim 256: 8, not 4)
+    assert block_config(32768, 32, 8, 128, 2, sms4, full_table=True) == (1, 8, 8, 4)
+    assert block_config(32768, 16, 8, 256, 2, sms4, full_table=True) == (1, 8, 8, 8)
+    assert block_config(32768, 16, 16, 64, 2, sms4, full_table=True) == (1, 16, 16, 4)
+    assert block_config(64, 16, 8, 256, 2, sms4, full_table=True) == (1, 4, 4, 4)  # decode keeps its shape
 
 
 def test_norm_kernels_take_larger_programs_on_large_grids():

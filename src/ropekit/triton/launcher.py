@@ -38,10 +38,12 @@ STREAM_MIN_PROGRAMS_FACTOR = 8
 # with one 16-byte vector per thread (decode_probe.py --sweep).
 LATENCY_BYTES_PER_THREAD = 16
 LATENCY_BOUND_FACTOR = 2
-# Angles from cos/sin tables: every thread also gathers its columns' table entries, and one warp per 2 KB program
-# leaves too few loads in flight -- at head_dim 256 (4 heads per program) the transformers drop-in ran at 1.31x
-# copy on the H100. One 16-byte vector per thread and at least 8 heads per program: 1.04x there, and the fastest
-# or within 0.3% of it at head_dim 64 and 128 (table_probe.py, 2x4096 and 8x4096).
+# Angles from full-width cos/sin tables (transformers' layout, a value per column): every thread also gathers its
+# columns' cos and sin at both halves, and one warp per 2 KB program leaves too few loads in flight -- at head_dim
+# 256 (4 heads per program) the transformers drop-in ran at 1.31x copy on the H100. One 16-byte vector per thread
+# and at least 8 heads per program: 1.05x there, and the fastest or within 0.3% of it at head_dim 64 and 128
+# (table_probe.py, 2x4096 and 8x4096). Half-width tables keep the default shape: the rule made MLA's partial
+# rotary (64 of 192 columns, fp32 [S, 32] tables) 1.00-1.02x -> 1.03-1.06x (ropekit bench, ae76efe).
 TABLE_BYTES_PER_THREAD = 16
 TABLE_MIN_HEADS = 8
 INTERPRETER_TILE_BYTES = 65536
@@ -119,7 +121,7 @@ def _num_programs_wanted(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
-                 tile_bytes: int = TILE_BYTES, stream: bool = False, table: bool = False,
+                 tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
                  head_tile_elems: int = HEAD_TILE_ELEMS) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
 
@@ -127,7 +129,8 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
     under ``LATENCY_BOUND_FACTOR * min_programs`` (decode) gives each thread ``LATENCY_BYTES_PER_THREAD``; a large
     one ``BYTES_PER_THREAD``, or ``STREAM_BYTES_PER_THREAD`` where ``stream`` (the call qualifies, see there), or
-    with ``table`` (angles from cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS`` heads or more."""
+    with ``full_table`` (angles from full-width cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS``
+    heads or more."""
     d_pad = _next_pow2(head_dim)
     heads_cap = max(1, head_tile_elems // d_pad)
     block_hq = min(_next_pow2(hq), heads_cap)
@@ -143,7 +146,7 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     n_programs = programs(block_t)
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
         per_thread = LATENCY_BYTES_PER_THREAD
-    elif table:
+    elif full_table:
         if heads_cap < TABLE_MIN_HEADS:
             return block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
                                 TABLE_MIN_HEADS * d_pad)
@@ -234,7 +237,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
               and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
-        freq_mode == "table")
+        freq_mode == "table" and table_full)
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = _cdiv(num_tokens, block_t)
