@@ -101,10 +101,10 @@ def _compile_prologue(target: str, case: str):
             q4, k4 = torch.randn(1, 8, 32, 128, dtype=torch.bfloat16), torch.randn(1, 8, 8, 128, dtype=torch.bfloat16)
             shape = (1 << 14, 32, 8, 128, 2, 4 * 132)
             if case == "bwd-large":
-                config = L.block_config(*shape, head_tile_elems=P.NORM_HEAD_TILE_ELEMS)
+                config = P.norm_block_config(*shape, "backward")
                 P.launch_norm_rope_bwd(q4, q4, k4, k4, validate(q4, k4), w, w, 0.0, 1e-6, config=config)
             else:
-                config = L.block_config(*shape, P.NORM_FWD_TILE_BYTES, head_tile_elems=P.NORM_HEAD_TILE_ELEMS)
+                config = P.norm_block_config(*shape, "forward")
                 P.launch_prologue(q4, k4, torch.empty_like(q4), torch.empty_like(k4), validate(q4, k4),
                                   q_weight=w, k_weight=w, config=config)
         else:

@@ -243,16 +243,18 @@ def test_block_config_shapes():
     assert block_config(64, 16, 8, 256, 2, sms4, full_table=True) == (1, 4, 4, 4)  # decode keeps its shape
 
 
-def test_norm_kernels_take_larger_programs_on_large_grids():
-    """qk_norm_rope's forward and backward on a CUDA device: 2 tokens x 16 heads x 4 warps and 1 x 16 x 2 warps at
-    Qwen3-8B 4x4096 (prologue.NORM_FWD_TILE_BYTES, NORM_HEAD_TILE_ELEMS); decode grids keep the latency shape."""
+def test_norm_kernels_block_shapes_on_large_grids():
+    """Norm launches on a CUDA device never take the streaming shape: qk_norm_rope's forward with range positions
+    2 tokens x 16 heads x 4 warps, its backward 16 heads x 2 warps, cache writes and gathered positions the plain
+    default (prologue.norm_block_config); decode grids keep the latency shape."""
     from ropekit.triton import launcher, prologue
 
-    sms4 = 4 * 132
-    big = (16384, 32, 8, 128, 2, sms4)
-    assert launcher.block_config(*big, prologue.NORM_FWD_TILE_BYTES,
-                                 head_tile_elems=prologue.NORM_HEAD_TILE_ELEMS) == (2, 16, 8, 4)
-    assert launcher.block_config(*big, head_tile_elems=prologue.NORM_HEAD_TILE_ELEMS) == (1, 16, 8, 2)
+    big = (16384, 32, 8, 128, 2, 4 * 132)
+    assert prologue.norm_block_config(*big, "forward") == (2, 16, 8, 4)
+    assert prologue.norm_block_config(*big, "backward") == (1, 16, 8, 2)
+    assert prologue.norm_block_config(*big, "default") == (1, 8, 8, 1)
+    assert launcher.block_config(*big, stream=True) == (1, 8, 8, 4)  # what a range-position launch would stream
+    assert prologue.norm_block_config(64, 32, 8, 128, 2, 4 * 132, "default") == (1, 8, 8, 4)  # latency-bound
 
 
 def _spec_for(q):

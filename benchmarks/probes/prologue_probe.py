@@ -27,6 +27,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile baseline (faster)")
     parser.add_argument("--sweep-batch", type=int, default=4,
                         help="with --sweep: sequences of 4096 tokens in the qk_norm_rope forward/backward sweep")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="instead: rope_kv_write prefill of 8192 tokens at several block shapes, bf16 and fp8 "
+                             "caches, positions as an int offset and as a per-token tensor (the launcher's shape "
+                             "differs between the two)")
+    parser.add_argument("--norm-sweep", action="store_true",
+                        help="instead: only qk_norm_rope's forward and backward block shapes (--sweep-batch x4096), "
+                             "positions as a range and per token")
     parser.add_argument("--sweep", action="store_true",
                         help="instead: each kernel's device time (profiler), the host time per eager call, and a "
                              "block-shape sweep of the raw launchers (decode 1/64 tokens, qk_norm_rope fwd and bwd)")
@@ -206,7 +213,7 @@ def _host_us(fn, calls: int = 200) -> float:
 def sweep(batch: int) -> None:
     """Device time per kernel, host time per call, and block shapes of the raw launchers."""
     from ropekit._spec import validate, validate_kv_write
-    from ropekit.triton.prologue import launch_norm_rope_bwd, launch_prologue
+    from ropekit.triton.prologue import launch_prologue
 
     decode_shapes = [(1, bh, min(bh, 8), nw) for bh in (2, 4, 8) for nw in (1, 2, 4)]
     shapes = [(bt, bh, min(bh, 8), nw) for bt in (1, 2, 4) for bh in (8, 16) for nw in (2, 4, 8)]
@@ -247,13 +254,25 @@ def sweep(batch: int) -> None:
             best = sorted(((c, t) for c, t in timed.items() if c not in reference), key=lambda kv: kv[1])[:4]
             print(f"  default {timed[None]:.2f} us, " + ", ".join(f"{n} {timed[n]:.2f} us" for n in reference)
                   + f"; fastest {[(c, round(t, 2)) for c, t in best]}", flush=True)
+    norm_sweep(batch, per_token=False)
+
+
+def norm_sweep(batch: int, per_token: bool) -> None:
+    """qk_norm_rope's forward and backward kernels by block shape (raw launchers, cold L2), positions 0..4095 per
+    sequence as a range or as a per-token tensor."""
+    from ropekit._spec import validate
+    from ropekit.triton.prologue import launch_norm_rope_bwd, launch_prologue
+
+    shapes = [(bt, bh, min(bh, 8), nw) for bt in (1, 2, 4) for bh in (8, 16) for nw in (1, 2, 4, 8)]
     m = MODELS["qwen3-8b"]
     q = torch.randn(batch, 4096, m["hq"], D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, 4096, m["hk"], D, device="cuda", dtype=torch.bfloat16)
     qw = torch.rand(D, device="cuda", dtype=torch.bfloat16)
     kw = torch.rand(D, device="cuda", dtype=torch.bfloat16)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
-    spec = validate(q, k, base=m["base"])
+    ids = torch.arange(4096, device="cuda").expand(batch, 4096).contiguous() if per_token else None
+    print(f"qk_norm_rope, positions {'per token' if per_token else 'as a range'}:", flush=True)
+    spec = validate(q, k, positions=ids, base=m["base"])
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     fwd = {cfg: (lambda c=cfg: launch_prologue(q, k, qo, ko, spec, q_weight=qw, k_weight=kw, config=c))
            for cfg in [None] + shapes}
@@ -281,13 +300,48 @@ def sweep(batch: int) -> None:
     for label, fns in ((f"qk_norm_rope fwd {batch}x4096", fwd), (f"qk_norm_rope bwd {batch}x4096", bwd)):
         print(f"{label}: kernels {kernel_us(fns[None])}  host {_host_us(fns[None], 50):.1f} us/call", flush=True)
         timed = _cold_us({"copy": lambda: dst.copy_(src), **fns})
-        best = sorted(((c, t) for c, t in timed.items() if c != "copy"), key=lambda kv: kv[1])[:4]
-        print(f"  copy {timed['copy']:.1f} default {timed[None]:.1f} us; fastest {[(c, round(t, 1)) for c, t in best]}",
-              flush=True)
+        ranked = sorted(((c, t) for c, t in timed.items() if c != "copy"), key=lambda kv: kv[1])
+        print(f"  copy {timed['copy']:.1f} default {timed[None]:.1f} us; by shape:", flush=True)
+        for i in range(0, len(ranked), 6):
+            print("    " + "  ".join(f"{c} {t:.1f}" for c, t in ranked[i:i + 6]), flush=True)
+
+
+def prefill_sweep(T: int = 8192) -> None:
+    """rope_kv_write prefill (one sequence of T tokens at offset 1000) by block shape, raw launcher, cold L2."""
+    from ropekit._spec import validate, validate_kv_write
+    from ropekit.triton.prologue import launch_prologue
+
+    shapes = [None, (1, 8, 8, 1), (1, 8, 8, 4), (2, 8, 8, 2), (1, 16, 8, 2), (2, 16, 8, 4), (4, 8, 8, 4)]
+    for name, m in MODELS.items():
+        for cache_dtype in (torch.bfloat16, FP8):
+            q, k, v, k_cache, v_cache, pos, qw, kw, S = _inputs(T, 1, m, cache_dtype)
+            q, k, v = q.view(1, T, -1, D), k.view(1, T, -1, D), v.view(1, T, -1, D)
+            scale = torch.tensor(0.05, device="cuda") if cache_dtype == FP8 else None
+            norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
+            for label, positions in (("int offset", 1000), ("per-token", pos.view(1, T))):
+                q4, k4, v4, pos4, layout, cache = validate_kv_write(
+                    q, k, v, k_cache, v_cache, positions, None, "bshd", scale, scale, None, "bshd", None, False)
+                spec = validate(q4, k4, positions=pos4, layout=layout, base=m["base"])
+                q_out = torch.empty(q4.shape, device="cuda", dtype=q.dtype)
+                fns = {cfg: (lambda c=cfg: launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=c,
+                                                           **norm)) for cfg in shapes}
+                fns["copy"] = lambda: copy_rows(q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D),
+                                                q_out.view(T, -1, D), k_cache, v_cache, pos, S)
+                timed = _cold_us(fns)
+                cells = "  ".join(f"{c}: {t / timed['copy']:.3f}" for c, t in timed.items() if c != "copy")
+                print(f"{name} {'fp8' if scale is not None else 'bf16'} {label}: copy {timed['copy']:.1f} us; "
+                      f"x copy {cells}", flush=True)
 
 
 def main(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.prefill_sweep:
+        prefill_sweep()
+        return
+    if args.norm_sweep:
+        for per_token in (False, True):
+            norm_sweep(ARGS.sweep_batch, per_token)
+        return
     if args.sweep:
         sweep(ARGS.sweep_batch)
         return

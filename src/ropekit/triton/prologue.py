@@ -417,23 +417,39 @@ def _latency_config(q, k, spec: RopeSpec):
 
 LATENCY_HEADS = 4
 LATENCY_WARPS = 4
-# qk_norm_rope's kernels on large grids: larger programs than rope_kernel's, 16 heads of D 128 per token -- the
-# norm's reductions over each row leave the default 2 KB programs short of loads in flight. prologue_probe.py
-# --sweep on the H100, Qwen3-8B 4x4096 / 8x4096: the forward at (2 tokens, 16 heads, 4 warps) 117 / 228 us against
-# 128 / 249 us by default (a copy of its bytes: 116 / 226 us); the backward at (1, 16, 2 warps) 220 / 390 us against
-# 229 / 399 us.
+# Norm kernels on large grids (prologue_probe.py on the H100, Qwen3-8B; the sweeps are in the results folders):
+# * never the streaming shape (16 B per thread, launcher.STREAM_*): the norm's row reductions want more bytes in
+#   flight per thread. rope_kv_write prefill of 8192 tokens at an int offset: 1.07x (fp8 cache) / 1.02x (bf16) the
+#   copy with it, 0.999x / 1.006x with the default shape (1 token, 8 heads, 1 warp);
+# * qk_norm_rope's forward with positions as a range or per-sequence offsets: 2 tokens x 16 heads x 4 warps, 117 /
+#   228 us at 4x4096 / 8x4096 against 128 / 249 us for the streaming shape (a copy of its bytes: 116 / 226 us).
+#   With gathered positions the same shape measured 1.04x against 1.005-1.014x for the default (prefill sweep), so
+#   those keep the default;
+# * the backward: 16 heads x 2 warps, 220 / 390 us against 229 / 399 us.
 NORM_FWD_TILE_BYTES = 8192
 NORM_HEAD_TILE_ELEMS = 2048
 
 
-def _norm_config(q, k, spec: RopeSpec, tile_bytes: int):
+def norm_block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
+                      kind: str) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) of a norm kernel's launch: ``kind`` "forward" (qk_norm_rope's,
+    positions as a range or per-sequence offsets), "backward", or "default" (cache writes, gathered positions)."""
+    if kind == "forward":
+        return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, NORM_FWD_TILE_BYTES,
+                                     head_tile_elems=NORM_HEAD_TILE_ELEMS)
+    if kind == "backward":
+        return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs,
+                                     head_tile_elems=NORM_HEAD_TILE_ELEMS)
+    return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs)
+
+
+def _norm_config(q, k, spec: RopeSpec, kind: str):
     """The block shape of a norm kernel's launch on a CUDA device (None elsewhere: the launcher's choice)."""
     if not q.is_cuda:
         return None
     B, S, HQ, D = to_canonical(q, spec.layout).shape
     HK = to_canonical(k, spec.layout).shape[2]
-    return launcher.block_config(B * S, HQ, HK, D, q.element_size(), launcher._num_programs_wanted(q.device),
-                                 tile_bytes, head_tile_elems=NORM_HEAD_TILE_ELEMS)
+    return norm_block_config(B * S, HQ, HK, D, q.element_size(), launcher._num_programs_wanted(q.device), kind)
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
@@ -444,8 +460,9 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = _latency_config(q, k, spec)
-        if config is None and q_weight is not None and cache is None:
-            config = _norm_config(q, k, spec, NORM_FWD_TILE_BYTES)
+        if config is None and q_weight is not None:
+            gathered = spec.positions is not None or spec.cu_seqlens is not None
+            config = _norm_config(q, k, spec, "default" if cache is not None or gathered else "forward")
     if q_weight is not None:  # the kernel indexes the weights densely
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
@@ -505,7 +522,7 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
     if config is None:
-        config = _norm_config(q, k, spec, launcher.TILE_BYTES)
+        config = _norm_config(q, k, spec, "backward")
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
