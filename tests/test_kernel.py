@@ -257,6 +257,28 @@ def test_norm_kernels_block_shapes_on_large_grids():
     assert prologue.norm_block_config(64, 32, 8, 128, 2, 4 * 132, "default") == (1, 8, 8, 4)  # latency-bound
 
 
+def test_prologue_launch_picks_its_block_shape_by_norm_cache_and_positions():
+    """launch_prologue's choice on a CUDA device (prologue.prologue_block_config, evaluated here for CPU tensors
+    with an H100's programs wanted): the norm's shapes only with a norm, the larger forward shape only without a
+    cache and with range positions, the latency shape for decode grids."""
+    from ropekit.triton import prologue
+
+    wanted = 4 * 132
+    q, k = torch.empty(4, 4096, 32, 128, dtype=torch.bfloat16), torch.empty(4, 4096, 8, 128, dtype=torch.bfloat16)
+    ranged = validate(q, k, base=1e6)
+    gathered = validate(q, k, positions=torch.zeros(4, 4096, dtype=torch.long), base=1e6)
+
+    def pick(spec, norm, cache, q=q, k=k):
+        return prologue.prologue_block_config(q, k, spec, norm=norm, cache=cache, min_programs=wanted)
+
+    assert pick(ranged, norm=True, cache=False) == (2, 16, 8, 4)
+    assert pick(gathered, norm=True, cache=False) == (1, 8, 8, 1)
+    assert pick(ranged, norm=True, cache=True) == (1, 8, 8, 1)  # not the streaming (1, 8, 8, 4)
+    assert pick(ranged, norm=False, cache=True) is None  # the launcher decides (it may stream)
+    qd, kd = q[:, :1], k[:, :1]  # decode: one token per sequence
+    assert pick(validate(qd, kd, base=1e6), norm=True, cache=True, q=qd, k=kd) == (1, 4, 4, 4)
+
+
 def _spec_for(q):
     """The spec of a full rotation of ``q`` with unit frequencies, built without validating ``q`` (whose batch
     dimension has no memory behind it)."""

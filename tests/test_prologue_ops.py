@@ -177,3 +177,44 @@ def test_readme_decode_example_runs_and_writes_each_sequences_row():
     for b in range(k_cache.shape[0]):
         assert written[b, :, lengths[b]].all() and int(written[b].sum()) == k_cache.shape[1]
     assert q_rot.shape == scope["q"].shape and k.shape[0] == k_cache.shape[0]
+
+
+@pytest.mark.parametrize("device", KERNEL_ROUTES)
+@pytest.mark.parametrize("config", [(1, 8, 8, 1), (2, 16, 8, 4), (1, 16, 8, 2), (4, 8, 8, 4)])
+def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config):
+    # The shapes prologue.norm_block_config picks on a GPU for large grids (and one more), forced on small inputs
+    # with a partial head block (12 query heads, 4 key heads): the forward with and without a cache row write, and
+    # the backward, each against the float64 path.
+    from ropekit.reference import rms_norm_reference
+    from ropekit.triton import prologue
+
+    with _context(device):
+        dev = _dev(device)
+        B, S, HQ, HK, D = 2, 5, 12, 4, 32
+        q, k, v = (torch.randn(B, S, h, D, device=dev) for h in (HQ, HK, HK))
+        qw, kw = torch.rand(D, device=dev) + 0.5, torch.rand(D, device=dev) + 0.5
+        pos = torch.stack([torch.randperm(64)[:S] for _ in range(B)]).to(dev)  # distinct rows per sequence
+        leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, qw, kw)]
+        ref_q, ref_k = ropekit.apply_rope(rms_norm_reference(leaves[0], leaves[2], 0.0, 1e-6),
+                                          rms_norm_reference(leaves[1], leaves[3], 0.0, 1e-6), positions=pos.cpu())
+        gq, gk = torch.randn_like(q), torch.randn_like(k)
+        ref_grads = torch.autograd.grad((ref_q, ref_k), leaves, (gq.double().cpu(), gk.double().cpu()))
+        spec = validate(q, k, positions=pos)
+        q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+        prologue.launch_prologue(q, k, q_out, k_out, spec, q_weight=qw, k_weight=kw, config=config)
+        torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_out.cpu().double(), ref_k.detach(), rtol=1e-5, atol=1e-5)
+
+        caches = [torch.full((B, 64, HK, D), float("nan"), device=dev) for _ in range(2)]
+        q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, *caches, pos, None, "bshd", None, None, None,
+                                                           "bshd", None, False)
+        q_out.fill_(float("nan"))
+        prologue.launch_prologue(q4, k4, q_out, None, validate(q4, k4, positions=pos4, layout=layout), v=v4,
+                                 cache=cache, q_weight=qw, k_weight=kw, config=config)
+        rows = caches[0][torch.arange(B, device=dev)[:, None], pos]  # [B, S, HK, D]
+        torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rows.cpu().double(), ref_k.detach(), rtol=1e-5, atol=1e-5)
+
+        grads = prologue.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=config)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)

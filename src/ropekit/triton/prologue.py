@@ -400,17 +400,16 @@ _ROPE_CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
                     "AXIS_BOUND_2", "AXIS_BOUND_3", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK")
 
 
-def _latency_config(q, k, spec: RopeSpec):
+def _latency_config(q, k, spec: RopeSpec, min_programs: int):
     """The block shape of a latency-bound (decode) grid: one token and at most ``LATENCY_HEADS`` heads per
     program with ``LATENCY_WARPS`` warps -- more, smaller programs than rope_kernel's decode shape, which the
     norm's cross-thread reduction and the cache rows favour (prologue_probe.py --sweep: Qwen3-8B decode of one
     token 1.71 against 1.96 us on the H200, Llama-3-8B 1.58 against 1.60 us). None elsewhere: the default."""
     B, S, HQ, D = to_canonical(q, spec.layout).shape
     HK = to_canonical(k, spec.layout).shape[2]
-    wanted = launcher._num_programs_wanted(q.device)
-    bt, bhq, bhk, _ = launcher.block_config(B * S, HQ, HK, D, q.element_size(), wanted)
+    bt, bhq, bhk, _ = launcher.block_config(B * S, HQ, HK, D, q.element_size(), min_programs)
     programs = launcher._cdiv(B * S, bt) * (launcher._cdiv(HQ, bhq) + launcher._cdiv(HK, bhk))
-    if programs >= launcher.LATENCY_BOUND_FACTOR * wanted:
+    if programs >= launcher.LATENCY_BOUND_FACTOR * min_programs:
         return None
     return 1, min(bhq, LATENCY_HEADS), min(bhk, LATENCY_HEADS), LATENCY_WARPS
 
@@ -443,13 +442,18 @@ def norm_block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_siz
     return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs)
 
 
-def _norm_config(q, k, spec: RopeSpec, kind: str):
-    """The block shape of a norm kernel's launch on a CUDA device (None elsewhere: the launcher's choice)."""
-    if not q.is_cuda:
-        return None
+def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_programs: int):
+    """The block shape ``launch_prologue`` takes on a CUDA device with ``min_programs`` wanted (None: the launcher's
+    own choice): decode grids the latency shape; with a norm, ``norm_block_config``'s "forward" shape for
+    qk_norm_rope with range or per-sequence positions, else its "default"."""
+    config = _latency_config(q, k, spec, min_programs)
+    if config is not None or not norm:
+        return config
     B, S, HQ, D = to_canonical(q, spec.layout).shape
     HK = to_canonical(k, spec.layout).shape[2]
-    return norm_block_config(B * S, HQ, HK, D, q.element_size(), launcher._num_programs_wanted(q.device), kind)
+    gathered = spec.positions is not None or spec.cu_seqlens is not None
+    return norm_block_config(B * S, HQ, HK, D, q.element_size(), min_programs,
+                             "default" if cache or gathered else "forward")
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
@@ -459,10 +463,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing.
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
-        config = _latency_config(q, k, spec)
-        if config is None and q_weight is not None:
-            gathered = spec.positions is not None or spec.cu_seqlens is not None
-            config = _norm_config(q, k, spec, "default" if cache is not None or gathered else "forward")
+        config = prologue_block_config(q, k, spec, norm=q_weight is not None, cache=cache is not None,
+                                       min_programs=launcher._num_programs_wanted(q.device))
     if q_weight is not None:  # the kernel indexes the weights densely
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
@@ -521,8 +523,10 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
-    if config is None:
-        config = _norm_config(q, k, spec, "backward")
+    if config is None and q.is_cuda:  # the interpreter takes the launcher's own (large) programs
+        B, S, HQ, D = to_canonical(q, spec.layout).shape
+        config = norm_block_config(B * S, HQ, to_canonical(k, spec.layout).shape[2], D, q.element_size(),
+                                   launcher._num_programs_wanted(q.device), "backward")
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
