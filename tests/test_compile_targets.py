@@ -97,12 +97,14 @@ def _compile_prologue(target: str, case: str):
         if case == "bwd":
             q4, k4 = q.view(1, 4, 8, 128), k.view(1, 4, 2, 128)
             P.launch_norm_rope_bwd(q4, q4, k4, k4, validate(q4, k4, positions=3), w, w, 0.0, 1e-6)
-        elif case.endswith("-large"):
+        elif "-large" in case:
             q4, k4 = torch.randn(1, 8, 32, 128, dtype=torch.bfloat16), torch.randn(1, 8, 8, 128, dtype=torch.bfloat16)
             shape = (1 << 14, 32, 8, 128, 2, 4 * 132)
-            if case == "bwd-large":
-                config = P.norm_block_config(*shape, "backward")
-                P.launch_norm_rope_bwd(q4, q4, k4, k4, validate(q4, k4), w, w, 0.0, 1e-6, config=config)
+            if case.startswith("bwd-large"):
+                partial = case.endswith("partial")  # rotary 64 of 128 columns, at the back: a third accumulator
+                spec = validate(q4, k4, rotary_dim=64, rotary_at="back") if partial else validate(q4, k4)
+                config = P.norm_block_config(*shape, "backward", partial=partial)
+                P.launch_norm_rope_bwd(q4, q4, k4, k4, spec, w, w, 0.0, 1e-6, config=config)
             else:
                 config = P.norm_block_config(*shape, "forward")
                 P.launch_prologue(q4, k4, torch.empty_like(q4), torch.empty_like(k4), validate(q4, k4),
@@ -146,7 +148,7 @@ SPECIALISATIONS = [
 ]
 
 
-PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd", "norm-fwd-large", "bwd-large"]
+PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd", "norm-fwd-large", "bwd-large", "bwd-large-partial"]
 
 
 def _compile_case(target: str, case) -> str:
@@ -169,7 +171,34 @@ def _compile_case(target: str, case) -> str:
         return "no cubin"
     if "ld.local" in compiled.asm["ptx"]:
         return "spills to local memory"
+    spilled = _ptxas_spill_bytes(compiled.asm["ptx"])
+    if spilled:  # register spills appear only in ptxas's allocation, not in the PTX
+        return f"ptxas spills {spilled} bytes to local memory"
     return "ok"
+
+
+def _ptxas_spill_bytes(ptx: str) -> int | None:
+    """Bytes of register spill stores ptxas reports for ``ptx`` (sm_90a), or None where Triton's ptxas is not
+    found."""
+    import re
+    import tempfile
+
+    try:
+        from triton import knobs
+        ptxas = knobs.nvidia.ptxas.path
+    except (ImportError, AttributeError):
+        try:
+            from triton.backends.nvidia.compiler import _path_to_binary
+            ptxas = _path_to_binary("ptxas")[0]
+        except (ImportError, AttributeError, RuntimeError):
+            return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, timeout=120)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr))
 
 
 @pytest.fixture(scope="module")

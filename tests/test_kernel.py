@@ -255,6 +255,23 @@ def test_norm_kernels_block_shapes_on_large_grids():
     assert prologue.norm_block_config(*big, "default") == (1, 8, 8, 1)
     assert launcher.block_config(*big, stream=True) == (1, 8, 8, 4)  # what a range-position launch would stream
     assert prologue.norm_block_config(64, 32, 8, 128, 2, 4 * 132, "default") == (1, 8, 8, 4)  # latency-bound
+    # pass-through columns: the default shapes, the backward with twice the warps (its third accumulator spills
+    # registers at 32 elements per thread; test_compile_targets checks the spill count)
+    assert prologue.norm_block_config(*big, "forward", partial=True) == (1, 8, 8, 1)
+    assert prologue.norm_block_config(*big, "backward", partial=True) == (1, 8, 8, 2)
+
+
+def test_full_table_block_rule_is_for_cuda_only():
+    """CPU runs (the interpreter) keep the launcher's own large programs with full-width tables too."""
+    from ropekit.triton import kernel, launcher
+
+    q, k = torch.randn(2, 5, 7, 256), torch.randn(2, 5, 2, 256)
+    angles = torch.rand(5, 256)
+    spec = validate(q, k, cos=angles.cos(), sin=angles.sin())  # full width: a value per column
+    _, args, constexprs, _ = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), spec)
+    named = dict(zip(kernel.rope_kernel.arg_names, (*args, *constexprs)))
+    plain = launcher.block_config(10, 7, 2, 256, 4, 1, launcher.INTERPRETER_TILE_BYTES)
+    assert (named["BLOCK_T"], named["BLOCK_HQ"], named["BLOCK_HK"]) == plain[:3]
 
 
 def test_prologue_launch_picks_its_block_shape_by_norm_cache_and_positions():

@@ -180,14 +180,17 @@ def test_readme_decode_example_runs_and_writes_each_sequences_row():
 
 
 @pytest.mark.parametrize("device", KERNEL_ROUTES)
-@pytest.mark.parametrize("config", [(1, 8, 8, 1), (2, 16, 8, 4), (1, 16, 8, 2), (4, 8, 8, 4)])
-def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config):
+@pytest.mark.parametrize("config", [(1, 8, 8, 1), (2, 16, 8, 4), (1, 16, 8, 2), (4, 8, 8, 4), (1, 8, 8, 2)])
+@pytest.mark.parametrize("rotary", [{}, {"rotary_dim": 16, "rotary_at": "back"}], ids=["full", "partial"])
+def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config, rotary, monkeypatch):
     # The shapes prologue.norm_block_config picks on a GPU for large grids (and one more), forced on small inputs
     # with a partial head block (12 query heads, 4 key heads): the forward with and without a cache row write, and
-    # the backward, each against the float64 path.
+    # the backward, each against the float64 path. One backward program per head block, so each loops over every
+    # token block and its weight-gradient accumulators carry across iterations.
     from ropekit.reference import rms_norm_reference
     from ropekit.triton import prologue
 
+    monkeypatch.setattr(prologue, "BWD_PROGRAMS_PER_SM", 0)
     with _context(device):
         dev = _dev(device)
         B, S, HQ, HK, D = 2, 5, 12, 4, 32
@@ -196,10 +199,11 @@ def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config):
         pos = torch.stack([torch.randperm(64)[:S] for _ in range(B)]).to(dev)  # distinct rows per sequence
         leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, qw, kw)]
         ref_q, ref_k = ropekit.apply_rope(rms_norm_reference(leaves[0], leaves[2], 0.0, 1e-6),
-                                          rms_norm_reference(leaves[1], leaves[3], 0.0, 1e-6), positions=pos.cpu())
+                                          rms_norm_reference(leaves[1], leaves[3], 0.0, 1e-6), positions=pos.cpu(),
+                                          **rotary)
         gq, gk = torch.randn_like(q), torch.randn_like(k)
         ref_grads = torch.autograd.grad((ref_q, ref_k), leaves, (gq.double().cpu(), gk.double().cpu()))
-        spec = validate(q, k, positions=pos)
+        spec = validate(q, k, positions=pos, **rotary)
         q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
         prologue.launch_prologue(q, k, q_out, k_out, spec, q_weight=qw, k_weight=kw, config=config)
         torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)
@@ -209,8 +213,8 @@ def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config):
         q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, *caches, pos, None, "bshd", None, None, None,
                                                            "bshd", None, False)
         q_out.fill_(float("nan"))
-        prologue.launch_prologue(q4, k4, q_out, None, validate(q4, k4, positions=pos4, layout=layout), v=v4,
-                                 cache=cache, q_weight=qw, k_weight=kw, config=config)
+        prologue.launch_prologue(q4, k4, q_out, None, validate(q4, k4, positions=pos4, layout=layout, **rotary),
+                                 v=v4, cache=cache, q_weight=qw, k_weight=kw, config=config)
         rows = caches[0][torch.arange(B, device=dev)[:, None], pos]  # [B, S, HK, D]
         torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rows.cpu().double(), ref_k.detach(), rtol=1e-5, atol=1e-5)

@@ -340,10 +340,10 @@ def main(args: argparse.Namespace) -> None:
         return
     if args.norm_sweep:
         for per_token in (False, True):
-            norm_sweep(ARGS.sweep_batch, per_token)
+            norm_sweep(args.sweep_batch, per_token)
         return
     if args.sweep:
-        sweep(ARGS.sweep_batch)
+        sweep(args.sweep_batch)
         return
     print("times: median (decode: per call in CUDA-graph replay; else best of 3 cold-L2 medians); ratio vs copy")
     for name, m in MODELS.items():

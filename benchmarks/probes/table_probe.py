@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> None:
                 print(f"  {name:<22} {t:>8.1f} us {t / t_copy:>7.3f}x")
             spec = validate(qv, kv, cos=cos_hf, sin=sin_hf, style="neox", layout="bhsd", rotary_dim=D)
             qo, ko = torch.empty_like(qv), torch.empty_like(kv)
-            default = block_config(B * S, HQ, HK, D, 2, _num_programs_wanted(q.device))
+            default = block_config(B * S, HQ, HK, D, 2, _num_programs_wanted(q.device), full_table=True)
             timed = {}
             for bt in (1, 2, 4, 8):
                 for bh in (2, 4, 8, 16):

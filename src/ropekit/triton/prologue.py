@@ -425,14 +425,22 @@ LATENCY_WARPS = 4
 #   With gathered positions the same shape measured 1.04x against 1.005-1.014x for the default (prefill sweep), so
 #   those keep the default;
 # * the backward: 16 heads x 2 warps, 220 / 390 us against 229 / 399 us.
+# Both larger shapes were measured with full rotary only. With pass-through columns the backward holds a third
+# accumulator per element and spills registers on sm_90 at 32 elements per thread (bf16 head_dim 128 / rotary 64
+# at the default shape: 64 bytes; head_dim 192 / 64 and 256 / 128 likewise; ptxas -v), so partial rotary takes
+# the default shapes, the backward with twice the warps (16 elements per thread: 108-168 registers, no spills).
 NORM_FWD_TILE_BYTES = 8192
 NORM_HEAD_TILE_ELEMS = 2048
 
 
 def norm_block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
-                      kind: str) -> tuple[int, int, int, int]:
+                      kind: str, partial: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) of a norm kernel's launch: ``kind`` "forward" (qk_norm_rope's,
-    positions as a range or per-sequence offsets), "backward", or "default" (cache writes, gathered positions)."""
+    positions as a range or per-sequence offsets), "backward", or "default" (cache writes, gathered positions);
+    ``partial`` (pass-through columns): the default shape, with twice the warps for the backward."""
+    if partial:
+        bt, bhq, bhk, warps = launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs)
+        return bt, bhq, bhk, min(8, 2 * warps) if kind == "backward" else warps
     if kind == "forward":
         return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, NORM_FWD_TILE_BYTES,
                                      head_tile_elems=NORM_HEAD_TILE_ELEMS)
@@ -453,7 +461,7 @@ def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_
     HK = to_canonical(k, spec.layout).shape[2]
     gathered = spec.positions is not None or spec.cu_seqlens is not None
     return norm_block_config(B * S, HQ, HK, D, q.element_size(), min_programs,
-                             "default" if cache or gathered else "forward")
+                             "default" if cache or gathered else "forward", partial=spec.rotary_dim != D)
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
@@ -526,7 +534,7 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     if config is None and q.is_cuda:  # the interpreter takes the launcher's own (large) programs
         B, S, HQ, D = to_canonical(q, spec.layout).shape
         config = norm_block_config(B * S, HQ, to_canonical(k, spec.layout).shape[2], D, q.element_size(),
-                                   launcher._num_programs_wanted(q.device), "backward")
+                                   launcher._num_programs_wanted(q.device), "backward", partial=spec.rotary_dim != D)
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
