@@ -9,29 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
 
 import ropekit
+from helpers import ROUTES, route_context, route_device
 from ropekit import _fastpath
-from ropekit.testing import kernels_on_cpu
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MODES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cpu-kernels", id="cpu-kernels",
-                 marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
+MODES = ROUTES
 
 
 @contextlib.contextmanager
 def mode_context(mode: str):
     _fastpath.clear()
-    with kernels_on_cpu() if mode == "cpu-kernels" else contextlib.nullcontext():
-        yield "cuda" if mode == "cuda" else "cpu"
+    with route_context(mode):
+        yield route_device(mode)
 
 
 def _rope64(x, positions, base=10000.0):
