@@ -400,15 +400,20 @@ _ROPE_CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
                     "AXIS_BOUND_2", "AXIS_BOUND_3", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK")
 
 
-def _latency_config(q, k, spec: RopeSpec, min_programs: int):
+def _grid_dims(q, k, spec: RopeSpec) -> tuple[int, int, int, int, int]:
+    """(tokens, HQ, HK, head_dim, element size): what block_config reads of a call."""
+    B, S, HQ, D = to_canonical(q, spec.layout).shape
+    return B * S, HQ, to_canonical(k, spec.layout).shape[2], D, q.element_size()
+
+
+def _latency_config(dims: tuple, min_programs: int):
     """The block shape of a latency-bound (decode) grid: one token and at most ``LATENCY_HEADS`` heads per
     program with ``LATENCY_WARPS`` warps -- more, smaller programs than rope_kernel's decode shape, which the
     norm's cross-thread reduction and the cache rows favour (prologue_probe.py --sweep: Qwen3-8B decode of one
     token 1.71 against 1.96 us on the H200, Llama-3-8B 1.58 against 1.60 us). None elsewhere: the default."""
-    B, S, HQ, D = to_canonical(q, spec.layout).shape
-    HK = to_canonical(k, spec.layout).shape[2]
-    bt, bhq, bhk, _ = launcher.block_config(B * S, HQ, HK, D, q.element_size(), min_programs)
-    programs = launcher._cdiv(B * S, bt) * (launcher._cdiv(HQ, bhq) + launcher._cdiv(HK, bhk))
+    T, HQ, HK, _, _ = dims
+    bt, bhq, bhk, _ = launcher.block_config(*dims, min_programs)
+    programs = launcher._cdiv(T, bt) * (launcher._cdiv(HQ, bhq) + launcher._cdiv(HK, bhk))
     if programs >= launcher.LATENCY_BOUND_FACTOR * min_programs:
         return None
     return 1, min(bhq, LATENCY_HEADS), min(bhk, LATENCY_HEADS), LATENCY_WARPS
@@ -438,30 +443,25 @@ def norm_block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_siz
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) of a norm kernel's launch: ``kind`` "forward" (qk_norm_rope's,
     positions as a range or per-sequence offsets), "backward", or "default" (cache writes, gathered positions);
     ``partial`` (pass-through columns): the default shape, with twice the warps for the backward."""
-    if partial:
-        bt, bhq, bhk, warps = launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs)
-        return bt, bhq, bhk, min(8, 2 * warps) if kind == "backward" else warps
-    if kind == "forward":
-        return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, NORM_FWD_TILE_BYTES,
-                                     head_tile_elems=NORM_HEAD_TILE_ELEMS)
-    if kind == "backward":
-        return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs,
-                                     head_tile_elems=NORM_HEAD_TILE_ELEMS)
-    return launcher.block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs)
+    dims = (num_tokens, hq, hk, head_dim, elem_size, min_programs)
+    if partial or kind == "default":
+        bt, bhq, bhk, warps = launcher.block_config(*dims)
+        return bt, bhq, bhk, min(8, 2 * warps) if partial and kind == "backward" else warps
+    tile_bytes = NORM_FWD_TILE_BYTES if kind == "forward" else launcher.TILE_BYTES
+    return launcher.block_config(*dims, tile_bytes, head_tile_elems=NORM_HEAD_TILE_ELEMS)
 
 
 def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_programs: int):
     """The block shape ``launch_prologue`` takes on a CUDA device with ``min_programs`` wanted (None: the launcher's
     own choice): decode grids the latency shape; with a norm, ``norm_block_config``'s "forward" shape for
     qk_norm_rope with range or per-sequence positions, else its "default"."""
-    config = _latency_config(q, k, spec, min_programs)
+    dims = _grid_dims(q, k, spec)
+    config = _latency_config(dims, min_programs)
     if config is not None or not norm:
         return config
-    B, S, HQ, D = to_canonical(q, spec.layout).shape
-    HK = to_canonical(k, spec.layout).shape[2]
     gathered = spec.positions is not None or spec.cu_seqlens is not None
-    return norm_block_config(B * S, HQ, HK, D, q.element_size(), min_programs,
-                             "default" if cache or gathered else "forward", partial=spec.rotary_dim != D)
+    return norm_block_config(*dims, min_programs, "default" if cache or gathered else "forward",
+                             partial=spec.rotary_dim != dims[3])
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
@@ -532,9 +532,9 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
     if config is None and q.is_cuda:  # the interpreter takes the launcher's own (large) programs
-        B, S, HQ, D = to_canonical(q, spec.layout).shape
-        config = norm_block_config(B * S, HQ, to_canonical(k, spec.layout).shape[2], D, q.element_size(),
-                                   launcher._num_programs_wanted(q.device), "backward", partial=spec.rotary_dim != D)
+        dims = _grid_dims(q, k, spec)
+        config = norm_block_config(*dims, launcher._num_programs_wanted(q.device), "backward",
+                                   partial=spec.rotary_dim != dims[3])
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
