@@ -222,3 +222,72 @@ def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config, r
         grads = prologue.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=config)
         for got, want in zip(grads, ref_grads):
             torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+def _fused_case_launch(device, *, cache_layout, norm, fp8_scale, rotary, config, seed):
+    """One launch_prologue call on fresh inputs (poisoned outputs): 6 query and 2 key heads (partial head blocks),
+    3 sequences of 2 tokens, one position past the cache and, paged, one slot -1. Returns every output it wrote."""
+    from ropekit.triton import prologue
+
+    gen = torch.Generator().manual_seed(seed)
+    dev = _dev(device)
+    B, S, HQ, HK, D, rows = 3, 2, 6, 2, 32, 12
+    q, k, v = (torch.randn(B, S, h, D, generator=gen).to(dev) for h in (HQ, HK, HK))
+    qw, kw = (torch.rand(D, generator=gen).add(0.5).to(dev) for _ in range(2))
+    weights = dict(q_weight=qw, k_weight=kw) if norm else {}
+    pos = torch.randint(0, rows, (B, S), generator=gen)
+    pos[1, 1] = rows + 3  # outside the cache: no row written
+    pos = pos.to(dev)
+    q_out = torch.full_like(q, float("nan"))
+    if cache_layout is None:  # qk_norm_rope's form: k to k_out
+        k_out = torch.full_like(k, float("nan"))
+        spec = validate(q, k, positions=pos, **rotary)
+        prologue.launch_prologue(q, k, q_out, k_out, spec, config=config, **weights)
+        return q_out, k_out
+    dtype = torch.float32 if fp8_scale is None else torch.float8_e4m3fn
+    slots = None
+    if cache_layout == "paged":  # 6 blocks of 4 slots
+        shape = (6, 4, HK, D)
+        slots = torch.randperm(24, generator=gen)[:B * S].view(B, S)
+        slots[0, 1] = -1
+        slots = slots.to(dev)
+    else:
+        shape = (B, rows, HK, D) if cache_layout == "bshd" else (B, HK, rows, D)
+    caches = [torch.full(shape, float("nan"), device=dev).to(dtype) for _ in range(2)]
+    q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, *caches, pos, slots, cache_layout, fp8_scale,
+                                                       fp8_scale, None, "bshd", None, False)
+    spec = validate(q4, k4, positions=pos4, layout=layout, **rotary)
+    prologue.launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=config, **weights)
+    return q_out, *(c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c for c in caches)
+
+
+@pytest.mark.parametrize("device", KERNEL_ROUTES)
+@pytest.mark.parametrize("cache_layout", [None, "bshd", "bhsd", "paged"])
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm"])
+@pytest.mark.parametrize("fp8_scale", [None, 0.25, "tensor"], ids=["no-fp8", "fp8-float", "fp8-tensor"])
+@pytest.mark.parametrize("rotary", [{}, {"rotary_dim": 16, "rotary_at": "back", "style": "interleaved"}],
+                         ids=["full", "partial"])
+def test_fused_heads_launch_equals_per_head_blocks(device, cache_layout, norm, fp8_scale, rotary):
+    # FUSED_HEADS (one program per token block over every head of q, k and v, the decode shape) against the
+    # per-head-block launch of the same call: the same bits in every output, twice with fresh inputs.
+    if fp8_scale is not None and cache_layout is None:
+        pytest.skip("fp8 applies to caches")
+    with _context(device):
+        for seed in (0, 1):
+            scale = torch.tensor(0.25, device=_dev(device)) if fp8_scale == "tensor" else fp8_scale
+            case = dict(cache_layout=cache_layout, norm=norm, fp8_scale=scale, rotary=rotary, seed=seed)
+            blocks = _fused_case_launch(device, config=(1, 4, 1, 1), **case)
+            for config in ((1, 8, 2, 4, True), (2, 8, 4, 2, True)):
+                fused = _fused_case_launch(device, config=config, **case)
+                for got, want in zip(fused, blocks):
+                    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("config", [(1, 4, 2, 4, True), (1, 8, 1, 4, True)])
+def test_fused_heads_config_must_cover_every_head(config):
+    from ropekit.triton import prologue
+
+    q, k = torch.randn(2, 1, 6, 32), torch.randn(2, 1, 2, 32)
+    spec = validate(q, k, positions=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="covers every head"):
+        prologue.launch_prologue(q, k, torch.empty_like(q), torch.empty_like(k), spec, config=config)

@@ -34,6 +34,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--norm-sweep", action="store_true",
                         help="instead: only qk_norm_rope's forward and backward block shapes (--sweep-batch x4096), "
                              "positions as a range and per token")
+    parser.add_argument("--decode-gap", action="store_true",
+                        help="instead: where decode time goes against the copy (CUDA-graph replay and kernel device "
+                             "time): rope_kv_write's default block shape, one program per token over all heads "
+                             "(FUSED_HEADS), the copy, and the copy with as many kernel arguments as the prologue "
+                             "kernel; plain RoPE of q and k likewise, with Liger where installed")
     parser.add_argument("--sweep", action="store_true",
                         help="instead: each kernel's device time (profiler), the host time per eager call, and a "
                              "block-shape sweep of the raw launchers (decode 1/64 tokens, qk_norm_rope fwd and bwd)")
@@ -83,6 +88,50 @@ def copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S):
     _copy_rows_kernel[(T,)](q, k, v, q_out, k_cache, v_cache, pos, S, q.stride(0), k.stride(0), k_cache.stride(0),
                             k_cache.stride(1), QW=HQ * D, KW=HK * D, QB=triton.next_power_of_2(HQ * D),
                             KB=triton.next_power_of_2(HK * D), num_warps=4)
+
+
+# The copy with unused arguments, as many (and of the same kinds) as prologue_kernel's 62 after Triton's
+# specialisation: 20 pointers, 36 ints, 6 floats. A kernel's arguments reach the GPU with every launch, so their
+# size is a launch cost the profiler's kernel time does not show. Triton reads a kernel's source from its file, so
+# the signature is written out once into a module beside the probe's other temporary files.
+_PAD_PTRS, _PAD_INTS, _PAD_FLOATS = 13, 30, 6
+
+
+def _padded_copy_kernel():
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    pads = ([f"p{i}" for i in range(_PAD_PTRS)] + [f"i{i}" for i in range(_PAD_INTS)]
+            + [f"f{i}" for i in range(_PAD_FLOATS)])
+    source = (
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        f"def padded_copy(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, S, q_st, k_st, c_sb, c_ss, "
+        f"{', '.join(pads)}, QW: tl.constexpr, KW: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr):\n"
+        "    t = tl.program_id(0)\n    b = t // S\n    pos = tl.load(pos_ptr + t).to(tl.int64)\n"
+        "    iq = tl.arange(0, QB)\n    x = tl.load(q_ptr + t.to(tl.int64) * q_st + iq, mask=iq < QW)\n"
+        "    tl.store(qo_ptr + t.to(tl.int64) * QW + iq, x, mask=iq < QW)\n    ik = tl.arange(0, KB)\n"
+        "    row = b.to(tl.int64) * c_sb + pos * c_ss\n"
+        "    kx = tl.load(k_ptr + t.to(tl.int64) * k_st + ik, mask=ik < KW)\n"
+        "    vx = tl.load(v_ptr + t.to(tl.int64) * k_st + ik, mask=ik < KW)\n"
+        "    tl.store(kc_ptr + row + ik, kx.to(kc_ptr.dtype.element_ty), mask=ik < KW)\n"
+        "    tl.store(vc_ptr + row + ik, vx.to(vc_ptr.dtype.element_ty), mask=ik < KW)\n")
+    path = Path(tempfile.mkdtemp()) / "padded_copy.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("padded_copy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.padded_copy
+
+
+def padded_copy_rows(kernel, q, k, v, q_out, k_cache, v_cache, pos, S):
+    """copy_rows through the padded kernel: distinct values, so that Triton specialises none of them away."""
+    T, HQ, _ = q.shape
+    HK = k.shape[1]
+    pads = [q] * _PAD_PTRS + [3 + 2 * i for i in range(_PAD_INTS)] + [0.5 + i for i in range(_PAD_FLOATS)]
+    kernel[(T,)](q, k, v, q_out, k_cache, v_cache, pos, S, q.stride(0), k.stride(0), k_cache.stride(0),
+                 k_cache.stride(1), *pads, QW=HQ * D, KW=HK * D, QB=triton.next_power_of_2(HQ * D),
+                 KB=triton.next_power_of_2(HK * D), num_warps=4)
 
 
 def _inputs(T: int, B: int, m: dict, cache_dtype):
@@ -306,6 +355,72 @@ def norm_sweep(batch: int, per_token: bool) -> None:
             print("    " + "  ".join(f"{c} {t:.1f}" for c, t in ranked[i:i + 6]), flush=True)
 
 
+def _replay_and_device(fns: dict) -> dict:
+    """{name: (us per call in graph replay, kernel device us per call)} of each entry, replays interleaved."""
+    replay = graph_us_interleaved(fns)
+    return {n: (replay[n], sum(kernel_us(fn).values())) for n, fn in fns.items()}
+
+
+def _gap_row(label: str, timed: dict, base: str) -> None:
+    cells = "  ".join(f"{n} {r:.2f}/{d:.2f} ({r / timed[base][0]:.3f}x)" for n, (r, d) in timed.items())
+    print(f"{label:<22} {cells}", flush=True)
+
+
+def decode_gap(tokens: list[int]) -> None:
+    """Decode in CUDA-graph replay, raw launchers: per-call time / kernel device time (us) and the ratio of the
+    per-call time to the copy's (rope_kv_write) or to Liger's (plain RoPE)."""
+    from ropekit._spec import validate, validate_kv_write
+    from ropekit.triton.launcher import launch_rope
+    from ropekit.triton.prologue import launch_prologue
+
+    padded = _padded_copy_kernel()
+    warps = (2, 4, 8)
+    print("rope_kv_write decode: replay/device us (replay x copy)", flush=True)
+    for name, m in MODELS.items():
+        fused = [(1, triton.next_power_of_2(m["hq"]), triton.next_power_of_2(m["hk"]), nw, True) for nw in warps]
+        for cache_dtype in (torch.bfloat16, FP8):
+            for T in tokens:
+                q, k, v, k_cache, v_cache, pos, qw, kw, S = _inputs(T, T, m, cache_dtype)
+                scale = torch.tensor(0.05, device="cuda") if cache_dtype == FP8 else None
+                norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
+                q4, k4, v4, pos4, layout, cache = validate_kv_write(
+                    q, k, v, k_cache, v_cache, pos, None, "bshd", scale, scale, None, "bshd", None, False)
+                spec = validate(q4, k4, positions=pos4, layout=layout, base=m["base"])
+                q_out = torch.empty(q4.shape, device="cuda", dtype=q.dtype)
+                fns = {f"{'fused' + str(c[3]) if c else 'default'}":
+                       (lambda c=c: launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=c, **norm))
+                       for c in [None] + fused}
+                fns["copy"] = lambda: copy_rows(q, k, v, q_out.view(q.shape), k_cache, v_cache, pos, S)
+                fns["copy+args"] = lambda: padded_copy_rows(padded, q, k, v, q_out.view(q.shape), k_cache, v_cache,
+                                                            pos, S)
+                tag = "fp8" if cache_dtype == FP8 else "bf16"
+                _gap_row(f"{name} {tag} {T}", _replay_and_device(fns), "copy")
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except ImportError as exc:
+        liger_rotary_pos_emb = None
+        print(f"(no Liger: {exc})")
+    print("plain RoPE of q and k, decode (Llama-3-8B): replay/device us (replay x the default)", flush=True)
+    m = MODELS["llama3-8b"]
+    fused = [(1, 32, 8, nw, True) for nw in warps]
+    for T in tokens:
+        q, k, _, _, _, pos, _, _, _ = _inputs(T, T, m, torch.bfloat16)
+        q4, k4 = q.view(T, 1, -1, D), k.view(T, 1, -1, D)
+        spec = validate(q4, k4, positions=pos.view(T, 1), base=m["base"])
+        qo, ko = torch.empty(q4.shape, device="cuda", dtype=q.dtype), torch.empty(k4.shape, device="cuda",
+                                                                                  dtype=q.dtype)
+        fns = {"default": lambda: launch_rope(q4, k4, qo, ko, spec)}
+        fns.update({f"fused{c[3]}": (lambda c=c: launch_prologue(q4, k4, qo, ko, spec, config=c)) for c in fused})
+        if liger_rotary_pos_emb is not None:
+            inv = default_inv_freq(m["base"], D, torch.device("cuda"))
+            ang = pos.double()[:, None] * inv.double()[None, :]
+            cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)[:, None, :]  # [T, 1, D]
+            sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)[:, None, :]
+            qh, kh = q4.transpose(1, 2).clone(), k4.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
+            fns["liger"] = lambda: liger_rotary_pos_emb(qh, kh, cos, sin)
+        _gap_row(f"llama3-8b rope {T}", _replay_and_device(fns), "default")
+
+
 def prefill_sweep(T: int = 8192) -> None:
     """rope_kv_write prefill (one sequence of T tokens at offset 1000) by block shape, raw launcher, cold L2."""
     from ropekit._spec import validate, validate_kv_write
@@ -344,6 +459,9 @@ def main(args: argparse.Namespace) -> None:
         return
     if args.sweep:
         sweep(args.sweep_batch)
+        return
+    if args.decode_gap:
+        decode_gap([int(x) for x in args.decode.split(",")])
         return
     print("times: median (decode: per call in CUDA-graph replay; else best of 3 cold-L2 medians); ratio vs copy")
     for name, m in MODELS.items():
