@@ -110,21 +110,15 @@ def _compile_prologue(target: str, case: str):
                 P.launch_prologue(q4, k4, torch.empty_like(q4), torch.empty_like(k4), validate(q4, k4),
                                   q_weight=w, k_weight=w, config=config)
         else:
-            fp8 = case in ("paged-fp8", "fused-decode-fp8")
-            config = None
-            if case.startswith("fused"):  # one program per token over Llama/Qwen3-8B's 32 + 8 + 8 heads
-                q, k, v = (torch.randn(4, h, 128, dtype=torch.bfloat16) for h in (32, 8, 8))
-                config = (1, 32, 8, P.FUSED_WARPS, True)
+            fp8 = case == "paged-fp8"
             dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-            hk = k.shape[1]
-            caches = [torch.zeros((4, 16, hk, 128) if fp8 else (4, 64, hk, 128), dtype=dtype) for _ in range(2)]
+            caches = [torch.zeros((4, 16, 2, 128) if fp8 else (4, 64, 2, 128), dtype=dtype) for _ in range(2)]
             slots = torch.tensor([3, -1, 9, 60]) if fp8 else None
             q4, k4, v4, pos4, layout, cache = validate_kv_write(
                 q, k, v, *caches, torch.tensor([1, 2, 3, 4]), slots, "paged" if fp8 else "bshd",
                 torch.tensor(0.5) if fp8 else None, 2.0 if fp8 else None, None, "bshd", None, False)
             spec = validate(q4, k4, positions=pos4, layout=layout)
-            norm = {} if case == "fused-decode-bf16" else dict(q_weight=w, k_weight=w)
-            P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, config=config, **norm)
+            P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, q_weight=w, k_weight=w)
     finally:
         L._launch = original
     consts = dict(seen["consts"], FAST_TRIG=L.fast_trig("cuda", TARGETS[target][1]))
@@ -154,8 +148,7 @@ SPECIALISATIONS = [
 ]
 
 
-PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd", "norm-fwd-large", "bwd-large", "bwd-large-partial",
-                  "fused-decode-fp8", "fused-decode-bf16"]
+PROLOGUE_CASES = ["paged-fp8", "bshd-bf16", "bwd", "norm-fwd-large", "bwd-large", "bwd-large-partial"]
 
 
 def _compile_case(target: str, case) -> str:

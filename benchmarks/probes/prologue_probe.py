@@ -36,9 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "positions as a range and per token")
     parser.add_argument("--decode-gap", action="store_true",
                         help="instead: where decode time goes against the copy (CUDA-graph replay and kernel device "
-                             "time): rope_kv_write's default block shape, one program per token over all heads "
-                             "(FUSED_HEADS), the copy, and the copy with as many kernel arguments as the prologue "
-                             "kernel; plain RoPE of q and k likewise, with Liger where installed")
+                             "time): rope_kv_write by default, with 2 rotated columns, with an int offset and with "
+                             "tables, the copy, and the copy with the prologue kernel's argument count; plain RoPE "
+                             "of q and k with exact angles and tables against Liger")
     parser.add_argument("--sweep", action="store_true",
                         help="instead: each kernel's device time (profiler), the host time per eager call, and a "
                              "block-shape sweep of the raw launchers (decode 1/64 tokens, qk_norm_rope fwd and bwd)")
@@ -367,32 +367,41 @@ def _gap_row(label: str, timed: dict, base: str) -> None:
 
 
 def decode_gap(tokens: list[int]) -> None:
-    """Decode in CUDA-graph replay, raw launchers: per-call time / kernel device time (us) and the ratio of the
-    per-call time to the copy's (rope_kv_write) or to Liger's (plain RoPE)."""
+    """Decode in CUDA-graph replay, raw launchers: per-call time / kernel device time (us), and the per-call time
+    over the copy's (rope_kv_write) or over ropekit's default (plain RoPE).
+
+    rope_kv_write: the default launch; the same launch rotating only 2 of 128 columns (the rest passed through:
+    the same grid, loads and stores, almost no rotation math); positions as an int offset (no position load
+    before the angles); cos/sin tables gathered by position (no angle math); the copy; the copy with the prologue
+    kernel's argument count. Plain RoPE of q and k: the default, cos/sin tables, and Liger (where installed)."""
     from ropekit._spec import validate, validate_kv_write
     from ropekit.triton.launcher import launch_rope
     from ropekit.triton.prologue import launch_prologue
 
     padded = _padded_copy_kernel()
-    warps = (2, 4, 8)
     print("rope_kv_write decode: replay/device us (replay x copy)", flush=True)
     for name, m in MODELS.items():
-        fused = [(1, triton.next_power_of_2(m["hq"]), triton.next_power_of_2(m["hk"]), nw, True) for nw in warps]
+        inv = default_inv_freq(m["base"], D, torch.device("cuda"))
+        angles = torch.outer(torch.arange(MAX_SEQ, device="cuda", dtype=torch.float64), inv.double())
+        cos, sin = angles.cos().float(), angles.sin().float()
         for cache_dtype in (torch.bfloat16, FP8):
             for T in tokens:
                 q, k, v, k_cache, v_cache, pos, qw, kw, S = _inputs(T, T, m, cache_dtype)
                 scale = torch.tensor(0.05, device="cuda") if cache_dtype == FP8 else None
                 norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
-                q4, k4, v4, pos4, layout, cache = validate_kv_write(
-                    q, k, v, k_cache, v_cache, pos, None, "bshd", scale, scale, None, "bshd", None, False)
-                spec = validate(q4, k4, positions=pos4, layout=layout, base=m["base"])
-                q_out = torch.empty(q4.shape, device="cuda", dtype=q.dtype)
-                fns = {f"{'fused' + str(c[3]) if c else 'default'}":
-                       (lambda c=c: launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=c, **norm))
-                       for c in [None] + fused}
-                fns["copy"] = lambda: copy_rows(q, k, v, q_out.view(q.shape), k_cache, v_cache, pos, S)
-                fns["copy+args"] = lambda: padded_copy_rows(padded, q, k, v, q_out.view(q.shape), k_cache, v_cache,
-                                                            pos, S)
+                q_out = torch.empty(q.shape, device="cuda", dtype=q.dtype)
+                q_out4 = q_out.view(T, 1, -1, D)
+                fns = {}
+                for label, positions, rope in (("default", pos, {}), ("rotary2", pos, dict(rotary_dim=2)),
+                                               ("offset", 1000, {}), ("table", pos, dict(cos=cos, sin=sin))):
+                    q4, k4, v4, pos4, layout, cache = validate_kv_write(
+                        q, k, v, k_cache, v_cache, positions, None, "bshd", scale, scale, None, "bshd", None, False)
+                    rope = rope if "cos" in rope else dict(rope, base=m["base"])
+                    spec = validate(q4, k4, positions=pos4, layout=layout, **rope)
+                    fns[label] = (lambda a=(q4, k4, q_out4), s=spec, v4=v4, c=cache:
+                                  launch_prologue(*a, None, s, v=v4, cache=c, **norm))
+                fns["copy"] = lambda: copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S)
+                fns["copy+args"] = lambda: padded_copy_rows(padded, q, k, v, q_out, k_cache, v_cache, pos, S)
                 tag = "fp8" if cache_dtype == FP8 else "bf16"
                 _gap_row(f"{name} {tag} {T}", _replay_and_device(fns), "copy")
     try:
@@ -402,18 +411,21 @@ def decode_gap(tokens: list[int]) -> None:
         print(f"(no Liger: {exc})")
     print("plain RoPE of q and k, decode (Llama-3-8B): replay/device us (replay x the default)", flush=True)
     m = MODELS["llama3-8b"]
-    fused = [(1, 32, 8, nw, True) for nw in warps]
+    inv = default_inv_freq(m["base"], D, torch.device("cuda"))
+    angles = torch.outer(torch.arange(MAX_SEQ, device="cuda", dtype=torch.float64), inv.double())
     for T in tokens:
         q, k, _, _, _, pos, _, _, _ = _inputs(T, T, m, torch.bfloat16)
         q4, k4 = q.view(T, 1, -1, D), k.view(T, 1, -1, D)
-        spec = validate(q4, k4, positions=pos.view(T, 1), base=m["base"])
         qo, ko = torch.empty(q4.shape, device="cuda", dtype=q.dtype), torch.empty(k4.shape, device="cuda",
                                                                                   dtype=q.dtype)
-        fns = {"default": lambda: launch_rope(q4, k4, qo, ko, spec)}
-        fns.update({f"fused{c[3]}": (lambda c=c: launch_prologue(q4, k4, qo, ko, spec, config=c)) for c in fused})
+        specs = {"default": validate(q4, k4, positions=pos.view(T, 1), base=m["base"]),
+                 "table": validate(q4, k4, positions=pos.view(T, 1), cos=angles.cos().float(),
+                                   sin=angles.sin().float()),
+                 "bf16 table": validate(q4, k4, positions=pos.view(T, 1), cos=angles.cos().bfloat16(),
+                                        sin=angles.sin().bfloat16())}
+        fns = {label: (lambda s=spec: launch_rope(q4, k4, qo, ko, s)) for label, spec in specs.items()}
         if liger_rotary_pos_emb is not None:
-            inv = default_inv_freq(m["base"], D, torch.device("cuda"))
-            ang = pos.double()[:, None] * inv.double()[None, :]
+            ang = angles[pos]  # [T, D/2]
             cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)[:, None, :]  # [T, 1, D]
             sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)[:, None, :]
             qh, kh = q4.transpose(1, 2).clone(), k4.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place

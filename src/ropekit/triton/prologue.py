@@ -99,42 +99,6 @@ def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, ca
 
 
 @triton.jit
-def _load_block(x_ptr, x_sb, x_ss, x_sh, b, s, mask_t, h0, H, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
-                ROT_START: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                PASS_BLOCK: tl.constexpr):
-    """fp32 (lo, hi, pass-through) columns of one [BLOCK_T, BLOCK_H] block of head rows of ``x``, zero-padded."""
-    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
-    return _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
-                       HEAD_DIM != ROT_DIM, True)
-
-
-@triton.jit
-def _norm_turn_store(
-    x_lo, x_hi, x_p, o_ptr, o_row, o_ok, o_sh, h0, H, w_ptr, w_offset, eps, c_lo, c_hi, s_a, s_b, scale,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
-    FP8: tl.constexpr, ROUND_FP8: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    PASS_BLOCK: tl.constexpr,
-):
-    """Normalise (``NORM``) a loaded block of head rows (:func:`_load_block`), turn it by the tokens' rotation
-    (``_rotation``'s factors) times ``scale``, and store row (t, h) at ``o_ptr + o_row[t] + h * o_sh`` for the
-    tokens in ``o_ok``."""
-    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
-    if NORM:
-        r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
-        w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK,
-                                        PASS_BLOCK, HAS_PASS)
-        x_lo = x_lo * r * w_lo
-        x_hi = x_hi * r * w_hi
-        x_p = x_p * r * w_p
-    y_lo, y_hi = _turn(x_lo, x_hi, c_lo * scale, c_hi * scale, s_a * scale, s_b * scale)
-    h = h0 + tl.arange(0, BLOCK_H)
-    o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
-    om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
-    _store_pairs(o_ptr, o_base, om, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
-                PASS_BLOCK, HAS_PASS, FP8, ROUND_FP8)
-
-
-@triton.jit
 def _norm_rope_block(
     x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, w_ptr, w_offset, eps, scale,
     b, s, pos, valid, mask_t, h0, H,
@@ -146,34 +110,39 @@ def _norm_rope_block(
     ROUND_FP8: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):
     """Normalise (``NORM``) and rotate one [BLOCK_T, BLOCK_H] block of head rows of ``x``; store row (t, h) at
-    ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``. The rows are loaded before the rotation is formed,
-    so that their latency overlaps the angle math."""
-    x_lo, x_hi, x_p = _load_block(x_ptr, x_sb, x_ss, x_sh, b, s, mask_t, h0, H, HEAD_DIM, ROT_DIM, ROT_START, NEOX,
-                                  BLOCK_H, HALF_BLOCK, PASS_BLOCK)
+    ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
+    if NORM:
+        r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+        w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK,
+                                        PASS_BLOCK, HAS_PASS)
+        x_lo = x_lo * r * w_lo
+        x_hi = x_hi * r * w_hi
+        x_p = x_p * r * w_p
     c_lo, c_hi, s_a, s_b = _rotation(
-        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
         False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
-    _norm_turn_store(x_lo, x_hi, x_p, o_ptr, o_row, o_ok, o_sh, h0, H, w_ptr, w_offset, eps, c_lo, c_hi, s_a, s_b,
-                     scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, NORM, FP8, ROUND_FP8, BLOCK_H, HALF_BLOCK,
-                     PASS_BLOCK)
+    y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
+    h = h0 + tl.arange(0, BLOCK_H)
+    o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
+    om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
+    _store_pairs(o_ptr, o_base, om, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
+                PASS_BLOCK, HAS_PASS, FP8, ROUND_FP8)
 
 
 @triton.jit
-def _load_rows(x_ptr, x_sb, x_ss, x_sh, b, s, mask_t, h0, H, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
-               BLOCK_H: tl.constexpr):
-    """One [BLOCK_T, BLOCK_H, D_BLOCK] block of head rows of ``x``, as stored."""
+def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t, h0, H, scale,
+                HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+                ROUND_FP8: tl.constexpr):
+    """Copy one block of head rows of ``x`` to rows ``o_row`` of ``o``: bit for bit in the same dtype, else
+    ``x * scale`` converted (float8_e4m3fn: saturated)."""
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     d = tl.arange(0, D_BLOCK)[None, None, :]
-    return tl.load(x_ptr + x_base + d, mask=_within(m, d, HEAD_DIM, D_BLOCK))
-
-
-@triton.jit
-def _store_rows(x, o_ptr, o_row, o_ok, o_sh, h0, H, scale, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
-                BLOCK_H: tl.constexpr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """Store a block of head rows (:func:`_load_rows`) at rows ``o_row`` of ``o``: bit for bit in the same dtype,
-    else ``x * scale`` converted (float8_e4m3fn: saturated)."""
-    d = tl.arange(0, D_BLOCK)[None, None, :]
+    x = tl.load(x_ptr + x_base + d, mask=_within(m, d, HEAD_DIM, D_BLOCK))
     h = h0 + tl.arange(0, BLOCK_H)
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = _within((o_ok[:, None] & (h < H)[None, :])[:, :, None], d, HEAD_DIM, D_BLOCK)
@@ -182,15 +151,6 @@ def _store_rows(x, o_ptr, o_row, o_ok, o_sh, h0, H, scale, HEAD_DIM: tl.constexp
     else:
         y = x.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + o_base + d, y, mask=om)
-
-
-@triton.jit
-def _cache_scale(scale, scale_ptr, SCALE_PTR: tl.constexpr):
-    """A cache's store factor: ``scale``, divided by the device scalar ``scale_ptr[0]`` with ``SCALE_PTR`` (graph
-    capture; the launcher then passes the numerator alone)."""
-    if SCALE_PTR:
-        scale = scale / tl.load(scale_ptr).to(tl.float32)
-    return scale
 
 
 # pos_offset changes on every decode step: not specialised on (see rope_kernel).
@@ -213,7 +173,7 @@ def prologue_kernel(
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, FUSED_HEADS: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
     """A program normalises (``NORM``) and rotates one block of heads of q or of k for ``BLOCK_T`` tokens, q into
     ``qo`` and k into ``ko`` (a cache when ``CACHE_MODE`` > 0, whose row strides are ``c_sb``/``c_ss``), or copies
@@ -242,29 +202,7 @@ def prologue_kernel(
             row_valid = row_valid & (p >= 0) & (p <= _MAX_POSITION)
         k_row, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
                                   block_size, c_sb, c_ss, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
-    if FUSED_HEADS:
-        # One program per token block over every head of q, k and v (decode): all rows are loaded before anything
-        # is stored, so the three loads are in flight together, and the rotation is formed once.
-        q_lo, q_hi, q_p = _load_block(q_ptr, q_sb, q_ss, q_sh, b, s, mask_t, 0, HQ, HEAD_DIM, ROT_DIM, ROT_START,
-                                      NEOX, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK)
-        k_lo, k_hi, k_p = _load_block(k_ptr, k_sb, k_ss, k_sh, b, s, mask_t, 0, HK, HEAD_DIM, ROT_DIM, ROT_START,
-                                      NEOX, BLOCK_HK, HALF_BLOCK, PASS_BLOCK)
-        if CACHE_MODE != 0:
-            v_rows = _load_rows(v_ptr, v_sb, v_ss, v_sh, b, s, mask_t, 0, HK, HEAD_DIM, D_BLOCK, BLOCK_HK)
-        c_lo, c_hi, s_a, s_b = _rotation(
-            b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-            pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
-            False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
-        _norm_turn_store(q_lo, q_hi, q_p, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, 0, HQ, qw_ptr, w_offset, eps,
-                         c_lo, c_hi, s_a, s_b, q_scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, NORM, False, ROUND_FP8,
-                         BLOCK_HQ, HALF_BLOCK, PASS_BLOCK)
-        _norm_turn_store(k_lo, k_hi, k_p, ko_ptr, k_row, k_ok, ko_sh, 0, HK, kw_ptr, w_offset, eps,
-                         c_lo, c_hi, s_a, s_b, _cache_scale(k_scale, ks_ptr, K_SCALE_PTR), HEAD_DIM, ROT_DIM,
-                         ROT_START, NEOX, NORM, K_FP8, ROUND_FP8, BLOCK_HK, HALF_BLOCK, PASS_BLOCK)
-        if CACHE_MODE != 0:
-            _store_rows(v_rows, vo_ptr, k_row, k_ok, vo_sh, 0, HK, _cache_scale(v_scale, vs_ptr, V_SCALE_PTR),
-                        HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
-    elif hb < n_qb:
+    if hb < n_qb:
         _norm_rope_block(
             q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, q_scale,
             b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
@@ -273,18 +211,23 @@ def prologue_kernel(
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, False, ROUND_FP8, BLOCK_HQ,
             HALF_BLOCK, PASS_BLOCK)
     elif hb < n_qb + n_kb:
+        scale = k_scale
+        if K_SCALE_PTR:
+            scale = scale / tl.load(ks_ptr).to(tl.float32)
         _norm_rope_block(
-            k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps,
-            _cache_scale(k_scale, ks_ptr, K_SCALE_PTR), b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
+            k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
+            b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
             pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
             HALF_BLOCK, PASS_BLOCK)
     else:
-        h0 = (hb - n_qb - n_kb) * BLOCK_HK
-        _store_rows(_load_rows(v_ptr, v_sb, v_ss, v_sh, b, s, mask_t, h0, HK, HEAD_DIM, D_BLOCK, BLOCK_HK), vo_ptr,
-                    k_row, k_ok, vo_sh, h0, HK, _cache_scale(v_scale, vs_ptr, V_SCALE_PTR), HEAD_DIM, D_BLOCK,
-                    BLOCK_HK, V_FP8, ROUND_FP8)
+        scale = v_scale
+        if V_SCALE_PTR:
+            scale = 1.0 / tl.load(vs_ptr).to(tl.float32)
+        _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, k_row, k_ok, vo_sh, b, s, mask_t, (hb - n_qb - n_kb) * BLOCK_HK,
+                    HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
+
 
 
 @triton.jit
@@ -478,7 +421,6 @@ def _latency_config(dims: tuple, min_programs: int):
 
 LATENCY_HEADS = 4
 LATENCY_WARPS = 4
-FUSED_WARPS = 4
 # Norm kernels on large grids (prologue_probe.py on the H100, Qwen3-8B; the sweeps are in the results folders):
 # * never the streaming shape (16 B per thread, launcher.STREAM_*): the norm's row reductions want more bytes in
 #   flight per thread. rope_kv_write prefill of 8192 tokens at an int offset: 1.07x (fp8 cache) / 1.02x (bf16) the
@@ -527,27 +469,16 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
                     config=None) -> None:
     """Normalise (with weights) and rotate q into ``q_out`` and k into ``k_out`` -- or, with ``cache``, k and v
     into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing.
-    ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only); a fifth
-    element True makes one program per token block do every head of q, k and v (``FUSED_HEADS``: BLOCK_HQ and
-    BLOCK_HK then cover all heads)."""
+    ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = prologue_block_config(q, k, spec, norm=q_weight is not None, cache=cache is not None,
                                        min_programs=launcher._num_programs_wanted(q.device))
-    fused = config is not None and len(config) == 5 and config[4]
-    if fused:
-        config = config[:4]
-        HQ, HK = _grid_dims(q, k, spec)[1:3]
-        if config[1] < HQ or config[2] < HK:
-            raise ValueError(f"a fused-heads block shape covers every head (BLOCK_HQ >= {HQ}, BLOCK_HK >= {HK}), "
-                             f"got {config}")
     if q_weight is not None:  # the kernel indexes the weights densely
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
     if launch is None:
         return
     grid, args, constexprs, num_warps = launch
-    if fused:
-        grid = (1, grid[1], grid[2])
     named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
     dummy = q
     k_ptr_scale = v_ptr_scale = False
@@ -572,8 +503,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
         v_ptr_scale = isinstance(cache.v_scale, torch.Tensor)
         k_div = 1.0 if k_ptr_scale else 1.0 / cache.k_scale
         v_div = 1.0 if v_ptr_scale else 1.0 / cache.v_scale
-        if not fused:
-            grid = (grid[0] + launcher._cdiv(named["HK"], named["BLOCK_HK"]), grid[1], grid[2])  # v's head blocks
+        grid = (grid[0] + launcher._cdiv(named["HK"], named["BLOCK_HK"]), grid[1], grid[2])  # v's head blocks
     prologue_args = (
         named["q_ptr"], named["qo_ptr"], named["k_ptr"], k_target, v if v is not None else dummy, v_target,
         named["q_sb"], named["q_ss"], named["q_sh"], named["qo_sb"], named["qo_ss"], named["qo_sh"],
@@ -587,8 +517,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     const.update(NORM=q_weight is not None, CACHE_MODE=mode,
                  CACHE_BATCH_PER_TOKEN=cache is not None and cache.cache_batch is not None,
                  K_SCALE_PTR=k_ptr_scale, V_SCALE_PTR=v_ptr_scale, K_FP8=k_fp8, V_FP8=v_fp8,
-                 ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]),
-                 FUSED_HEADS=fused)
+                 ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
     constexprs = tuple(const[n] for n in PROLOGUE.constexprs)
     launcher._launch(grid, prologue_args, constexprs, num_warps, q.device, PROLOGUE)
     if RECORD_LAUNCH:
