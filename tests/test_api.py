@@ -275,6 +275,23 @@ def test_public_functions_forward_every_option(name, monkeypatch):
     assert seen == dict(sentinels, backend="auto")
 
 
+def test_qk_norm_rope_forwards_every_option(monkeypatch):
+    """qk_norm_rope hands every argument, as given, to the fast path, and its rope keywords are the ones the fast
+    path passes on to validate (NORM_ROPE_OPTIONS)."""
+    import inspect
+
+    from ropekit import _fastpath
+
+    params = inspect.signature(ropekit.qk_norm_rope).parameters
+    sentinels = {name: object() for name in params}
+    seen = {}
+    monkeypatch.setattr(_fastpath, "norm_rotate", lambda opts: seen.update(opts))
+    ropekit.qk_norm_rope(**sentinels)
+    assert seen == sentinels
+    rope = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("eps", "weight_offset")]
+    assert tuple(rope) == _fastpath.NORM_ROPE_OPTIONS
+
+
 def test_out_dtype_rounds_once_and_in_place_refuses_another_dtype():
     q, k = make_qk(2, 5, 4, 2, 16, dtype=torch.bfloat16)
     q_rot, k_rot = ropekit.apply_rope(q, k, positions=5, out_dtype=torch.float32)

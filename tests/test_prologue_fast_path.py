@@ -1,6 +1,7 @@
-"""rope_kv_write's eager fast path (launch plans, ``ropekit._fastpath.KvPlan``) against its full path: the same q
-and the same cache bytes, call after call with fresh data, for every kind of argument a plan refills; and the
-calls a plan must hand back to the full path."""
+"""The attention prologue's eager fast path against its full path, call after call with fresh data:
+rope_kv_write's plans (``ropekit._fastpath.KvPlan``: the same q and the same cache bytes) and qk_norm_rope's
+(``NormPlan``: the same outputs and gradients, bit for bit, with gradients arriving in several layouts), for every
+kind of argument a plan refills; and the calls a plan must hand back to the full path."""
 
 
 import pytest
@@ -115,3 +116,99 @@ def test_aliasing_differently_gets_its_own_plan():
         for _ in range(2):
             ropekit.rope_kv_write(q, k, v, *caches, positions=ids.clone(), slot_mapping=ids, cache_layout="paged")
         assert len(_fastpath._KV_PLANS) == 2
+
+
+def _norm_case(name: str, dev: str):
+    """(q/k shapes, options factory, whether the call needs gradients) of one kind of qk_norm_rope call."""
+    B, S, HQ, HK, D = 2, 3, 4, 2, 16
+    shapes = ((B, S, HQ, D), (B, S, HK, D))
+    if name == "range-grad":
+        return shapes, lambda: dict(base=500.0), True
+    if name == "tensor-positions-partial-interleaved-grad":
+        return shapes, lambda: dict(positions=torch.randint(0, 50, (B, S), device=dev), rotary_dim=8,
+                                    rotary_at="back", style="interleaved", weight_offset=1.0), True
+    if name == "int-offset-tables-grad":
+        cos, sin = torch.rand(12, D // 2, device=dev), torch.rand(12, D // 2, device=dev)
+        return shapes, lambda: dict(positions=int(torch.randint(0, 10, ()).item()), cos=cos, sin=sin), True
+    if name == "bhsd-inv-freq-inference":
+        inv = torch.rand(D // 2, device=dev)
+        return ((B, HQ, S, D), (B, HK, S, D)), lambda: dict(layout="bhsd", inv_freq=inv, q_scale=0.5), False
+    raise ValueError(name)
+
+
+def _grad_layouts(shape, dev: str):
+    """Output gradients as autograd may hand them over: dense, row-strided, expanded, last dim strided."""
+    B, S, H, D = shape
+    return [torch.randn(shape, device=dev), torch.randn(B, S, H, 2 * D, device=dev)[..., D:],
+            torch.randn(1, S, H, D, device=dev).expand(shape), torch.randn(B, S, H, 2 * D, device=dev)[..., ::2]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["range-grad", "tensor-positions-partial-interleaved-grad", "int-offset-tables-grad",
+                                  "bhsd-inv-freq-inference"])
+def test_norm_plans_equal_the_full_path(device, case):
+    dev = "cuda" if device == "cuda" else "cpu"
+    (q_shape, k_shape), opts, grad = _norm_case(case, dev)
+    D = q_shape[-1]
+    with _context(device):
+        _fastpath.clear()
+        for call, (gq, gk) in enumerate(zip(_grad_layouts(q_shape, dev) * 2, _grad_layouts(k_shape, dev) * 2)):
+            # the plan is recorded on the second call; each gradient layout's backward replay on its first use
+            inputs = [torch.randn(q_shape, device=dev), torch.randn(k_shape, device=dev),
+                      torch.rand(D, device=dev) + 0.5, torch.rand(D, device=dev) + 0.5]
+            o = opts()
+            results = []
+            for fast in (True, False):
+                leaves = [t.clone().requires_grad_(grad) for t in inputs]
+                ropekit.set_fast_path(fast)
+                try:
+                    with torch.set_grad_enabled(grad):
+                        outs = ropekit.qk_norm_rope(*leaves, **o)
+                        grads = torch.autograd.grad(outs, leaves, (gq, gk)) if grad else ()
+                finally:
+                    ropekit.set_fast_path(True)
+                results.append([*outs, *grads])
+            for got, want in zip(*results):
+                assert torch.equal(got, want), (case, call)
+        plans = list(_fastpath._NORM_PLANS.values())
+        assert len(plans) == 1 and plans[0].grad == grad
+        assert len(plans[0].backwards) == (3 if grad else 0)  # the last layout is made contiguous first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_norm_plan_hands_bad_offsets_back_to_the_full_path(device):
+    dev = "cuda" if device == "cuda" else "cpu"
+    q, k = torch.randn(1, 4, 4, 16, device=dev), torch.randn(1, 4, 2, 16, device=dev)
+    w = torch.rand(16, device=dev)
+    cos, sin = torch.rand(10, 8, device=dev), torch.rand(10, 8, device=dev)
+    with _context(device):
+        _fastpath.clear()
+        for p in (0, 3, 6):
+            ropekit.qk_norm_rope(q, k, w, w, positions=p, cos=cos, sin=sin)
+        assert len(_fastpath._NORM_PLANS) == 1
+        with pytest.raises(IndexError, match="positions"):
+            ropekit.qk_norm_rope(q, k, w, w, positions=7, cos=cos, sin=sin)  # rows 7..10 of a 10-row table
+        with pytest.raises(ValueError, match="positions"):
+            ropekit.qk_norm_rope(q, k, w, w, positions=-1, cos=cos, sin=sin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fast", [True, False], ids=["planned", "full"])
+def test_a_planned_norm_call_detects_inputs_modified_before_backward(device, fast):
+    # As the full path: q, k and the weights are saved for the backward, so an in-place change in between raises.
+    dev = "cuda" if device == "cuda" else "cpu"
+    with _context(device):
+        _fastpath.clear()
+        ropekit.set_fast_path(fast)
+        try:
+            for _ in range(3):
+                leaf = torch.randn(1, 2, 4, 16, device=dev, requires_grad=True)
+                q = leaf * 1.0
+                k, w = torch.randn(1, 2, 2, 16, device=dev), torch.rand(16, device=dev)
+                q_out, _ = ropekit.qk_norm_rope(q, k, w, w)
+            q.add_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                q_out.sum().backward()
+        finally:
+            ropekit.set_fast_path(True)
+        assert len(_fastpath._NORM_PLANS) == (1 if fast else 0)

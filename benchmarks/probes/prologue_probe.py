@@ -266,20 +266,12 @@ def _back_to_back_us(fn, steps: int = 20) -> float:
 
 def _enqueue_us(fn, steps: int = 20) -> float:
     """Host time to enqueue one call (best of 5 runs of ``steps`` calls, timed before synchronising)."""
-    import time
-
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / steps * 1e6)
-        torch.cuda.synchronize()
-    return best
+    return _host_us(fn, steps, wait=False)
 
 
-def _host_us(fn, calls: int = 200) -> float:
+def _host_us(fn, calls: int = 200, wait: bool = True) -> float:
+    """Best of 5 runs of ``calls`` calls, per call: wall time until the GPU is done (``wait``), or until the host
+    has enqueued them."""
     import time
 
     best = float("inf")
@@ -288,8 +280,10 @@ def _host_us(fn, calls: int = 200) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        if wait:
+            torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
     return best
 
 

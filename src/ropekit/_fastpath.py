@@ -22,6 +22,7 @@ against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fas
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import OrderedDict
 
@@ -41,6 +42,7 @@ from ropekit._spec import (
     validate_kv_write,
     validate_norm_weights,
 )
+from ropekit.autograd import norm_rotate as norm_rotate_spec
 from ropekit.autograd import rotate as rotate_spec
 from ropekit.autograd import write_kv as write_kv_spec
 from ropekit.ops import uses_kernels
@@ -143,17 +145,13 @@ def clear() -> None:
     _SEEN.clear()
     _KV_PLANS.clear()
     _KV_SEEN.clear()
+    _NORM_PLANS.clear()
+    _NORM_SEEN.clear()
 
 
 def _sighted(key, q, k, options, spec, outs, mode) -> None:
     """Note a signature's full-path call; on its second call, record its plan."""
-    if key in _SEEN:
-        del _SEEN[key]
-        _remember(key, q, k, options, spec, outs, mode)
-        return
-    _SEEN[key] = None
-    if len(_SEEN) > _MAX_SEEN:
-        _SEEN.popitem(last=False)
+    _note(_SEEN, key, lambda: _remember(key, q, k, options, spec, outs, mode))
 
 
 class Plan:
@@ -166,11 +164,9 @@ class Plan:
 
     def __call__(self, q: Tensor, k: Tensor | None, handles: list, options: dict, mode: Mode):
         """Launch and return the outputs as the full path would, or None to send the call down the full path."""
-        pos_offset = 0
-        if self.int_offset:
-            pos_offset = int(options["positions"])
-            if not 0 <= pos_offset <= self.max_offset:
-                return None
+        pos_offset = _checked_offset(options["positions"], self.max_offset) if self.int_offset else 0
+        if pos_offset == -1:
+            return None
         const = self.const_handles
         tables = tuple(handles[i] if i >= 0 else const[~i] for i in self.slots)
         if self.grad:
@@ -289,24 +285,54 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
     plan.int_offset = positions is not None and not isinstance(positions, Tensor)
     # The full path refuses offsets whose positions run past MAX_POSITION or a position-indexed table: replay
     # those bounds (with packed sequences, conservatively: S is at least the longest sequence).
-    seqlen = to_canonical(q, spec.layout).shape[1]
-    max_offset = MAX_POSITION - max(seqlen, 1) + 1
-    if spec.cos is not None and not spec.table_by_token and spec.positions is None and spec.seq_offsets is None:
-        max_offset = min(max_offset, spec.cos.shape[1] - seqlen)
-    plan.max_offset = max_offset
+    plan.max_offset = _offset_bound(spec, to_canonical(q, spec.layout).shape[1])
     plan.q_span = plan.k_span = plan.qk_delta = 0
     if mode.inplace and k is not None:  # the full path checked that q and k do not overlap at this relative offset
         plan.q_span, plan.k_span = span_bytes(q), span_bytes(k)
         plan.qk_delta = k.data_ptr() - q.data_ptr()
     plan.q_out = (q_out.shape, q_out.dtype)
     plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
-    _PLANS[key] = plan
-    if len(_PLANS) > _MAX_PLANS:  # least recently used out
-        _PLANS.popitem(last=False)
+    _keep(_PLANS, key, plan)
 
 
 def _same(t: Tensor) -> Tensor:
     return t
+
+
+def _offset_bound(spec: RopeSpec, seqlen: int) -> int:
+    """The largest int position offset the full path accepts for a call of ``seqlen`` tokens per sequence: its
+    positions stay within MAX_POSITION and within a position-indexed table (with packed sequences,
+    conservatively: S is at least the longest sequence)."""
+    bound = MAX_POSITION - max(seqlen, 1) + 1
+    if spec.cos is not None and not spec.table_by_token and spec.positions is None and spec.seq_offsets is None:
+        bound = min(bound, spec.cos.shape[1] - seqlen)
+    return bound
+
+
+def _checked_offset(positions, max_offset: int) -> int:
+    """A call's int position offset, or -1 where the full path must check it (below 0 or past ``max_offset``)."""
+    offset = int(positions)
+    return offset if 0 <= offset <= max_offset else -1
+
+
+def _note(seen: OrderedDict, key, record) -> None:
+    """Note a signature's full-path call; on its second, ``record()`` (which keeps a plan, or not)."""
+    if key in seen:
+        del seen[key]
+        record()
+        return
+    seen[key] = None
+    if len(seen) > _MAX_SEEN:
+        seen.popitem(last=False)
+
+
+def _keep(plans: OrderedDict, key, plan, limit: int = _MAX_PLANS) -> None:
+    """Keep ``plan`` (unless None) under ``key``, least recently used out beyond ``limit``."""
+    if plan is None:
+        return
+    plans[key] = plan
+    if len(plans) > limit:
+        plans.popitem(last=False)
 
 
 
@@ -324,25 +350,38 @@ _KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping",
 def write_kv(options: dict) -> Tensor:
     """:func:`ropekit.rope_kv_write` (``options``: its arguments by name): replay the plan of the call's signature,
     or validate, run and note the signature."""
-    sig = None
-    if _config.fast_path and not options["check_positions"] and options["cu_seqlens"] is None:
-        plan, sig = _planned(_KV_PLANS, _kv_signature(options))
-        if plan is not None:
-            out = plan(sig[1], options)
-            if out is not None:
-                return out
-            sig = None  # this call's position offset or cache placement needs the full path's checks
-    if sig is None:
-        return _write_kv_full(options, None)
+    use = _config.fast_path and not options["check_positions"] and options["cu_seqlens"] is None
+    return _prologue_call(_KV_PLANS, _kv_signature(options) if use else None, options, _write_kv_full)
+
+
+@contextlib.contextmanager
+def _recording():
+    """Within the block the prologue's launchers record their launch in ``prologue.LAST_LAUNCH`` (yielded), which
+    holds the call's tensors: emptied on the way out."""
     from ropekit.triton import prologue
 
     prologue.LAST_LAUNCH.clear()
     prologue.RECORD_LAUNCH = True
     try:
-        return _write_kv_full(options, sig)
-    finally:  # the launch holds the call's tensors (caches included): drop it once recorded or not needed
+        yield prologue.LAST_LAUNCH
+    finally:
         prologue.RECORD_LAUNCH = False
         prologue.LAST_LAUNCH.clear()
+
+
+def _prologue_call(plans: OrderedDict, sig, options: dict, full):
+    """A prologue call (rope_kv_write, qk_norm_rope): replay the plan of ``sig`` (the call's signature, or None
+    where plans do not apply), else ``full(options, sig)``, recording its launch while ``sig`` may get a plan."""
+    plan, sig = _planned(plans, sig)
+    if plan is not None:
+        out = plan(sig[1], options)
+        if out is not None:
+            return out
+        sig = None  # this call's position offset or memory placement needs the full path's checks
+    if sig is None:
+        return full(options, None)
+    with _recording():
+        return full(options, sig)
 
 
 def _write_kv_full(options: dict, sig) -> Tensor:
@@ -365,58 +404,137 @@ def _write_kv_full(options: dict, sig) -> Tensor:
     return out
 
 
-def _kv_signature(options: dict):
-    """(key, tensors) of a rope_kv_write call, or None where plans do not apply (not a kernel call, tracing,
-    tensor subclasses, autograd). ``tensors``: the call's tensor options in ``_KV_TENSORS`` order (None where
-    absent). The key holds every tensor's shape, strides, dtype, device and alignment, which of them share a data
-    pointer, and every other option's value (an int position offset by its type)."""
+def _call_signature(options: dict, names: tuple, grad_ok: bool):
+    """(key, tensors) of a call whose options are ``options``, or None where plans do not apply (not a kernel
+    call, tracing, tensor subclasses, or -- unless ``grad_ok`` -- autograd). ``tensors``: the options named in
+    ``names``, in that order (None where absent or not a tensor). The key holds every tensor's shape, strides,
+    dtype, device and alignment, which of them share a data pointer, whether autograd records the call, and every
+    other option's value (an int position offset by its type)."""
     q = options["q"]
     if type(q) is not Tensor or not uses_kernels(q) or torch.compiler.is_compiling():
         return None
     tensors, parts, ptrs = [], [], []
-    for name in _KV_TENSORS:
+    grad = False
+    for name in names:
         t = options[name]
         if t is None or not isinstance(t, Tensor):
             tensors.append(None)
             continue
-        if type(t) is not Tensor or (t.requires_grad and torch.is_grad_enabled()):
-            return None  # subclasses, and calls the full path refuses for autograd
+        if type(t) is not Tensor:
+            return None  # subclasses
+        if t.requires_grad and torch.is_grad_enabled():
+            if not grad_ok:
+                return None  # the full path refuses the call
+            grad = True
         p = t.data_ptr()
         tensors.append(t)
         parts.append((name, t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
         ptrs.append(p)
     aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
     scalars = tuple((n, type(v) if n == "positions" else v) for n, v in options.items()
-                    if n not in _KV_TENSORS or not isinstance(v, Tensor))
-    # writing inference-tensor caches is refused outside inference mode by the full path: part of the key
+                    if n not in names or not isinstance(v, Tensor))
+    return (tuple(parts), aliasing, scalars, grad), tensors
+
+
+def _kv_signature(options: dict):
+    """:func:`_call_signature` of a rope_kv_write call (``_KV_TENSORS``; no autograd), with whether its caches are
+    inference tensors, whose writes the full path refuses outside inference mode."""
+    sig = _call_signature(options, _KV_TENSORS, grad_ok=False)
+    if sig is None:
+        return None
+    key, tensors = sig
     inference = (*(c.is_inference() for c in tensors[3:5] if c is not None), torch.is_inference_mode_enabled())
-    return (tuple(parts), aliasing, scalars, inference), tensors
+    return (key, inference), tensors
 
 
 def _kv_sighted(sig, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache) -> None:
-    key = sig[0]
-    if key in _KV_SEEN:
-        del _KV_SEEN[key]
+    def record():
         from ropekit.triton import prologue
 
-        plan = KvPlan.record(sig[1], options, q_out, out, seqlen, cache, prologue.LAST_LAUNCH)
-        if plan is not None:
-            _KV_PLANS[key] = plan
-            if len(_KV_PLANS) > _MAX_PLANS:
-                _KV_PLANS.popitem(last=False)
-        return
-    _KV_SEEN[key] = None
-    if len(_KV_SEEN) > _MAX_SEEN:
-        _KV_SEEN.popitem(last=False)
+        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], options, q_out, out, seqlen, cache, prologue.LAST_LAUNCH))
+
+    _note(_KV_SEEN, sig[0], record)
+
+
+class _Replay:
+    """A prologue-kernel launch the full path made (``prologue.LAST_LAUNCH``), replayed with a later call's tensors:
+    each pointer argument is refilled from the call's tensors (the index, in ``sources``, of the one it pointed at
+    when recorded), allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name), or
+    kept (the default frequencies of ``base=``, which validation caches). Everything else is the recorded value,
+    which the call's signature fixes."""
+
+    __slots__ = ("grid", "args", "slots", "scratch", "consts", "constexprs", "num_warps", "roles", "compiled",
+                 "device_index")
+
+    @classmethod
+    def record(cls, launch: tuple, sources: list, keep_freq: bool, scratch: tuple = ()):
+        """The replay of ``launch`` (grid, args, constexprs, num_warps, roles, device), or None where a pointer
+        argument is a copy validation made of a call's tensor (no later call could refill it)."""
+        grid, args, constexprs, num_warps, roles, device = launch
+        by_ptr = {}
+        for j, t in enumerate(sources):
+            if t is not None:
+                by_ptr.setdefault(t.data_ptr(), j)
+        r = cls()
+        r.args = list(args)
+        slots, r.scratch = [], []
+        for i in roles.pointers:
+            name = roles.fn.arg_names[i]
+            if name in scratch:
+                r.scratch.append((i, tuple(args[i].shape), args[i].dtype))
+                r.args[i] = None
+                continue
+            j = by_ptr.get(args[i].data_ptr())
+            if j is not None:
+                slots.append((i, j))
+                r.args[i] = None
+            elif not (keep_freq and name == "freq_ptr" and args[i] is not None and args[i].dim() == 1):
+                return None
+        r.slots, r.scratch = tuple(slots), tuple(r.scratch)
+        # the constants' tensors stay alive with the replay (on CUDA its arguments hold their addresses only)
+        r.consts = tuple(a for i, a in enumerate(r.args) if i in roles.pointers and a is not None)
+        r.grid, r.constexprs, r.num_warps, r.roles = grid, constexprs, num_warps, roles
+        r.compiled = r.device_index = None
+        if device.type == "cuda":
+            from ropekit.triton import launcher
+
+            r.device_index = device.index if device.index is not None else torch.cuda.current_device()
+            r.compiled = launcher._COMPILED.get(roles.key(args, constexprs, num_warps, device.index))
+            if r.compiled is None:
+                return None
+            r.args = [a.data_ptr() if isinstance(a, Tensor) else a for a in r.args]
+        return r
+
+    def __call__(self, sources: list, pos_offset: int | None = None) -> list:
+        """Launch with ``sources`` (and this call's int position offset, where the signature has one); returns the
+        scratch tensors it allocated."""
+        from ropekit.triton import launcher
+
+        args = self.args.copy()
+        if pos_offset is not None:
+            args[self.roles.index["pos_offset"]] = pos_offset
+        device = sources[0].device
+        scratch = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in self.scratch]
+        cuda = self.compiled is not None
+        for i, j in self.slots:
+            args[i] = sources[j].data_ptr() if cuda else sources[j]
+        for (i, _, _), t in zip(self.scratch, scratch):
+            args[i] = t.data_ptr() if cuda else t
+        if not cuda:  # the interpreter: the launcher's own CPU path
+            launcher._launch(self.grid, args, self.constexprs, self.num_warps, device, self.roles)
+        elif launcher._current_device() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+        else:
+            launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+        return scratch
 
 
 class KvPlan:
-    """The prologue kernel's launch for one rope_kv_write signature: its arguments with each pointer slot mapped
-    to the call tensor it came from (an index into the call's tensors; ``len(_KV_TENSORS)`` for the fresh q
-    output) or kept as the plan's own constant (the cached default frequencies)."""
+    """The prologue kernel's launch for one rope_kv_write signature (:class:`_Replay`, whose sources are the call's
+    tensors in ``_KV_TENSORS`` order and then the fresh q output), with the checks a replay repeats per call."""
 
-    __slots__ = ("grid", "args", "slots", "consts", "constexprs", "num_warps", "roles", "compiled", "device_index",
-                 "q_out", "out_shape", "pos_index", "max_offset", "kv_spans", "input_spans")
+    __slots__ = ("replay", "q_out", "out_shape", "int_offset", "max_offset", "kv_spans", "input_spans")
 
     @classmethod
     def record(cls, tensors: list, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
@@ -424,43 +542,15 @@ class KvPlan:
         kernel argument is a copy of a call's tensor rather than a view of it."""
         if len(launch) != 1:
             return None
-        grid, args, constexprs, num_warps, roles, device = launch[0]
-        by_ptr = {}
-        for j, t in enumerate(tensors):
-            if t is not None:
-                by_ptr.setdefault(t.data_ptr(), j)
-        by_ptr.setdefault(q_out.data_ptr(), len(_KV_TENSORS))
         plan = cls()
-        plan.args = list(args)
-        slots = []
-        for i in roles.pointers:
-            j = by_ptr.get(args[i].data_ptr())
-            if j is not None:
-                slots.append((i, j))
-                plan.args[i] = None
-            elif not (options["inv_freq"] is None and args[i] is not None and args[i].dim() == 1
-                      and roles.fn.arg_names[i] == "freq_ptr"):
-                return None  # a copy made by validation: the plan could not refill it
-        plan.slots = tuple(slots)
-        # the constants' tensors stay alive with the plan (on CUDA its arguments hold their addresses only)
-        plan.consts = tuple(a for i, a in enumerate(plan.args) if i in roles.pointers and a is not None)
-        plan.grid, plan.constexprs, plan.num_warps, plan.roles = grid, constexprs, num_warps, roles
-        plan.compiled = None
-        plan.device_index = None
-        if device.type == "cuda":
-            plan.device_index = device.index if device.index is not None else torch.cuda.current_device()
-            from ropekit.triton import launcher
-
-            plan.compiled = launcher._COMPILED.get(roles.key(args, constexprs, num_warps, device.index))
-            if plan.compiled is None:
-                return None
-            # constants stay tensors on the interpreter, addresses on CUDA
-            plan.args = [a.data_ptr() if isinstance(a, Tensor) else a for a in plan.args]
+        plan.replay = _Replay.record(launch[0], [*tensors, q_out], options["inv_freq"] is None)
+        if plan.replay is None:
+            return None
+        roles, constexprs, args = plan.replay.roles, plan.replay.constexprs, launch[0][1]
         plan.q_out = (q_out.shape, q_out.dtype)
         plan.out_shape = out.shape
-        plan.pos_index = None
-        if not isinstance(options["positions"], Tensor):  # an int offset: refilled and bounds-checked per call
-            plan.pos_index = roles.index["pos_offset"]
+        plan.int_offset = not isinstance(options["positions"], Tensor)
+        if plan.int_offset:  # refilled and bounds-checked per call
             rows = cache.rows if not cache.paged else MAX_POSITION + 1
             plan.max_offset = min(MAX_POSITION, rows - 1) - max(seqlen, 1) + 1
             const = dict(zip(roles.constexprs, constexprs))
@@ -490,32 +580,160 @@ class KvPlan:
         return vp >= kp + k_span or kp >= vp + v_span or vp - kp == delta
 
     def __call__(self, tensors: list, options: dict):
-        args = self.args.copy()
-        if self.pos_index is not None:
-            offset = int(options["positions"])
-            if not 0 <= offset <= self.max_offset:
-                return None
-            args[self.pos_index] = offset
+        offset = _checked_offset(options["positions"], self.max_offset) if self.int_offset else None
+        if offset == -1:
+            return None
         if not self._caches_disjoint(tensors[3], tensors[4]) or not self._inputs_outside_caches(tensors):
             return None  # the full path decides (and raises where they overlap)
-        q = tensors[0]
-        q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=q.device)
-        handles = [*tensors, q_out]
-        cuda = self.compiled is not None
-        for i, j in self.slots:
-            args[i] = handles[j].data_ptr() if cuda else handles[j]
-        if cuda:
-            from ropekit.triton import launcher
-
-            if launcher._current_device() != self.device_index:
-                with torch.cuda.device(self.device_index):
-                    launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
-            else:
-                launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
-        else:  # the interpreter: the launcher's own CPU path
-            from ropekit.triton import launcher
-
-            launcher._launch(self.grid, args, self.constexprs, self.num_warps, q.device, self.roles)
+        q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=tensors[0].device)
+        self.replay([*tensors, q_out], offset)
         for cache in tensors[3:5]:  # the kernel's writes, declared to autograd as the full path does
             torch.autograd.graph.increment_version(cache)
         return q_out.view(self.out_shape)
+
+
+# --- qk_norm_rope --------------------------------------------------------------------------------------------
+# The same scheme for norm + RoPE, autograd included: the forward's plan is recorded on a signature's second call
+# from the launch the full path made; a planned call that needs gradients runs through PlannedNormRope, whose
+# backward replays, per layout of the incoming gradients, the backward launch its first full-path backward made.
+
+_NORM_PLANS: OrderedDict = OrderedDict()
+_NORM_SEEN: OrderedDict = OrderedDict()
+# qk_norm_rope's tensors, in the order a plan's sources index them (then the fresh outputs).
+_NORM_TENSORS = ("q", "k", "q_weight", "k_weight", *_TENSOR_OPTIONS)
+# its rope options: validate's keywords but the output dtype and the backend (a test holds the public signature to
+# them)
+NORM_ROPE_OPTIONS = tuple(name for name in _OPTIONS if name not in ("out_dtype", "backend"))
+_MAX_BACKWARDS = 8  # gradient layouts kept per plan
+
+
+def norm_rotate(options: dict) -> tuple:
+    """:func:`ropekit.qk_norm_rope` (``options``: its arguments by name): replay the plan of the call's signature,
+    or validate, run and note the signature."""
+    use = _config.fast_path and not options["check_positions"]
+    sig = _call_signature(options, _NORM_TENSORS, grad_ok=True) if use else None
+    return _prologue_call(_NORM_PLANS, sig, options, _norm_full)
+
+
+def _norm_spec(options: dict) -> RopeSpec:
+    return validate(options["q"], options["k"], **{name: options[name] for name in NORM_ROPE_OPTIONS})
+
+
+def _norm_full(options: dict, sig) -> tuple:
+    """The full path of :func:`norm_rotate`: validate, run, and note ``sig`` (None: not planned)."""
+    o = options
+    q, k = o["q"], o["k"]
+    spec = _norm_spec(o)
+    if k is None:
+        raise TypeError("qk_norm_rope needs k (use apply_rope on a normalised q alone)")
+    validate_norm_weights(q, k, o["q_weight"], o["k_weight"], o["eps"], o["weight_offset"], required=True)
+    outs = norm_rotate_spec(q, k, o["q_weight"], o["k_weight"], float(o["weight_offset"]), float(o["eps"]), spec)
+    if sig is not None:
+        def record():
+            from ropekit.triton import prologue
+
+            _keep(_NORM_PLANS, sig[0], NormPlan.record(sig, options, spec, outs, prologue.LAST_LAUNCH))
+
+        _note(_NORM_SEEN, sig[0], record)
+    return outs
+
+
+class NormPlan:
+    """The forward launch of one qk_norm_rope signature (:class:`_Replay`; sources: the call's tensors in
+    ``_NORM_TENSORS`` order, then the fresh q and k outputs) and, per layout of the incoming gradients, the
+    backward's (sources: the two gradients, the call's tensors, then the fresh dq and dk; its partial weight-
+    gradient rows allocated per call)."""
+
+    __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "backwards")
+
+    @classmethod
+    def record(cls, sig, options: dict, spec: RopeSpec, outs: tuple, launch: list):
+        if len(launch) != 1:
+            return None
+        (key, tensors) = sig
+        plan = cls()
+        plan.keep_freq = options["inv_freq"] is None
+        plan.forward = _Replay.record(launch[0], [*tensors, *outs], plan.keep_freq)
+        if plan.forward is None:
+            return None
+        plan.outs = tuple((o.shape, o.dtype) for o in outs)
+        plan.grad = key[3]
+        positions = options["positions"]
+        plan.int_offset = positions is not None and not isinstance(positions, Tensor)
+        if plan.int_offset:  # refilled and bounds-checked per call
+            plan.max_offset = _offset_bound(spec, to_canonical(tensors[0], spec.layout).shape[1])
+        plan.backwards = OrderedDict()
+        return plan
+
+    def __call__(self, tensors: list, options: dict):
+        """The call's (q_out, k_out), or None to send it down the full path."""
+        offset = _checked_offset(options["positions"], self.max_offset) if self.int_offset else None
+        if offset == -1:
+            return None
+        if self.grad:
+            return PlannedNormRope.apply(*tensors[:4], self, tensors, offset, options)
+        return self.run(tensors, offset)
+
+    def run(self, tensors: list, offset: int | None) -> tuple:
+        device = tensors[0].device
+        outs = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.outs)
+        self.forward([*tensors, *outs], offset)
+        return outs
+
+    def grads(self, grad_q: Tensor, grad_k: Tensor, tensors: list, offset: int | None, options: dict) -> tuple:
+        """(dq, dk, dq_weight, dk_weight) of a planned call (gradients with a contiguous last dim), by the replay
+        recorded for this layout of the gradients, or by the full path, which records it."""
+        sources = [grad_q, grad_k, *tensors]
+        present = [t for t in sources if t is not None]
+        ptrs = [t.data_ptr() for t in present]
+        key = (tuple((g.shape, g.stride(), g.dtype, g.data_ptr() & 15) for g in (grad_q, grad_k)),
+               tuple(ptrs.index(p) for p in ptrs))
+        q, k, q_weight, k_weight = tensors[:4]
+        replay = self.backwards.get(key)
+        if replay is not None:
+            dq, dk = torch.empty_like(q), torch.empty_like(k)
+            dwq, dwk = replay([*sources, dq, dk], offset)
+            return dq, dk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
+        from ropekit import ops
+
+        spec = _norm_spec(options)
+        with _recording() as launch:
+            grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, float(options["weight_offset"]),
+                                        float(options["eps"]), spec)
+            if len(launch) == 1:
+                _keep(self.backwards, key, _Replay.record(launch[0], [*sources, *grads[:2]], self.keep_freq,
+                                                          scratch=("dwq_ptr", "dwk_ptr")), _MAX_BACKWARDS)
+        return tuple(grads)
+
+
+class PlannedNormRope(torch.autograd.Function):
+    """Eager autograd of a qk_norm_rope call replayed from a plan, as :class:`ropekit.autograd.EagerNormRope` is of
+    the full path: the same kernels, the same saved tensors (and so the same in-place modification checks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, plan: NormPlan, tensors: list, offset: int | None, options: dict):
+        ctx.plan, ctx.offset, ctx.options = plan, offset, options
+        ctx.present = tuple(i for i, t in enumerate(tensors) if t is not None)
+        ctx.save_for_backward(*[t for t in tensors if t is not None])
+        return plan.run(tensors, offset)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        tensors = [None] * len(_NORM_TENSORS)
+        for i, t in zip(ctx.present, ctx.saved_tensors):
+            tensors[i] = t
+        q, k, q_weight, k_weight = tensors[:4]
+        grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+        grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+        # the kernel takes any strides but the last
+        grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
+        grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
+        if torch.is_grad_enabled():  # a differentiable backward: the registered op, as the full path takes it
+            from ropekit import ops
+
+            o = ctx.options
+            grads = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, float(o["weight_offset"]),
+                                              float(o["eps"]), *_norm_spec(o))
+        else:
+            grads = ctx.plan.grads(grad_q, grad_k, tensors, ctx.offset, ctx.options)
+        return (*grads, None, None, None, None)

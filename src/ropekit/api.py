@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ropekit import _fastpath, autograd, distributed
+from ropekit import _fastpath, distributed
 from ropekit._spec import (
     BACKWARD,
     FORWARD,
@@ -21,7 +21,6 @@ from ropekit._spec import (
     Mode,
     Positions,
     validate,
-    validate_norm_weights,
 )
 
 __all__ = ["apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write"]
@@ -210,14 +209,12 @@ def qk_norm_rope(
     >>> q_out, k_out = ropekit.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps=1e-6,
     ...                                     positions=position_ids, base=1000000.0)
     """
-    spec = validate(q, k, positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
-                    style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                    k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                    section_layout=section_layout, check_positions=check_positions)
-    if k is None:
-        raise TypeError("qk_norm_rope needs k (use apply_rope on a normalised q alone)")
-    validate_norm_weights(q, k, q_weight, k_weight, eps, weight_offset, required=True)
-    return autograd.norm_rotate(q, k, q_weight, k_weight, float(weight_offset), float(eps), spec)
+    options = dict(q=q, k=k, q_weight=q_weight, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
+                   positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                   layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                   rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                   section_layout=section_layout, check_positions=check_positions)
+    return _fastpath.norm_rotate(options)
 
 
 def rope_kv_write(

@@ -380,9 +380,9 @@ def _roles(fn) -> launcher.KernelRoles:
 
 
 PROLOGUE = _roles(prologue_kernel)
-# The latest launch_prologue call's (grid, args, constexprs, num_warps, roles, device), for the eager fast path
-# (ropekit._fastpath), which records a plan from the launch the full path made: kept only while the fast path
-# sets RECORD_LAUNCH (it holds the call's tensors) and cleared by it after use.
+# The latest launch_prologue or launch_norm_rope_bwd call's (grid, args, constexprs, num_warps, roles, device), for
+# the eager fast path (ropekit._fastpath), which records a plan from the launch the full path made: kept only while
+# the fast path sets RECORD_LAUNCH (it holds the call's tensors) and cleared by it after use.
 LAST_LAUNCH: list = []
 RECORD_LAUNCH = False
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
@@ -559,6 +559,9 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
         *(named[n] for n in _ROPE_ARGS), q_weight, k_weight, float(weight_offset), float(eps), n_tb,
     )
     const = {n: named[n] for n in _ROPE_CONSTEXPRS}
-    launcher._launch(grid, bwd_args, tuple(const[n] for n in NORM_ROPE_BWD.constexprs), num_warps, q.device,
-                     NORM_ROPE_BWD)
+    constexprs = tuple(const[n] for n in NORM_ROPE_BWD.constexprs)
+    launcher._launch(grid, bwd_args, constexprs, num_warps, q.device, NORM_ROPE_BWD)
+    if RECORD_LAUNCH:
+        LAST_LAUNCH.append((grid, bwd_args, constexprs, num_warps, NORM_ROPE_BWD, q.device))
+        del LAST_LAUNCH[:-1]
     return dq, dk, dwq.sum(0), dwk.sum(0)
