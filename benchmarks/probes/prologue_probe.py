@@ -368,7 +368,7 @@ def norm_sweep(batch: int, per_token: bool) -> None:
 
     default_programs = prologue.BWD_PROGRAMS_PER_SM
     by_programs = {}
-    for per_sm in (1, 2, 8, 32, 128):
+    for per_sm in (1, 2, 4, 8, 16, 32, 128):
         prologue.BWD_PROGRAMS_PER_SM = per_sm
         by_programs[per_sm] = _cold_us({"bwd": bwd[None]})["bwd"]
     prologue.BWD_PROGRAMS_PER_SM = default_programs

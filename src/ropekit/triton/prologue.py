@@ -388,9 +388,12 @@ RECORD_LAUNCH = False
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
 # Backward programs per program the launcher wants on the device (launcher._num_programs_wanted, 4 per SM): each
-# loops over token blocks and writes one partial weight-gradient row. At Qwen3-8B 4x4096 on the H200 the backward
-# took 331/322/250/233/303 us at 1/2/8/32/128 (prologue_probe.py --sweep).
-BWD_PROGRAMS_PER_SM = 32
+# loops over token blocks and writes one partial weight-gradient row, which a torch sum then adds up. Backward
+# including that sum, Qwen3-8B on the H100 (triton.testing.do_bench, cold L2, after the per-row accumulators of
+# ae76efe): 4x4096 227 / 211 / 210 / 219 us and 8x4096 409 / 390 / 383 / 389 us at 4 / 8 / 16 / 32 (the sweep
+# prologue_probe.py --norm-sweep prints); fewer programs leave SMs idle, more make the sum longer (11264 rows of
+# 128 take 21 us to sum, 2816 rows 13 us).
+BWD_PROGRAMS_PER_SM = 16
 # rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
 _ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
               "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
