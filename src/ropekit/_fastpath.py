@@ -15,6 +15,10 @@ cos/sin table or past the largest position sends the call back to the full path,
 for in-place calls whether q and k share memory in a way the full path has not checked. In-place replays declare
 their writes to autograd (version counters), as the full path does.
 
+The attention prologue's calls get plans of the same kind, recorded from the launch their full path made:
+``rope_kv_write`` (:class:`KvPlan`) and ``qk_norm_rope`` (:class:`NormPlan`, with its backward's launch replayed
+per layout of the incoming gradients through :class:`PlannedNormRope`).
+
 The same code runs on CPU tensors under :func:`ropekit.testing.kernels_on_cpu` (the Triton interpreter), with
 tensors instead of integer addresses as the kernel's pointer arguments, so CPU-only CI tests the fast path
 against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fast_path` turns plans off.
