@@ -82,6 +82,42 @@ def _copy_rows_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, S, q
     tl.store(vc_ptr + row + ik, vx.to(vc_ptr.dtype.element_ty), mask=ik < KW)
 
 
+@triton.jit
+def _copy_head_blocks_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, S, q_st, k_st, c_sb, c_ss,
+                             N_QB: tl.constexpr, N_KB: tl.constexpr, BH: tl.constexpr, D: tl.constexpr):
+    """copy_rows on rope_kv_write's decode grid: program (hb, t) copies BH heads of q, of k or of v of token t."""
+    hb = tl.program_id(0)
+    t = tl.program_id(1)
+    b = t // S
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    t64 = t.to(tl.int64)
+    i = tl.arange(0, BH * D)
+    if hb < N_QB:
+        x = tl.load(q_ptr + t64 * q_st + hb * BH * D + i)
+        tl.store(qo_ptr + t64 * (N_QB * BH * D) + hb * BH * D + i, x)
+    else:
+        row = b.to(tl.int64) * c_sb + pos * c_ss
+        if hb < N_QB + N_KB:
+            h0 = (hb - N_QB) * BH * D
+            x = tl.load(k_ptr + t64 * k_st + h0 + i)
+            tl.store(kc_ptr + row + h0 + i, x.to(kc_ptr.dtype.element_ty))
+        else:
+            h0 = (hb - N_QB - N_KB) * BH * D
+            x = tl.load(v_ptr + t64 * k_st + h0 + i)
+            tl.store(vc_ptr + row + h0 + i, x.to(vc_ptr.dtype.element_ty))
+
+
+def copy_head_blocks(q, k, v, q_out, k_cache, v_cache, pos, S, heads: int = 4):
+    """The copy on rope_kv_write's decode grid (one token, ``heads`` heads per program, 4 warps): as many programs
+    as the fused op, none of its arithmetic."""
+    T, HQ, _ = q.shape
+    HK = k.shape[1]
+    n_qb, n_kb = HQ // heads, HK // heads
+    _copy_head_blocks_kernel[(n_qb + 2 * n_kb, T)](q, k, v, q_out, k_cache, v_cache, pos, S, q.stride(0), k.stride(0),
+                                                   k_cache.stride(0), k_cache.stride(1), N_QB=n_qb, N_KB=n_kb,
+                                                   BH=heads, D=D, num_warps=4)
+
+
 def copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S):
     T, HQ, _ = q.shape
     HK = k.shape[1]
@@ -401,7 +437,9 @@ def decode_gap(tokens: list[int]) -> None:
     rope_kv_write: the default launch; the same launch rotating only 2 of 128 columns (the rest passed through:
     the same grid, loads and stores, almost no rotation math); positions as an int offset (no position load
     before the angles); cos/sin tables gathered by position (no angle math); the copy; the copy with the prologue
-    kernel's argument count. Plain RoPE of q and k: the default, cos/sin tables, and Liger (where installed)."""
+    kernel's argument count; the copy on the prologue's decode grid (``copy-grid``: 4 heads per program, as many
+    programs, none of the arithmetic). Plain RoPE of q and k: the default, cos/sin tables, and Liger (where
+    installed)."""
     from ropekit._spec import validate, validate_kv_write
     from ropekit.triton.launcher import launch_rope
     from ropekit.triton.prologue import launch_prologue
@@ -430,6 +468,7 @@ def decode_gap(tokens: list[int]) -> None:
                                   launch_prologue(*a, None, s, v=v4, cache=c, **norm))
                 fns["copy"] = lambda: copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S)
                 fns["copy+args"] = lambda: padded_copy_rows(padded, q, k, v, q_out, k_cache, v_cache, pos, S)
+                fns["copy-grid"] = lambda: copy_head_blocks(q, k, v, q_out, k_cache, v_cache, pos, S)
                 tag = "fp8" if cache_dtype == FP8 else "bf16"
                 _gap_row(f"{name} {tag} {T}", _replay_and_device(fns), "copy")
     try:
