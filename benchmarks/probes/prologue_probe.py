@@ -439,7 +439,7 @@ def decode_gap(tokens: list[int]) -> None:
     before the angles); cos/sin tables gathered by position (no angle math); the copy; the copy with the prologue
     kernel's argument count; the copy on the prologue's decode grid (``copy-grid``: 4 heads per program, as many
     programs, none of the arithmetic). Plain RoPE of q and k: the default, cos/sin tables, and Liger (where
-    installed)."""
+    installed), each also with per-token tables as Liger is given them (no position load in the call)."""
     from ropekit._spec import validate, validate_kv_write
     from ropekit.triton.launcher import launch_rope
     from ropekit.triton.prologue import launch_prologue
@@ -485,18 +485,21 @@ def decode_gap(tokens: list[int]) -> None:
         q4, k4 = q.view(T, 1, -1, D), k.view(T, 1, -1, D)
         qo, ko = torch.empty(q4.shape, device="cuda", dtype=q.dtype), torch.empty(k4.shape, device="cuda",
                                                                                   dtype=q.dtype)
+        ang = angles[pos]  # [T, D/2]: each token's angles, gathered by the caller (not timed)
+        hf_cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)[:, None, :]  # [T, 1, D], transformers'
+        hf_sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)[:, None, :]
         specs = {"default": validate(q4, k4, positions=pos.view(T, 1), base=m["base"]),
                  "table": validate(q4, k4, positions=pos.view(T, 1), cos=angles.cos().float(),
                                    sin=angles.sin().float()),
                  "bf16 table": validate(q4, k4, positions=pos.view(T, 1), cos=angles.cos().bfloat16(),
-                                        sin=angles.sin().bfloat16())}
+                                        sin=angles.sin().bfloat16()),
+                 # per-token tables, as Liger is given: no position load inside the call
+                 "token table": validate(q4, k4, cos=ang.cos().float()[:, None, :], sin=ang.sin().float()[:, None, :]),
+                 "hf token table": validate(q4, k4, cos=hf_cos, sin=hf_sin)}
         fns = {label: (lambda s=spec: launch_rope(q4, k4, qo, ko, s)) for label, spec in specs.items()}
         if liger_rotary_pos_emb is not None:
-            ang = angles[pos]  # [T, D/2]
-            cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)[:, None, :]  # [T, 1, D]
-            sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)[:, None, :]
             qh, kh = q4.transpose(1, 2).clone(), k4.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
-            fns["liger"] = lambda: liger_rotary_pos_emb(qh, kh, cos, sin)
+            fns["liger"] = lambda: liger_rotary_pos_emb(qh, kh, hf_cos, hf_sin)
         _gap_row(f"llama3-8b rope {T}", _replay_and_device(fns), "default")
 
 
