@@ -4,6 +4,8 @@ rope_kv_write's plans (``ropekit._fastpath.KvPlan``: the same q and the same cac
 kind of argument a plan refills; and the calls a plan must hand back to the full path."""
 
 
+import contextlib
+
 import pytest
 import torch
 
@@ -212,3 +214,153 @@ def test_a_planned_norm_call_detects_inputs_modified_before_backward(device, fas
         finally:
             ropekit.set_fast_path(True)
         assert len(_fastpath._NORM_PLANS) == (1 if fast else 0)
+
+
+def _served(monkeypatch) -> list:
+    """Counts the qk_norm_rope calls a plan served (replayed forwards)."""
+    served = []
+    run = _fastpath.NormPlan.run
+
+    def counting(self, tensors, offset):
+        served.append(1)
+        return run(self, tensors, offset)
+
+    monkeypatch.setattr(_fastpath.NormPlan, "run", counting)
+    return served
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "inference"])
+def test_norm_plans_serve_module_weights_in_bf16(device, grad, monkeypatch):
+    # nn.Parameter weights (a model's q_norm/k_norm) and bf16 tensors get plans that serve, with the full path's bits.
+    dev = "cuda" if device == "cuda" else "cpu"
+    served = _served(monkeypatch)
+    norm_q, norm_k = torch.nn.RMSNorm(16, device=dev), torch.nn.RMSNorm(16, device=dev)
+    norm_q.to(torch.bfloat16), norm_k.to(torch.bfloat16)
+    with _context(device):
+        _fastpath.clear()
+        for call in range(4):
+            inputs = [torch.randn(2, 3, h, 16, device=dev, dtype=torch.bfloat16) for h in (4, 2)]
+            results = []
+            for fast in (True, False):
+                leaves = [t.clone().requires_grad_(grad) for t in inputs]
+                for p in (*norm_q.parameters(), *norm_k.parameters()):
+                    p.grad = None
+                ropekit.set_fast_path(fast)
+                try:
+                    with torch.set_grad_enabled(grad):
+                        outs = ropekit.qk_norm_rope(*leaves, norm_q.weight, norm_k.weight, base=500.0)
+                        if grad:
+                            sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+                finally:
+                    ropekit.set_fast_path(True)
+                grads = [*(t.grad for t in leaves), norm_q.weight.grad, norm_k.weight.grad] if grad else []
+                results.append([*outs, *grads])
+            for got, want in zip(*results):
+                assert torch.equal(got, want), call
+        assert len(served) == 2 and len(_fastpath._NORM_PLANS) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_plan_backward_follows_saved_tensor_hooks(device):
+    # Saved-tensor hooks (offloading) may hand the backward a dense copy of a strided q: the backward replay must not
+    # read it with the strides it was recorded with. Three calls without the hook, then with it, then without.
+    dev = "cuda" if device == "cuda" else "cpu"
+    B, S, HQ, HK, D = 2, 3, 4, 2, 16
+
+    def offload():  # as save_on_cpu(pin_memory=True): a dense, contiguous copy of each saved tensor
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: torch.empty(t.shape, dtype=t.dtype,
+                                                                                device=t.device).copy_(t),
+                                                        lambda t: t)
+
+    def step(seed: int, hooked: bool, fast: bool):
+        gen = torch.Generator().manual_seed(seed)
+        qkv = torch.randn(B, S, HQ + 2 * HK, D, generator=gen).to(dev).requires_grad_()
+        w1, w2 = ((torch.rand(D, generator=gen) + 0.5).to(dev).requires_grad_() for _ in range(2))
+        q, k = qkv[:, :, :HQ], qkv[:, :, HQ:HQ + HK]  # slices of a fused projection
+        ropekit.set_fast_path(fast)
+        try:
+            with offload() if hooked else contextlib.nullcontext():
+                outs = ropekit.qk_norm_rope(q, k, w1, w2)
+            grads = [torch.randn(o.shape, generator=gen).to(dev) for o in outs]
+            return torch.autograd.grad(outs, (qkv, w1, w2), grads)
+        finally:
+            ropekit.set_fast_path(True)
+
+    with _context(device):
+        _fastpath.clear()
+        for seed, hooked in enumerate([False, False, False, True, True, False]):
+            for got, want in zip(step(seed, hooked, True), step(seed, hooked, False)):
+                assert torch.equal(got, want), (seed, hooked)
+        assert len(_fastpath._NORM_PLANS) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planned_norm_calls_free_checkpointed_activations(device):
+    # Under non-reentrant activation checkpointing the forward's q must not outlive it (the plan keeps no tensor of
+    # the call outside autograd's saved tensors), and the gradients equal the full path's.
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    dev = "cuda" if device == "cuda" else "cpu"
+    B, S, HQ, HK, D = 2, 3, 4, 2, 16
+    refs = []
+
+    def block(x, wq, wk, qw, kw):
+        q, k = (x @ wq).view(B, S, HQ, D), (x @ wk).view(B, S, HK, D)
+        refs.append(weakref.ref(q))
+        q_out, k_out = ropekit.qk_norm_rope(q, k, qw, kw)
+        return q_out.sum() + (k_out * k_out).sum()
+
+    weights = [torch.randn(32, HQ * D, device=dev), torch.randn(32, HK * D, device=dev),
+               torch.rand(D, device=dev), torch.rand(D, device=dev)]
+    with _context(device):
+        results = {}
+        for fast in (True, False):
+            _fastpath.clear()
+            ropekit.set_fast_path(fast)
+            try:
+                leaves = [w.clone().requires_grad_() for w in weights]
+                results[fast] = []
+                for seed in range(4):
+                    refs.clear()
+                    x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(seed)).to(dev)
+                    loss = checkpoint(block, x, *leaves, use_reentrant=False)
+                    gc.collect()
+                    assert refs[0]() is None, (fast, seed)
+                    results[fast].append(torch.autograd.grad(loss, leaves))
+            finally:
+                ropekit.set_fast_path(True)
+            assert len(_fastpath._NORM_PLANS) == (1 if fast else 0)
+        for planned, full in zip(results[True], results[False]):
+            assert all(torch.equal(a, b) for a, b in zip(planned, full))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planned_norm_calls_save_what_the_full_path_saves(device):
+    # Packed sequences with per-token positions: validation drops cu_seqlens, so changing it in place before the
+    # backward is harmless on the full path, and must be on a planned call too; changing positions raises on both.
+    dev = "cuda" if device == "cuda" else "cpu"
+    with _context(device):
+        _fastpath.clear()
+        for fast in (True, False):
+            ropekit.set_fast_path(fast)
+            try:
+                for _ in range(3):
+                    q = torch.randn(5, 4, 16, device=dev, requires_grad=True)
+                    k = torch.randn(5, 2, 16, device=dev)
+                    w = torch.rand(16, device=dev)
+                    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=dev)
+                    pos = torch.tensor([0, 1, 0, 1, 2], device=dev)
+                    q_out, _ = ropekit.qk_norm_rope(q, k, w, w, layout="thd", cu_seqlens=cu, positions=pos)
+                cu.add_(0)
+                q_out.sum().backward()
+                q_out, _ = ropekit.qk_norm_rope(q, k, w, w, layout="thd", cu_seqlens=cu, positions=pos)
+                pos.add_(0)
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    q_out.sum().backward()
+            finally:
+                ropekit.set_fast_path(True)
+        assert len(_fastpath._NORM_PLANS) == 1

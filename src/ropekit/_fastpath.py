@@ -360,17 +360,16 @@ def write_kv(options: dict) -> Tensor:
 
 @contextlib.contextmanager
 def _recording():
-    """Within the block the prologue's launchers record their launch in ``prologue.LAST_LAUNCH`` (yielded), which
-    holds the call's tensors: emptied on the way out."""
+    """Within the block (on this thread) the prologue's launchers record their launches in the yielded list, which
+    holds the call's tensors: dropped on the way out."""
     from ropekit.triton import prologue
 
-    prologue.LAST_LAUNCH.clear()
-    prologue.RECORD_LAUNCH = True
+    launches = []
+    prologue.RECORDER.launches = launches
     try:
-        yield prologue.LAST_LAUNCH
+        yield launches
     finally:
-        prologue.RECORD_LAUNCH = False
-        prologue.LAST_LAUNCH.clear()
+        prologue.RECORDER.launches = None
 
 
 def _prologue_call(plans: OrderedDict, sig, options: dict, full):
@@ -383,13 +382,14 @@ def _prologue_call(plans: OrderedDict, sig, options: dict, full):
             return out
         sig = None  # this call's position offset or memory placement needs the full path's checks
     if sig is None:
-        return full(options, None)
-    with _recording():
-        return full(options, sig)
+        return full(options, None, None)
+    with _recording() as launches:
+        return full(options, sig, launches)
 
 
-def _write_kv_full(options: dict, sig) -> Tensor:
-    """The full path of :func:`write_kv`: validate, run, and note ``sig`` (None: not planned)."""
+def _write_kv_full(options: dict, sig, launches: list | None) -> Tensor:
+    """The full path of :func:`write_kv`: validate, run, and note ``sig`` (None: not planned) with the launches
+    it made (``launches``)."""
     o = options
     q4, k4, v4, pos4, layout, cache = validate_kv_write(
         o["q"], o["k"], o["v"], o["k_cache"], o["v_cache"], o["positions"], o["slot_mapping"], o["cache_layout"],
@@ -404,7 +404,7 @@ def _write_kv_full(options: dict, sig) -> Tensor:
                           cache)
     out = q_out.view(o["q"].shape) if o["q"].dim() == 3 else q_out
     if sig is not None:
-        _kv_sighted(sig, options, q_out, out, to_canonical(q4, layout).shape[1], cache)
+        _kv_sighted(sig, options, q_out, out, to_canonical(q4, layout).shape[1], cache, launches)
     return out
 
 
@@ -424,8 +424,8 @@ def _call_signature(options: dict, names: tuple, grad_ok: bool):
         if t is None or not isinstance(t, Tensor):
             tensors.append(None)
             continue
-        if type(t) is not Tensor:
-            return None  # subclasses
+        if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            return None  # subclasses (a Parameter is a plain tensor to torch functions: its override is disabled)
         if t.requires_grad and torch.is_grad_enabled():
             if not grad_ok:
                 return None  # the full path refuses the call
@@ -435,8 +435,8 @@ def _call_signature(options: dict, names: tuple, grad_ok: bool):
         parts.append((name, t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
         ptrs.append(p)
     aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
-    scalars = tuple((n, type(v) if n == "positions" else v) for n, v in options.items()
-                    if n not in names or not isinstance(v, Tensor))
+    scalars = tuple((n, type(v) if n == "positions" else tuple(v) if isinstance(v, list) else v)
+                    for n, v in options.items() if n not in names or not isinstance(v, Tensor))  # a list: sections
     return (tuple(parts), aliasing, scalars, grad), tensors
 
 
@@ -451,21 +451,19 @@ def _kv_signature(options: dict):
     return (key, inference), tensors
 
 
-def _kv_sighted(sig, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache) -> None:
+def _kv_sighted(sig, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launches: list) -> None:
     def record():
-        from ropekit.triton import prologue
-
-        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], options, q_out, out, seqlen, cache, prologue.LAST_LAUNCH))
+        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], options, q_out, out, seqlen, cache, launches))
 
     _note(_KV_SEEN, sig[0], record)
 
 
 class _Replay:
-    """A prologue-kernel launch the full path made (``prologue.LAST_LAUNCH``), replayed with a later call's tensors:
-    each pointer argument is refilled from the call's tensors (the index, in ``sources``, of the one it pointed at
-    when recorded), allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name), or
-    kept (the default frequencies of ``base=``, which validation caches). Everything else is the recorded value,
-    which the call's signature fixes."""
+    """A prologue-kernel launch the full path made (recorded by :func:`_recording`), replayed with a later call's
+    tensors: each pointer argument is refilled from the call's tensors (the index, in ``sources``, of the one it
+    pointed at when recorded), allocated afresh per call (``scratch``: arguments the launcher allocates itself, by
+    name), or kept (the default frequencies of ``base=``, which validation caches). Everything else is the recorded
+    value, which the call's signature fixes."""
 
     __slots__ = ("grid", "args", "slots", "scratch", "consts", "constexprs", "num_warps", "roles", "compiled",
                  "device_index")
@@ -623,8 +621,9 @@ def _norm_spec(options: dict) -> RopeSpec:
     return validate(options["q"], options["k"], **{name: options[name] for name in NORM_ROPE_OPTIONS})
 
 
-def _norm_full(options: dict, sig) -> tuple:
-    """The full path of :func:`norm_rotate`: validate, run, and note ``sig`` (None: not planned)."""
+def _norm_full(options: dict, sig, launches: list | None) -> tuple:
+    """The full path of :func:`norm_rotate`: validate, run, and note ``sig`` (None: not planned) with the launches
+    it made (``launches``)."""
     o = options
     q, k = o["q"], o["k"]
     spec = _norm_spec(o)
@@ -633,35 +632,37 @@ def _norm_full(options: dict, sig) -> tuple:
     validate_norm_weights(q, k, o["q_weight"], o["k_weight"], o["eps"], o["weight_offset"], required=True)
     outs = norm_rotate_spec(q, k, o["q_weight"], o["k_weight"], float(o["weight_offset"]), float(o["eps"]), spec)
     if sig is not None:
-        def record():
-            from ropekit.triton import prologue
-
-            _keep(_NORM_PLANS, sig[0], NormPlan.record(sig, options, spec, outs, prologue.LAST_LAUNCH))
-
-        _note(_NORM_SEEN, sig[0], record)
+        _note(_NORM_SEEN, sig[0], lambda: _keep(_NORM_PLANS, sig[0], NormPlan.record(sig, options, spec, outs,
+                                                                                      launches)))
     return outs
+
+
+def _layout(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
 
 
 class NormPlan:
     """The forward launch of one qk_norm_rope signature (:class:`_Replay`; sources: the call's tensors in
-    ``_NORM_TENSORS`` order, then the fresh q and k outputs) and, per layout of the incoming gradients, the
+    ``_NORM_TENSORS`` order, then the fresh q and k outputs) and, per layout of the backward's tensors, the
     backward's (sources: the two gradients, the call's tensors, then the fresh dq and dk; its partial weight-
-    gradient rows allocated per call)."""
+    gradient rows allocated per call). ``saved``: the tensor options the forward reads (saved for the backward as
+    the full path saves its spec's tensors); the others are options validation drops."""
 
-    __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "backwards")
+    __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "saved", "backwards")
 
     @classmethod
-    def record(cls, sig, options: dict, spec: RopeSpec, outs: tuple, launch: list):
-        if len(launch) != 1:
+    def record(cls, sig, options: dict, spec: RopeSpec, outs: tuple, launches: list):
+        if len(launches) != 1:
             return None
-        (key, tensors) = sig
+        key, tensors = sig
         plan = cls()
         plan.keep_freq = options["inv_freq"] is None
-        plan.forward = _Replay.record(launch[0], [*tensors, *outs], plan.keep_freq)
+        plan.forward = _Replay.record(launches[0], [*tensors, *outs], plan.keep_freq)
         if plan.forward is None:
             return None
         plan.outs = tuple((o.shape, o.dtype) for o in outs)
         plan.grad = key[3]
+        plan.saved = tuple(sorted({j for _, j in plan.forward.slots if 4 <= j < len(_NORM_TENSORS)}))
         positions = options["positions"]
         plan.int_offset = positions is not None and not isinstance(positions, Tensor)
         if plan.int_offset:  # refilled and bounds-checked per call
@@ -686,12 +687,12 @@ class NormPlan:
 
     def grads(self, grad_q: Tensor, grad_k: Tensor, tensors: list, offset: int | None, options: dict) -> tuple:
         """(dq, dk, dq_weight, dk_weight) of a planned call (gradients with a contiguous last dim), by the replay
-        recorded for this layout of the gradients, or by the full path, which records it."""
+        recorded for this layout of the gradients and of the saved tensors (which saved-tensor hooks may have
+        changed since the forward), or by the full path, which records it."""
         sources = [grad_q, grad_k, *tensors]
         present = [t for t in sources if t is not None]
         ptrs = [t.data_ptr() for t in present]
-        key = (tuple((g.shape, g.stride(), g.dtype, g.data_ptr() & 15) for g in (grad_q, grad_k)),
-               tuple(ptrs.index(p) for p in ptrs))
+        key = (tuple(_layout(t) for t in present), tuple(ptrs.index(p) for p in ptrs))
         q, k, q_weight, k_weight = tensors[:4]
         replay = self.backwards.get(key)
         if replay is not None:
@@ -701,31 +702,39 @@ class NormPlan:
         from ropekit import ops
 
         spec = _norm_spec(options)
-        with _recording() as launch:
+        with _recording() as launches:
             grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, float(options["weight_offset"]),
                                         float(options["eps"]), spec)
-            if len(launch) == 1:
-                _keep(self.backwards, key, _Replay.record(launch[0], [*sources, *grads[:2]], self.keep_freq,
+            if len(launches) == 1:
+                _keep(self.backwards, key, _Replay.record(launches[0], [*sources, *grads[:2]], self.keep_freq,
                                                           scratch=("dwq_ptr", "dwk_ptr")), _MAX_BACKWARDS)
         return tuple(grads)
 
 
 class PlannedNormRope(torch.autograd.Function):
     """Eager autograd of a qk_norm_rope call replayed from a plan, as :class:`ropekit.autograd.EagerNormRope` is of
-    the full path: the same kernels, the same saved tensors (and so the same in-place modification checks)."""
+    the full path: the same kernels, and the same tensors saved (q, k, the weights and the tensor options the
+    kernel reads), so in-place changes before the backward raise as there, and saved-tensor hooks (activation
+    checkpointing, offloading) see all of them. Options validation drops stay plain references."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, plan: NormPlan, tensors: list, offset: int | None, options: dict):
-        ctx.plan, ctx.offset, ctx.options = plan, offset, options
-        ctx.present = tuple(i for i, t in enumerate(tensors) if t is not None)
-        ctx.save_for_backward(*[t for t in tensors if t is not None])
+        ctx.plan, ctx.offset = plan, offset
+        ctx.save_for_backward(q, k, q_weight, k_weight, *[tensors[j] for j in plan.saved])
+        ctx.dropped = {j: tensors[j] for j in range(4, len(_NORM_TENSORS)) if j not in plan.saved}
+        ctx.scalars = {name: v for name, v in options.items() if not isinstance(v, Tensor)}  # an int offset too
         return plan.run(tensors, offset)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        tensors = [None] * len(_NORM_TENSORS)
-        for i, t in zip(ctx.present, ctx.saved_tensors):
-            tensors[i] = t
+        plan = ctx.plan
+        saved = ctx.saved_tensors
+        tensors = [*saved[:4], *[None] * (len(_NORM_TENSORS) - 4)]
+        for j, t in zip(plan.saved, saved[4:]):
+            tensors[j] = t
+        for j, t in ctx.dropped.items():
+            tensors[j] = t
+        options = dict(ctx.scalars, **{name: t for name, t in zip(_NORM_TENSORS, tensors) if t is not None})
         q, k, q_weight, k_weight = tensors[:4]
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
         grad_k = torch.zeros_like(k) if grad_k is None else grad_k
@@ -735,9 +744,9 @@ class PlannedNormRope(torch.autograd.Function):
         if torch.is_grad_enabled():  # a differentiable backward: the registered op, as the full path takes it
             from ropekit import ops
 
-            o = ctx.options
-            grads = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, float(o["weight_offset"]),
-                                              float(o["eps"]), *_norm_spec(o))
+            grads = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight,
+                                              float(options["weight_offset"]), float(options["eps"]),
+                                              *_norm_spec(options))
         else:
-            grads = ctx.plan.grads(grad_q, grad_k, tensors, ctx.offset, ctx.options)
+            grads = plan.grads(grad_q, grad_k, tensors, ctx.offset, options)
         return (*grads, None, None, None, None)

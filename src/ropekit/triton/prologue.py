@@ -15,6 +15,8 @@ whose position is invalid, writes nothing: never an out-of-bounds write. float8_
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -373,6 +375,12 @@ def norm_rope_bwd_kernel(
             HALF_BLOCK, PASS_BLOCK)
 
 
+def _record(launch: tuple) -> None:
+    launches = getattr(RECORDER, "launches", None)
+    if launches is not None:
+        launches.append(launch)
+
+
 def _roles(fn) -> launcher.KernelRoles:
     names = fn.arg_names
     return launcher.KernelRoles(fn, tuple(names[names.index("HEAD_DIM"):]), ("q_scale", "k_scale", "rotary_scale",
@@ -380,11 +388,11 @@ def _roles(fn) -> launcher.KernelRoles:
 
 
 PROLOGUE = _roles(prologue_kernel)
-# The latest launch_prologue or launch_norm_rope_bwd call's (grid, args, constexprs, num_warps, roles, device), for
-# the eager fast path (ropekit._fastpath), which records a plan from the launch the full path made: kept only while
-# the fast path sets RECORD_LAUNCH (it holds the call's tensors) and cleared by it after use.
-LAST_LAUNCH: list = []
-RECORD_LAUNCH = False
+# The eager fast path (ropekit._fastpath) records a plan from the launch the full path made: while it sets
+# RECORDER.launches to a list (per thread: autograd runs backward on its own threads), launch_prologue and
+# launch_norm_rope_bwd append their (grid, args, constexprs, num_warps, roles, device); the list holds the call's
+# tensors, and the fast path drops it after use.
+RECORDER = threading.local()
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
 # Backward programs per program the launcher wants on the device (launcher._num_programs_wanted, 4 per SM): each
@@ -523,9 +531,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
                  ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
     constexprs = tuple(const[n] for n in PROLOGUE.constexprs)
     launcher._launch(grid, prologue_args, constexprs, num_warps, q.device, PROLOGUE)
-    if RECORD_LAUNCH:
-        LAST_LAUNCH.append((grid, prologue_args, constexprs, num_warps, PROLOGUE, q.device))
-        del LAST_LAUNCH[:-1]
+    _record((grid, prologue_args, constexprs, num_warps, PROLOGUE, q.device))
 
 
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
@@ -564,7 +570,5 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     const = {n: named[n] for n in _ROPE_CONSTEXPRS}
     constexprs = tuple(const[n] for n in NORM_ROPE_BWD.constexprs)
     launcher._launch(grid, bwd_args, constexprs, num_warps, q.device, NORM_ROPE_BWD)
-    if RECORD_LAUNCH:
-        LAST_LAUNCH.append((grid, bwd_args, constexprs, num_warps, NORM_ROPE_BWD, q.device))
-        del LAST_LAUNCH[:-1]
+    _record((grid, bwd_args, constexprs, num_warps, NORM_ROPE_BWD, q.device))
     return dq, dk, dwq.sum(0), dwk.sum(0)
