@@ -365,3 +365,24 @@ def test_planned_norm_calls_save_what_the_full_path_saves(device):
             finally:
                 ropekit.set_fast_path(True)
         assert len(_fastpath._NORM_PLANS) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_plans_take_sections_as_a_list(device, monkeypatch):
+    # transformers configs give mrope_section as a list: such calls get a plan like the tuple's, with the same bits.
+    dev = "cuda" if device == "cuda" else "cpu"
+    served = _served(monkeypatch)
+    w = torch.rand(16, device=dev)
+    with _context(device):
+        _fastpath.clear()
+        for _ in range(4):
+            q, k = torch.randn(2, 3, 4, 16, device=dev), torch.randn(2, 3, 2, 16, device=dev)
+            pos = torch.randint(0, 40, (3, 2, 3), device=dev)
+            out = ropekit.qk_norm_rope(q, k, w, w, positions=pos, sections=[2, 3, 3])
+            ropekit.set_fast_path(False)
+            try:
+                ref = ropekit.qk_norm_rope(q, k, w, w, positions=pos, sections=(2, 3, 3))
+            finally:
+                ropekit.set_fast_path(True)
+            assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        assert len(served) == 2 and len(_fastpath._NORM_PLANS) == 1

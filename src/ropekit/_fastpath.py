@@ -27,6 +27,7 @@ against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fas
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections import OrderedDict
 
@@ -421,8 +422,9 @@ def _call_signature(options: dict, names: tuple, grad_ok: bool):
     grad = False
     for name in names:
         t = options[name]
-        if t is None or not isinstance(t, Tensor):
+        if not isinstance(t, Tensor):
             tensors.append(None)
+            parts.append(type(t) if name == "positions" else t)  # absent, a float scale, or an int offset's type
             continue
         if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
             return None  # subclasses (a Parameter is a plain tensor to torch functions: its override is disabled)
@@ -432,12 +434,18 @@ def _call_signature(options: dict, names: tuple, grad_ok: bool):
             grad = True
         p = t.data_ptr()
         tensors.append(t)
-        parts.append((name, t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
+        parts.append((t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
         ptrs.append(p)
     aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
-    scalars = tuple((n, type(v) if n == "positions" else tuple(v) if isinstance(v, list) else v)
-                    for n, v in options.items() if n not in names or not isinstance(v, Tensor))  # a list: sections
+    tensor_names = _name_set(names)
+    scalars = tuple(tuple(v) if type(v) is list else v  # a list: sections
+                    for n, v in options.items() if n not in tensor_names)
     return (tuple(parts), aliasing, scalars, grad), tensors
+
+
+@functools.cache
+def _name_set(names: tuple) -> frozenset:
+    return frozenset(names)
 
 
 def _kv_signature(options: dict):
