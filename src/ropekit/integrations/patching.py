@@ -8,9 +8,15 @@ and every attention layer then calls its modeling module's ``apply_rotary_pos_em
 
 * the model's rotary-embedding module gets a ropekit :class:`~ropekit.RotaryEmbedding` (built from the model
   config by :func:`~ropekit.from_hf_config`, so dynamic NTK and LongRoPE switch exactly as in transformers). Its
-  forward still returns transformers-style ``(cos, sin)`` in the hidden-state dtype -- any code that reads the
-  tables keeps working -- and the cos tensor carries the positions, the float32 ``inv_freq`` and the attention
-  scaling it came from;
+  forward chooses the frequencies as transformers would and returns transformers-style ``(cos, sin)`` -- the shape,
+  dtype (the hidden states'), device and strides of transformers' tables -- that are *lazy*: private tensor
+  subclasses whose values are built (one build for the pair) only when some torch op reads either of them. Any
+  code that reads the tables keeps working and sees plain tensors; a model whose rotations all go through ropekit
+  builds no table at all. The cos tensor carries the positions, the float32 ``inv_freq`` and the attention scaling
+  it came from. Position ids changed in place between the forward and the first read of its tables make that read
+  raise ``RuntimeError`` (they are kept by reference, not copied). While compiled or traced (``torch.compile``,
+  ``torch.export``, ``torch.jit.trace``, a dispatch mode such as fake tensors) the tables are plain tensors built
+  at once, as a compiler drops the ones nobody reads;
 * the family's ``apply_rotary_pos_emb`` (and DeepSeek-V3's ``apply_rotary_pos_emb_interleave``) is replaced by a
   dispatcher: given a cos tensor from a patched model it rotates with :func:`ropekit.apply_rope` using those
   positions and frequencies (angles formed exactly in the kernel, fp32 math, no bf16 table); given anything else
@@ -22,6 +28,7 @@ function comes back when the last such model is unpatched.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -32,6 +39,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._pytree import tree_map_only
 
 from ropekit._spec import pair_axis_tensor
 from ropekit.api import apply_rope
@@ -86,26 +95,152 @@ class _Plan:
 # --------------------------------------------------------------------------------------------------------------
 
 
+class _TableBuilder:
+    """Builds one rotary forward's ``(cos, sin)`` the first time either is read, with the ``hf_tables`` call the
+    eager forward would have made; later reads reuse the pair.
+
+    The position ids are kept by reference, not copied (a copy would be work on every forward), with their version
+    counter: if the caller changes them in place before the first read, the build raises ``RuntimeError`` instead
+    of using the new values. Inference tensors have no version counter; those are copied (one small copy)."""
+
+    __slots__ = ("_args", "_shape", "_tables", "_version")
+
+    def __init__(self, position_ids: Tensor, inv: Tensor, scale: float, sections, section_layout: str,
+                 dtype: torch.dtype, shape: tuple[int, ...]):
+        self._shape = shape
+        if position_ids.is_inference():
+            position_ids, self._version = position_ids.clone(), None
+        else:
+            self._version = position_ids._version
+        self._args = (position_ids, inv, scale, sections, section_layout, dtype)
+        self._tables: tuple[Tensor, Tensor] | None = None
+
+    def tables(self) -> tuple[Tensor, Tensor]:
+        if self._tables is None:
+            position_ids, *rest = self._args
+            if self._version is not None and position_ids._version != self._version:
+                raise RuntimeError("ropekit: the position ids given to the patched rotary embedding were changed in "
+                                   "place after its forward, before its cos/sin tables were first read; the tables "
+                                   "would no longer match that forward (pass a new tensor rather than changing it)")
+            tables = _eager_tables(position_ids, *rest)
+            if tables[0].shape != self._shape:  # the lazy tables promised this shape to everyone who looked
+                raise RuntimeError(f"ropekit: internal error, lazy cos/sin tables of shape {self._shape} built as "
+                                   f"{tuple(tables[0].shape)}")
+            if self._tables is None:  # two threads may race to the first read: both build, one pair is kept
+                self._tables = tables
+        return self._tables
+
+
+def _eager_tables(position_ids: Tensor, inv: Tensor, scale: float, sections, section_layout: str,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The ``(cos, sin)`` transformers returns, built by ropekit: float32 from exact angles, then ``dtype``."""
+    with torch.no_grad():
+        pair_axis = None
+        if sections is not None:  # vision-language models: position_ids [3, B, S]
+            pair_axis = pair_axis_tensor(sections, section_layout, position_ids.device)
+        cos, sin = hf_tables(position_ids, inv, scale, pair_axis=pair_axis)
+        return cos.to(dtype), sin.to(dtype)
+
+
+class _LazyTable(Tensor):
+    """A cos or sin table that is built on first use: shape, dtype, device and strides are those of the table
+    transformers returns, the values come from a :class:`_TableBuilder` shared with the other table of the pair.
+
+    Every torch op on it runs on the built (plain) tensor and returns plain tensors, so code that reads the tables
+    (an unpatched ``apply_rotary_pos_emb``, user code) sees ordinary tensors, autograd included; the dispatcher
+    reads only ``shape``/``dtype``, which need no build."""
+
+    _builder: _TableBuilder
+    _index: int
+
+    # not subclass-preserving: results of ops are plain tensors
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, builder: _TableBuilder, index: int, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device):
+        strides, step = [], 1
+        for n in reversed(shape):  # contiguous, as the torch.cat that ends transformers' table build
+            strides.append(step)
+            step *= max(n, 1)
+        self = Tensor._make_wrapper_subclass(cls, shape, strides=tuple(reversed(strides)), dtype=dtype,
+                                             device=device, requires_grad=False)
+        self._builder, self._index = builder, index
+        return self
+
+    def _value(self) -> Tensor:
+        return self._builder.tables()[self._index]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map_only(_LazyTable, _LazyTable._value, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return repr(self._value())
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._value(), memo)
+
+    def __reduce_ex__(self, protocol):  # pickles (torch.save) as the plain tensor
+        return self._value().__reduce_ex__(protocol)
+
+
+def _plain_method(name: str):
+    """A method that torch implements as "return self" when it has nothing to do (``.float()`` of a float32
+    table, ``.cpu()`` of a CPU one): run it on the built tensor so that the result is a plain tensor."""
+    method = getattr(Tensor, name)
+
+    @functools.wraps(method)
+    def plain(self, *args, **kwargs):
+        if self.requires_grad:  # someone made the table a leaf of their own graph: keep torch's behaviour
+            return method(self, *args, **kwargs)
+        return method(self._value(), *args, **kwargs)
+
+    return plain
+
+
+for _name in ("to", "type", "type_as", "cpu", "cuda", "contiguous", "float", "double", "half", "bfloat16",
+              "numpy", "tolist", "__array__", "data_ptr", "untyped_storage"):
+    setattr(_LazyTable, _name, _plain_method(_name))
+del _name
+
+
+def _tracing() -> bool:
+    """Whether this call is being compiled or traced: tables are then plain (a compiler drops the unread ones, and
+    a tracer would have to see through the subclass)."""
+    # (FX symbolic tracing passes proxies, not tensors: the caller checks the types)
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or _get_current_dispatch_mode() is not None  # fake tensors, make_fx, ...
+            or torch._C._functorch.maybe_current_level() is not None)  # vmap / grad transforms
+
+
 def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type: str | None = None
                     ) -> tuple[Tensor, Tensor]:
-    """Replacement of a transformers ``*RotaryEmbedding.forward``: HF-style tables, tagged with a plan."""
+    """Replacement of a transformers ``*RotaryEmbedding.forward``: HF-style tables, built lazily (on first read),
+    with cos tagged with a plan, from which the dispatcher rotates without reading the tables."""
     if layer_type is not None:
         raise ValueError("ropekit's patch covers models with one rotary embedding for all layers; this call asked "
                          f"for layer_type={layer_type!r}")
     rope: RotaryEmbedding = getattr(self, _STATE_ATTR).rope
     with torch.no_grad():
-        # transformers reads max(position_ids) here too; the choice is committed once the tables exist, so
-        # threads sharing the model each get the frequencies their own call selected
+        # transformers reads max(position_ids) here too; the choice is committed at once (the tables, if ever
+        # built, use these frequencies), so threads sharing the model each get the frequencies their call selected
         seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
         f, cached, inv = rope._choose(seq_len, x.device)
-        pair_axis = None
-        if f.sections is not None:  # vision-language models: position_ids [3, B, S]
-            pair_axis = pair_axis_tensor(f.sections, f.section_layout, position_ids.device)
-        cos, sin = hf_tables(position_ids, inv, f.attention_scaling, pair_axis=pair_axis)  # float32, exact angles
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # what transformers returns
+        scale = float(f.attention_scaling)
+        if _tracing() or type(x) is not Tensor or type(position_ids) is not Tensor:
+            cos, sin = _eager_tables(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype)
+        else:
+            # hf_tables' shape: the positions' ([B, S]; M-RoPE's [A, B, S] less the axis dim), then W
+            shape = (*position_ids.shape[f.sections is not None:], 2 * inv.shape[-1])
+            builder = _TableBuilder(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype,
+                                    shape)
+            cos = _LazyTable(builder, 0, shape, x.dtype, position_ids.device)
+            sin = _LazyTable(builder, 1, shape, x.dtype, position_ids.device)
         rope._commit(f, cached, inv)
-    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
-                                   width=cos.shape[-1], sections=f.sections, section_layout=f.section_layout))
+    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=scale, width=cos.shape[-1],
+                                   sections=f.sections, section_layout=f.section_layout))
     return cos, sin
 
 
@@ -143,7 +278,8 @@ def _make_dispatcher(original: Callable, kind: str) -> Callable:
 
 def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze_dim: int | None):
     """The ropekit rotation for one dispatcher call, or None when the call falls outside what the plan covers
-    (then the original function runs)."""
+    (then the original function runs). Reads only cos's metadata (shape, dtype): reading its values would build the
+    lazy tables."""
     layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
     if layout is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
         return None
@@ -215,8 +351,9 @@ def patch(model: nn.Module) -> nn.Module:
     M-RoPE positions ropekit rotates by exactly; their vision towers keep their own rotary). Every rope type works
     (default, linear, dynamic, yarn, longrope, llama3, ...); partial rotary and attention scaling follow the model.
     Logits and gradients match the unpatched model (to float32 rounding in fp32; in bf16 ropekit is the more
-    accurate of the two, since transformers rounds its cos/sin tables to bf16). Patching twice is a no-op. Undo with
-    :func:`unpatch`.
+    accurate of the two, since transformers rounds its cos/sin tables to bf16). The rotary module's ``(cos, sin)``
+    are built only if something reads them (see the module docstring); its position ids must not be changed in
+    place before then. Patching twice is a no-op. Undo with :func:`unpatch`.
 
     Raises
     ------
