@@ -3,7 +3,11 @@ configurations, against a copy of q replayed the same way; plus each kernel's ow
 
 Separates what a decode call costs into the kernel's execution (profiler duration) and the per-node cost of a
 graph replay, for the Llama-3-8B shape by default (32/8 heads, D 128, bf16, one token per sequence, per-sequence
-offsets). ``--sweep`` times every block shape instead.
+offsets). ``--sweep`` times every block shape instead, with Liger (given per-token tables, as its callers do)
+and a Triton copy of q and k on two grids: one program per token (Liger's grid) and one per 8 heads of q or of k
+(ropekit's default decode grid), to tell the grid's cost from the rotation's; and ``rope_kernel``'s own token
+block, address, load and store helpers on its own grid with no position, angle or rotation (``rope path, no
+rotation``), to tell the kernel's access path from its arithmetic.
 
     python benchmarks/probes/decode_probe.py [--tokens 1,16,64] [--heads 32:8] [--sweep]
 """
@@ -29,10 +33,73 @@ if __name__ == "__main__":
     ARGS = parse_args()  # --help exits here
 
 import torch
+import triton
+import triton.language as tl
 from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._spec import validate
+from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
 from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
+
+
+@triton.jit
+def _copy_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, QW: tl.constexpr, KW: tl.constexpr, BQ: tl.constexpr,
+                    BK: tl.constexpr, SEPARATE: tl.constexpr):
+    """Program (hb, t) copies block hb of token t's q row (BQ elements) and, unless ``SEPARATE``, block hb of its
+    k row (BK elements); with ``SEPARATE`` the programs past q's blocks copy k's."""
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    n_qb: tl.constexpr = QW // BQ
+    iq = hb * BQ + tl.arange(0, BQ)
+    ik = (hb - n_qb if SEPARATE else hb) * BK + tl.arange(0, BK)
+    if hb < n_qb:
+        tl.store(qo_ptr + t * QW + iq, tl.load(q_ptr + t * QW + iq))
+    if SEPARATE:
+        if hb >= n_qb:
+            tl.store(ko_ptr + t * KW + ik, tl.load(k_ptr + t * KW + ik))
+    elif hb < KW // BK:
+        tl.store(ko_ptr + t * KW + ik, tl.load(k_ptr + t * KW + ik))
+
+
+@triton.jit
+def _rope_path_copy_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, HQ, HK, S, num_tokens,
+                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    """rope_kernel's grid, token block, addresses, loads and stores (NeoX halves, outputs with the inputs'
+    strides), with the rotation left out: y = x."""
+    hb = tl.program_id(0)
+    t, mask_t, b, s = _token_block(tl.program_id(1), num_tokens, S, BLOCK_T)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    if hb < n_qb:
+        base, m = _head_tile(b, s, mask_t, hb * BLOCK_HQ, HQ, q_sb, q_ss, q_sh, BLOCK_HQ)
+        x_lo, x_hi, x_p = _load_heads(q_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
+        _store_pairs(qo_ptr, base, m, x_lo, x_hi, x_p, D, D, 0, True, D // 2, 1, False, False, False)
+    else:
+        base, m = _head_tile(b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK, k_sb, k_ss, k_sh, BLOCK_HK)
+        x_lo, x_hi, x_p = _load_heads(k_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
+        _store_pairs(ko_ptr, base, m, x_lo, x_hi, x_p, D, D, 0, True, D // 2, 1, False, False, False)
+
+
+def rope_path_copy(q, k, qo, ko, config):
+    """q -> qo, k -> ko ([T, 1, H, D], contiguous) through :func:`_rope_path_copy_kernel` at ``config``
+    (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps)."""
+    T, S, HQ, D = q.shape
+    HK = k.shape[2]
+    bt, bhq, bhk, nw = config
+    grid = (triton.cdiv(HQ, bhq) + triton.cdiv(HK, bhk), triton.cdiv(T * S, bt))
+    _rope_path_copy_kernel[grid](q, qo, k, ko, *q.stride()[:3], *k.stride()[:3], HQ, HK, S, T * S, D=D,
+                                 BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, num_warps=nw)
+
+
+def copy_qk(q, k, qo, ko, heads: int | None):
+    """Copy contiguous q and k ([T, 1, H, 128]): one program per token (``heads`` None) or one per ``heads``
+    heads of q or of k."""
+    T, _, HQ, D = q.shape
+    HK = k.shape[2]
+    if heads is None:
+        grid, bq, bk, separate = (1, T), HQ * D, HK * D, False
+    else:
+        grid, bq, bk, separate = (HQ // heads + HK // heads, T), heads * D, heads * D, True
+    _copy_qk_kernel[grid](q, k, qo, ko, QW=HQ * D, KW=HK * D, BQ=bq, BK=bk, SEPARATE=separate, num_warps=4)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -47,6 +114,17 @@ def main(args: argparse.Namespace) -> None:
         emb = torch.randn(T, 1, 128, device="cuda", dtype=torch.bfloat16)
         variants = {"copy-q": lambda: qo.copy_(q)}
         default = block_config(T, HQ, HK, 128, 2, _num_programs_wanted(q.device))
+        if args.sweep:
+            variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
+            variants["copy q+k, 8 heads/program"] = lambda: copy_qk(q, k, qo, ko, 8)
+            variants[f"rope path, no rotation {default}"] = lambda: rope_path_copy(q, k, qo, ko, default)
+            try:
+                from liger_kernel.transformers.rope import liger_rotary_pos_emb
+            except ImportError as exc:
+                print(f"(no Liger: {exc})")
+            else:
+                qh, kh = q.transpose(1, 2).clone(), k.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
+                variants["liger (hf table)"] = lambda: liger_rotary_pos_emb(qh, kh, emb, emb)
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=emb, sin=emb))):
             launch_kw = validate(q, k, **kwargs)
             configs = {f"default {default}": None}
@@ -62,7 +140,8 @@ def main(args: argparse.Namespace) -> None:
         timed = graph_us_interleaved(variants)
         base = timed["copy-q"]
         for name, g in timed.items():
-            kern_s = "" if args.sweep else ", ".join(f"{v:.2f}" for v in kernel_us(variants[name]).values())
+            swept = args.sweep and " T" in name  # the sweep's shapes: replay time only
+            kern_s = "" if swept else ", ".join(f"{v:.2f}" for v in kernel_us(variants[name]).values())
             print(f"{T:>6} {name:<34} {g:>9.2f} {g / base:>8.2f} {kern_s:>10}")
         for label in ("exact", "hf table"):
             mine = {n: g for n, g in timed.items() if n.startswith(label)}

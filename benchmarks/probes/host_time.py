@@ -41,6 +41,32 @@ def per_call_us(fn, number: int = 2000, rounds: int = 9) -> float:
     return statistics.median(times) / number * 1e6
 
 
+def _patched_rotary_rows(dev: torch.device) -> list:
+    """A one-layer Llama's rotary forward at a decode step: transformers' own, and patched (lazy tables: nothing
+    built unless read), with the table build a patched forward used to do every time. Needs transformers."""
+    try:
+        import transformers
+
+        from ropekit.integrations import patching
+    except ImportError as exc:
+        print(f"(no transformers: {exc})")
+        return []
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=4096, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=32, num_key_value_heads=8)
+    hf = transformers.LlamaForCausalLM(config).to(dev, torch.bfloat16)
+    patched = patching.patch(transformers.LlamaForCausalLM(config).to(dev, torch.bfloat16))
+    h = torch.zeros(1, 1, 4096, device=dev, dtype=torch.bfloat16)
+    ids = torch.tensor([[4095]], device=dev)
+    rope = patching._ropekit_module(patched)
+    f, _, inv = rope._choose(None, dev)
+    return [
+        ("transformers' rotary forward (decode)", lambda: hf.model.rotary_emb(h, ids)),
+        ("patched rotary forward (lazy tables)", lambda: patched.model.rotary_emb(h, ids)),
+        ("  part: the tables it does not build",
+         lambda: patching._eager_tables(ids, inv, f.attention_scaling, None, "contiguous", h.dtype)),
+    ]
+
+
 def main(args: argparse.Namespace) -> None:
     dev = torch.device("cuda")
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=torch.bfloat16)
@@ -109,6 +135,7 @@ def main(args: argparse.Namespace) -> None:
         ("  part: Triton launch-hook check", _launch_hooks_idle),
         ("  part: torch.compiler.is_compiling()", torch.compiler.is_compiling),
     ]
+    rows += _patched_rotary_rows(dev)
     base = None
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'call':<44} {'us/call':>8} {'x add_':>7}")
