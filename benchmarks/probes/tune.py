@@ -41,6 +41,8 @@ CASES = [
     ("llama8b bf16 B8 S4096", 8, 4096, 32, 8, 128, torch.bfloat16, {}),
     ("llama8b bf16 B1 S32768", 1, 32768, 32, 8, 128, torch.bfloat16, {}),
     ("mha16 D64 bf16 B16 S2048", 16, 2048, 16, 16, 64, torch.bfloat16, {}),
+    ("mha16 D64 bf16 B1 S2048", 1, 2048, 16, 16, 64, torch.bfloat16, {}),
+    ("mha16 D64 bf16 B1 S4096", 1, 4096, 16, 16, 64, torch.bfloat16, {}),
     ("llama8b fp32 B4 S4096", 4, 4096, 32, 8, 128, torch.float32, {}),
     ("llama8b bf16 interleaved B8 S4096", 8, 4096, 32, 8, 128, torch.bfloat16, dict(style="interleaved")),
     ("D256 bf16 B4 S4096 16/8", 4, 4096, 16, 8, 256, torch.bfloat16, {}),
