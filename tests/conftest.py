@@ -43,3 +43,20 @@ def plan_calls(monkeypatch):
     monkeypatch.setattr(_fastpath.Plan, "__call__", counting)
     _fastpath.clear()
     return counter
+
+
+@pytest.fixture
+def rope_calls(monkeypatch):
+    """The ``style`` of every rotation a patched transformers model sent through ropekit (a test that never reached
+    ropekit proves nothing)."""
+    from ropekit.integrations import patching
+
+    calls = []
+    original = patching.apply_rope
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("style"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(patching, "apply_rope", spy)
+    return calls

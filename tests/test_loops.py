@@ -271,23 +271,6 @@ def tiny_llama(attn: str, device: str, dtype=torch.float32):
     return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-@pytest.fixture
-def rope_calls(monkeypatch):
-    """Counts rotations that went through ropekit's patched path (a test that never reached ropekit proves
-    nothing)."""
-    from ropekit.integrations import patching
-
-    calls = []
-    original = patching.apply_rope
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("style"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(patching, "apply_rope", spy)
-    return calls
-
-
 ADAM_LR = 1e-2
 
 

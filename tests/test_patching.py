@@ -62,20 +62,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.fixture
-def rope_calls(monkeypatch):
-    """Counts the rotations that went through ropekit."""
-    calls = []
-    original = patching.apply_rope
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["style"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(patching, "apply_rope", spy)
-    return calls
-
-
 @pytest.fixture(autouse=True)
 def _no_patch_leaks():
     yield

@@ -35,20 +35,6 @@ LAYERS = COMMON["num_hidden_layers"]
 
 
 @pytest.fixture
-def rope_calls(monkeypatch):
-    """Counts the rotations that went through ropekit."""
-    calls = []
-    original = patching.apply_rope
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["style"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(patching, "apply_rope", spy)
-    return calls
-
-
-@pytest.fixture
 def builds(monkeypatch):
     """Counts the table builds (calls of ``hf_tables`` from the patching module)."""
     calls = []
@@ -266,8 +252,9 @@ def test_position_ids_changed_in_place_before_the_read_raise(builds):
 
 
 def test_lazy_table_behaves_as_a_plain_tensor(builds):
-    """Copies, pickling, repr and everyday ops give plain tensors with the table's values; autograd goes through
-    ops that combine a table with a tensor that requires grad."""
+    """Copies, pickling, repr and everyday ops give plain tensors with the table's values (a conversion with nothing
+    to do gives the table itself, as for a plain tensor); autograd goes through ops that combine a table with a
+    tensor that requires grad."""
     model = tiny_model("phi3")
     x, position_ids = _rotary_inputs("phi3")
     patch(model)
@@ -287,10 +274,7 @@ def test_lazy_table_behaves_as_a_plain_tensor(builds):
             "torch.load": loaded["cos"],
             "clone": cos.clone(),
             "detach": cos.detach(),
-            "float": cos.float(),
-            "to": cos.to("cpu"),
             "contiguous": cos.contiguous(),
-            "cpu": cos.cpu(),
             "view": cos.view(cos.shape),
             "index": cos[:, :],
         }
@@ -298,6 +282,7 @@ def test_lazy_table_behaves_as_a_plain_tensor(builds):
             assert type(value) is torch.Tensor, name
             assert torch.equal(value, want_cos), name
         assert torch.equal(loaded["sin"], want_sin)
+        assert cos.float() is cos and cos.to("cpu") is cos and cos.cpu() is cos  # nothing to do: itself, as torch
         assert repr(cos) == repr(want_cos) and str(sin) == str(want_sin)
         as_double = cos.to(torch.float64)
         assert type(as_double) is torch.Tensor and torch.equal(as_double, want_cos.double())
@@ -365,5 +350,119 @@ def test_tables_are_plain_while_tracing(builds):
                                  check_trace=False)
         assert len(builds) == 2  # built (plain) while tracing
         assert torch.equal(traced(x, position_ids), want_cos)
+    finally:
+        unpatch(model)
+
+
+def _send_to_device(obj, device):
+    """What accelerate's device-map hooks do to a layer's inputs: every tensor ``.to(device, non_blocking=...)``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_send_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {key: _send_to_device(value, device) for key, value in obj.items()}
+    return obj
+
+
+def test_no_op_conversions_return_the_table_itself(builds, rope_calls):
+    """As for a plain tensor, a conversion with nothing to do (``.to`` the table's own device or dtype, ``.float()``
+    of a float32 table, ``.cpu()`` of a CPU one) returns the table itself: still lazy and still carrying its plan, so
+    a model whose layers get their inputs through device-map hooks (accelerate's ``send_to_device``) keeps rotating
+    with ropekit and builds no table. A conversion that converts gives a plain tensor."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (2, 24))
+    ref_logits, ref_grads = forward_backward(model, ids)
+    x, position_ids = _rotary_inputs("llama")
+    patch(model)
+    try:
+        cos, sin = model.model.rotary_emb(x, position_ids)
+        same = {
+            "to(device)": cos.to(cos.device),
+            "to(device, non_blocking)": cos.to("cpu", non_blocking=True),
+            "to(dtype)": cos.to(torch.float32),
+            "to(device, dtype)": cos.to("cpu", torch.float32),
+            "to(other)": cos.to(torch.zeros(1)),
+            "to(memory_format)": cos.to(memory_format=torch.preserve_format),
+            "float": cos.float(),
+            "cpu": cos.cpu(),
+            "type(dtype)": cos.type(torch.FloatTensor),
+            "type_as": cos.type_as(torch.zeros(1)),
+        }
+        for name, value in same.items():
+            assert value is cos, name
+        assert hasattr(cos.to(cos.device), patching._PLAN_ATTR) and builds == []
+        assert cos.type() == "torch.FloatTensor" and builds == []
+        want_cos, _ = _old_eager_tables(model, x, position_ids)
+        for name, value in {"to(float64)": cos.to(torch.float64), "to(copy=True)": cos.to("cpu", copy=True),
+                            "double": cos.double(), "half": cos.half()}.items():
+            assert type(value) is torch.Tensor, name
+            assert torch.equal(value, want_cos.to(value.dtype)), name
+
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda module, args, kwargs: (_send_to_device(args, "cpu"),
+                                                                          _send_to_device(kwargs, "cpu")),
+                                            with_kwargs=True)
+        builds.clear()
+        logits, grads = forward_backward(model, ids)
+    finally:
+        unpatch(model)
+    assert len(rope_calls) == LAYERS and builds == []
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+def test_a_table_that_requires_grad_reads_as_a_plain_leaf(builds):
+    """After ``requires_grad_()`` the table is a leaf of the caller's graph, and its memory and copies behave as a
+    plain leaf's: ``data_ptr``/``untyped_storage`` are the built table's, ``tolist`` works, ``numpy`` refuses as
+    torch does (unless forced), and copies, pickles and repr keep ``requires_grad``."""
+    model = tiny_model("phi3")
+    x, position_ids = _rotary_inputs("phi3")
+    patch(model)
+    try:
+        cos, sin = model.model.rotary_emb(x, position_ids)
+        want_cos, _ = _old_eager_tables(model, x, position_ids)
+        assert cos.requires_grad_() is cos and cos.requires_grad and cos.is_leaf
+        assert cos.float() is cos and cos.contiguous() is cos  # torch's "return self", the leaf itself
+        built = cos._builder.tables()[0]
+        assert cos.data_ptr() == built.data_ptr() != 0
+        assert cos.untyped_storage().data_ptr() == built.untyped_storage().data_ptr()
+        assert cos.tolist() == want_cos.tolist()
+        with pytest.raises(RuntimeError, match="requires grad"):
+            cos.numpy()
+        assert (cos.numpy(force=True) == want_cos.numpy()).all()
+        for name, value in {"deepcopy": copy.deepcopy(cos), "pickle": pickle.loads(pickle.dumps(cos))}.items():
+            assert type(value) is torch.Tensor and value.requires_grad and value.is_leaf, name
+            assert torch.equal(value.detach(), want_cos), name
+        assert "requires_grad=True" in repr(cos)
+        q = torch.randn(cos.shape)
+        (q * cos).sum().backward()
+        assert torch.equal(cos.grad, q)
+    finally:
+        unpatch(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_dynamic_ntk_tables_read_late_use_their_own_forward_frequencies(dtype, builds):
+    """Dynamic NTK chooses the frequencies per call: tables read only after later forwards changed the module's
+    frequencies (longer positions, then back to short ones: a reset) are still those of their own forward,
+    transformers' values, with [B, S] and [1, S] position ids."""
+    config = dict(rope_theta=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model, hf = tiny_model("llama", **config), tiny_model("llama", **config)
+    x = torch.randn(2, 8, 64, dtype=dtype)
+    calls = [torch.arange(8).expand(2, 8), torch.arange(100, 108).expand(2, 8), torch.arange(8)[None],
+             torch.arange(200, 208)[None]]
+    want = [hf.model.rotary_emb(x, p) for p in calls]
+    patch(model)
+    try:
+        got = [model.model.rotary_emb(x, p) for p in calls]
+        assert builds == []
+        for (cos, sin), (hf_cos, hf_sin) in zip(reversed(got), reversed(want)):
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            assert cos.shape == hf_cos.shape and cos.dtype == hf_cos.dtype
+            torch.testing.assert_close(cos, hf_cos, **tol)
+            torch.testing.assert_close(sin, hf_sin, **tol)
+        assert len(builds) == len(calls)
     finally:
         unpatch(model)

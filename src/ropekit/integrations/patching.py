@@ -148,7 +148,8 @@ class _LazyTable(Tensor):
 
     Every torch op on it runs on the built (plain) tensor and returns plain tensors, so code that reads the tables
     (an unpatched ``apply_rotary_pos_emb``, user code) sees ordinary tensors, autograd included; the dispatcher
-    reads only ``shape``/``dtype``, which need no build."""
+    reads only ``shape``/``dtype``, which need no build. A conversion with nothing to do (``.to`` its own device or
+    dtype, ``.float()`` of a float32 table) returns the table itself, as torch does for any tensor."""
 
     _builder: _TableBuilder
     _index: int
@@ -159,17 +160,18 @@ class _LazyTable(Tensor):
     @staticmethod
     def __new__(cls, builder: _TableBuilder, index: int, shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device):
-        strides, step = [], 1
-        for n in reversed(shape):  # contiguous, as the torch.cat that ends transformers' table build
-            strides.append(step)
-            step *= max(n, 1)
-        self = Tensor._make_wrapper_subclass(cls, shape, strides=tuple(reversed(strides)), dtype=dtype,
-                                             device=device, requires_grad=False)
+        # no strides given: contiguous, as the torch.cat that ends transformers' table build
+        self = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         self._builder, self._index = builder, index
         return self
 
     def _value(self) -> Tensor:
         return self._builder.tables()[self._index]
+
+    def _plain(self) -> Tensor:
+        """The built table as a plain tensor standing for this one: a leaf with this table's ``requires_grad``."""
+        value = self._builder.tables()[self._index]
+        return value.detach().requires_grad_() if self.requires_grad else value
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -177,32 +179,38 @@ class _LazyTable(Tensor):
         return func(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return repr(self._value())
+        return repr(self._plain())
 
     def __deepcopy__(self, memo):
-        return copy.deepcopy(self._value(), memo)
+        return copy.deepcopy(self._plain(), memo)
 
     def __reduce_ex__(self, protocol):  # pickles (torch.save) as the plain tensor
-        return self._value().__reduce_ex__(protocol)
+        return self._plain().__reduce_ex__(protocol)
 
 
-def _plain_method(name: str):
-    """A method that torch implements as "return self" when it has nothing to do (``.float()`` of a float32
-    table, ``.cpu()`` of a CPU one): run it on the built tensor so that the result is a plain tensor."""
+# Conversions (``to``, ``cpu``, ``float``, ``type``, ...) are torch's own: with nothing to do they return the table
+# itself, as for a plain tensor -- still lazy and still carrying its plan, which device-map hooks that send every
+# input ``.to(device)`` (accelerate) rely on -- and otherwise a plain converted copy (the op reads the table).
+
+
+def _plain_method(name: str, returns_self: bool):
+    """A method that reads the table's memory (``data_ptr``, ``numpy``, ...), which a wrapper subclass has none of,
+    or ``contiguous`` (the usual step before handing memory to a kernel): run it on the built tensor, so that the
+    result is that of a plain tensor."""
     method = getattr(Tensor, name)
 
     @functools.wraps(method)
     def plain(self, *args, **kwargs):
-        if self.requires_grad:  # someone made the table a leaf of their own graph: keep torch's behaviour
+        if returns_self and self.requires_grad:  # the table is a leaf of the caller's graph: torch returns it
             return method(self, *args, **kwargs)
-        return method(self._value(), *args, **kwargs)
+        return method(self._plain(), *args, **kwargs)
 
     return plain
 
 
-for _name in ("to", "type", "type_as", "cpu", "cuda", "contiguous", "float", "double", "half", "bfloat16",
-              "numpy", "tolist", "__array__", "data_ptr", "untyped_storage"):
-    setattr(_LazyTable, _name, _plain_method(_name))
+_LazyTable.contiguous = _plain_method("contiguous", returns_self=True)
+for _name in ("numpy", "tolist", "__array__", "data_ptr", "untyped_storage"):
+    setattr(_LazyTable, _name, _plain_method(_name, returns_self=False))
 del _name
 
 
@@ -223,23 +231,25 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
         raise ValueError("ropekit's patch covers models with one rotary embedding for all layers; this call asked "
                          f"for layer_type={layer_type!r}")
     rope: RotaryEmbedding = getattr(self, _STATE_ATTR).rope
-    with torch.no_grad():
-        # transformers reads max(position_ids) here too; the choice is committed at once (the tables, if ever
-        # built, use these frequencies), so threads sharing the model each get the frequencies their call selected
-        seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
-        f, cached, inv = rope._choose(seq_len, x.device)
-        scale = float(f.attention_scaling)
-        if _tracing() or type(x) is not Tensor or type(position_ids) is not Tensor:
-            cos, sin = _eager_tables(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype)
-        else:
-            # hf_tables' shape: the positions' ([B, S]; M-RoPE's [A, B, S] less the axis dim), then W
-            shape = (*position_ids.shape[f.sections is not None:], 2 * inv.shape[-1])
-            builder = _TableBuilder(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype,
-                                    shape)
-            cos = _LazyTable(builder, 0, shape, x.dtype, position_ids.device)
-            sin = _LazyTable(builder, 1, shape, x.dtype, position_ids.device)
-        rope._commit(f, cached, inv)
-    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=scale, width=cos.shape[-1],
+    # (no grad mode to set: nothing here records autograd history, and _eager_tables builds under no_grad)
+    # transformers reads max(position_ids) here too; the choice is committed at once (the tables, if ever built,
+    # use these frequencies), so threads sharing the model each get the frequencies their call selected
+    seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
+    f, cached, inv = rope._choose(seq_len, x.device)
+    scale = float(f.attention_scaling)
+    if _tracing() or type(x) is not Tensor or type(position_ids) is not Tensor:
+        cos, sin = _eager_tables(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype)
+        width = cos.shape[-1]
+    else:
+        # hf_tables' shape: the positions' ([B, S]; M-RoPE's [A, B, S] less the axis dim), then W
+        shape = (*position_ids.shape[f.sections is not None:], 2 * inv.shape[-1])
+        builder = _TableBuilder(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype,
+                                shape)
+        cos = _LazyTable(builder, 0, shape, x.dtype, position_ids.device)
+        sin = _LazyTable(builder, 1, shape, x.dtype, position_ids.device)
+        width = shape[-1]
+    rope._commit(f, cached, inv)
+    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=scale, width=width,
                                    sections=f.sections, section_layout=f.section_layout))
     return cos, sin
 
