@@ -1,5 +1,6 @@
 """M-RoPE cost probe on a CUDA GPU: the multi-axis call against the same call with 1-D positions, at Qwen2-VL-7B's
-shape (28/4 heads, D 128, sections 16/24/24, bf16), decode under CUDA-graph replay and forward with a cold L2.
+shape (28/4 heads, D 128, sections 16/24/24, bf16), decode under CUDA-graph replay (with each kernel's device time
+from the profiler) and forward with a cold L2.
 
 Both go through the raw launcher with preallocated outputs, so the ratio is the kernel's alone (the bench's
 ``mrope-*`` targets measure the public call). Backs the way ``kernel._pair_positions`` selects each pair's
@@ -21,6 +22,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.set_defaults(tokens="1,16,64,256", heads="28:4")
     parser.add_argument("--prefill", default="1x4096,2x4096,8x4096", help="comma-separated BxS forward shapes")
     parser.add_argument("--label", default="", help="a label printed on every row (e.g. the variant under test)")
+    parser.add_argument("--layout", default="contiguous", choices=["contiguous", "interleaved"],
+                        help="section layout (interleaved: Qwen3-VL's)")
     return parser.parse_args(argv)
 
 
@@ -29,7 +32,7 @@ if __name__ == "__main__":
 
 import torch
 import triton.testing
-from _graphs import graph_us_interleaved
+from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._spec import validate
 from ropekit.triton.launcher import launch_rope
@@ -37,28 +40,32 @@ from ropekit.triton.launcher import launch_rope
 SECTIONS = (16, 24, 24)
 
 
-def _calls(B: int, S: int, HQ: int, HK: int) -> dict:
+def _calls(B: int, S: int, HQ: int, HK: int, layout: str) -> dict:
     """{"1-d": fn, "mrope": fn}: the raw launch of each, on shared inputs and preallocated outputs."""
     q = torch.randn(B, S, HQ, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, HK, 128, device="cuda", dtype=torch.bfloat16)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     ids = torch.randint(0, 8192, (3, B, S), device="cuda")
     specs = {"1-d": validate(q, k, positions=ids[0], base=1e6),
-             "mrope": validate(q, k, positions=ids, sections=SECTIONS, base=1e6)}
+             "mrope": validate(q, k, positions=ids, sections=SECTIONS, section_layout=layout, base=1e6)}
     return {name: (lambda s=spec: launch_rope(q, k, qo, ko, s)) for name, spec in specs.items()}
 
 
 def main(args: argparse.Namespace) -> None:
     HQ, HK = (int(h) for h in args.heads.split(":"))
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.label}")
-    print(f"{'shape':>10} {'mode':>7} {'1-d us':>8} {'mrope us':>9} {'ratio':>6}")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"{args.layout} sections  {args.label}")
+    print(f"{'shape':>10} {'mode':>7} {'1-d us':>8} {'mrope us':>9} {'ratio':>6}   kernel device us 1-d / mrope")
     for T in (int(t) for t in args.tokens.split(",")):
-        timed = graph_us_interleaved(_calls(T, 1, HQ, HK))
+        calls = _calls(T, 1, HQ, HK, args.layout)
+        timed = graph_us_interleaved(calls)
         one_d, multi = timed["1-d"], timed["mrope"]
-        print(f"{T:>10} {'decode':>7} {one_d:>8.2f} {multi:>9.2f} {multi / one_d:>6.3f}")
+        device = {name: sum(kernel_us(fn).values()) for name, fn in calls.items()}
+        print(f"{T:>10} {'decode':>7} {one_d:>8.2f} {multi:>9.2f} {multi / one_d:>6.3f}   "
+              f"{device['1-d']:.2f} / {device['mrope']:.2f} ({device['mrope'] / device['1-d']:.3f})")
     for shape in args.prefill.split(","):
         B, S = (int(x) for x in shape.split("x"))
-        calls = _calls(B, S, HQ, HK)
+        calls = _calls(B, S, HQ, HK, args.layout)
         best = {name: [] for name in calls}
         for _ in range(3):  # interleaved rounds, best of each
             for name, fn in calls.items():
