@@ -251,56 +251,63 @@ def test_position_ids_changed_in_place_before_the_read_raise(builds):
         unpatch(model)
 
 
-def test_lazy_table_behaves_as_a_plain_tensor(builds):
-    """Copies, pickling, repr and everyday ops give plain tensors with the table's values (a conversion with nothing
-    to do gives the table itself, as for a plain tensor); autograd goes through ops that combine a table with a
-    tensor that requires grad."""
+@pytest.fixture
+def phi3_tables(builds):
+    """One rotary forward of a patched tiny Phi-3 (partial rotary): its lazy (cos, sin), unread, and the tables the
+    eager build gave for the same call."""
     model = tiny_model("phi3")
     x, position_ids = _rotary_inputs("phi3")
     patch(model)
     try:
         cos, sin = model.model.rotary_emb(x, position_ids)
-        want_cos, want_sin = _old_eager_tables(model, x, position_ids)
-        assert type(cos) is patching._LazyTable and builds == []
-        buffer = io.BytesIO()
-        torch.save({"cos": cos, "sin": sin}, buffer)
-        buffer.seek(0)
-        loaded = torch.load(buffer)
-        assert len(builds) == 1
-        results = {
-            "deepcopy": copy.deepcopy(cos),
-            "copy": copy.copy(cos),
-            "pickle": pickle.loads(pickle.dumps(cos)),
-            "torch.load": loaded["cos"],
-            "clone": cos.clone(),
-            "detach": cos.detach(),
-            "contiguous": cos.contiguous(),
-            "view": cos.view(cos.shape),
-            "index": cos[:, :],
-        }
-        for name, value in results.items():
-            assert type(value) is torch.Tensor, name
-            assert torch.equal(value, want_cos), name
-        assert torch.equal(loaded["sin"], want_sin)
-        assert cos.float() is cos and cos.to("cpu") is cos and cos.cpu() is cos  # nothing to do: itself, as torch
-        assert repr(cos) == repr(want_cos) and str(sin) == str(want_sin)
-        as_double = cos.to(torch.float64)
-        assert type(as_double) is torch.Tensor and torch.equal(as_double, want_cos.double())
-        assert torch.equal(cos.unsqueeze(1), want_cos.unsqueeze(1))
-        assert torch.equal(cos[1, 3:7, ::2], want_cos[1, 3:7, ::2])
-        plain = torch.randn(2, 3, cos.shape[-1])
-        assert torch.equal(torch.cat([cos, plain], dim=1), torch.cat([want_cos, plain], dim=1))
-        assert (cos.cpu().numpy() == want_cos.numpy()).all() and (cos.numpy() == want_cos.numpy()).all()
-        assert cos.tolist() == want_cos.tolist()
-        assert cos.data_ptr() != 0 and cos.data_ptr() == cos.data_ptr()  # the built table's memory
-        q = torch.randn(2, 3, 24, cos.shape[-1], requires_grad=True)
-        out = q * cos.unsqueeze(1) + q.flip(-1) * sin.unsqueeze(1)
-        out.backward(torch.ones_like(out))
-        assert type(out) is torch.Tensor
-        assert torch.equal(q.grad, (want_cos.unsqueeze(1) + want_sin.unsqueeze(1).flip(-1)).expand_as(q))
-        assert len(builds) == 1
+        yield cos, sin, _old_eager_tables(model, x, position_ids)
     finally:
         unpatch(model)
+
+
+def test_lazy_table_behaves_as_a_plain_tensor(builds, phi3_tables):
+    """Copies, pickling, repr and everyday ops give plain tensors with the table's values (a conversion with nothing
+    to do gives the table itself, as for a plain tensor); autograd goes through ops that combine a table with a
+    tensor that requires grad."""
+    cos, sin, (want_cos, want_sin) = phi3_tables
+    assert type(cos) is patching._LazyTable and builds == []
+    buffer = io.BytesIO()
+    torch.save({"cos": cos, "sin": sin}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert len(builds) == 1
+    results = {
+        "deepcopy": copy.deepcopy(cos),
+        "copy": copy.copy(cos),
+        "pickle": pickle.loads(pickle.dumps(cos)),
+        "torch.load": loaded["cos"],
+        "clone": cos.clone(),
+        "detach": cos.detach(),
+        "contiguous": cos.contiguous(),
+        "view": cos.view(cos.shape),
+        "index": cos[:, :],
+    }
+    for name, value in results.items():
+        assert type(value) is torch.Tensor, name
+        assert torch.equal(value, want_cos), name
+    assert torch.equal(loaded["sin"], want_sin)
+    assert cos.float() is cos and cos.to("cpu") is cos and cos.cpu() is cos  # nothing to do: itself, as torch
+    assert repr(cos) == repr(want_cos) and str(sin) == str(want_sin)
+    as_double = cos.to(torch.float64)
+    assert type(as_double) is torch.Tensor and torch.equal(as_double, want_cos.double())
+    assert torch.equal(cos.unsqueeze(1), want_cos.unsqueeze(1))
+    assert torch.equal(cos[1, 3:7, ::2], want_cos[1, 3:7, ::2])
+    plain = torch.randn(2, 3, cos.shape[-1])
+    assert torch.equal(torch.cat([cos, plain], dim=1), torch.cat([want_cos, plain], dim=1))
+    assert (cos.cpu().numpy() == want_cos.numpy()).all() and (cos.numpy() == want_cos.numpy()).all()
+    assert cos.tolist() == want_cos.tolist()
+    assert cos.data_ptr() != 0 and cos.data_ptr() == cos.data_ptr()  # the built table's memory
+    q = torch.randn(2, 3, 24, cos.shape[-1], requires_grad=True)
+    out = q * cos.unsqueeze(1) + q.flip(-1) * sin.unsqueeze(1)
+    out.backward(torch.ones_like(out))
+    assert type(out) is torch.Tensor
+    assert torch.equal(q.grad, (want_cos.unsqueeze(1) + want_sin.unsqueeze(1).flip(-1)).expand_as(q))
+    assert len(builds) == 1
 
 
 def test_lazy_table_as_input_of_a_compiled_function(builds):
@@ -413,34 +420,27 @@ def test_no_op_conversions_return_the_table_itself(builds, rope_calls):
         assert rel_err(g, ref_grads[name]) < 1e-5, name
 
 
-def test_a_table_that_requires_grad_reads_as_a_plain_leaf(builds):
+def test_a_table_that_requires_grad_reads_as_a_plain_leaf(builds, phi3_tables):
     """After ``requires_grad_()`` the table is a leaf of the caller's graph, and its memory and copies behave as a
     plain leaf's: ``data_ptr``/``untyped_storage`` are the built table's, ``tolist`` works, ``numpy`` refuses as
     torch does (unless forced), and copies, pickles and repr keep ``requires_grad``."""
-    model = tiny_model("phi3")
-    x, position_ids = _rotary_inputs("phi3")
-    patch(model)
-    try:
-        cos, sin = model.model.rotary_emb(x, position_ids)
-        want_cos, _ = _old_eager_tables(model, x, position_ids)
-        assert cos.requires_grad_() is cos and cos.requires_grad and cos.is_leaf
-        assert cos.float() is cos and cos.contiguous() is cos  # torch's "return self", the leaf itself
-        built = cos._builder.tables()[0]
-        assert cos.data_ptr() == built.data_ptr() != 0
-        assert cos.untyped_storage().data_ptr() == built.untyped_storage().data_ptr()
-        assert cos.tolist() == want_cos.tolist()
-        with pytest.raises(RuntimeError, match="requires grad"):
-            cos.numpy()
-        assert (cos.numpy(force=True) == want_cos.numpy()).all()
-        for name, value in {"deepcopy": copy.deepcopy(cos), "pickle": pickle.loads(pickle.dumps(cos))}.items():
-            assert type(value) is torch.Tensor and value.requires_grad and value.is_leaf, name
-            assert torch.equal(value.detach(), want_cos), name
-        assert "requires_grad=True" in repr(cos)
-        q = torch.randn(cos.shape)
-        (q * cos).sum().backward()
-        assert torch.equal(cos.grad, q)
-    finally:
-        unpatch(model)
+    cos, _, (want_cos, _) = phi3_tables
+    assert cos.requires_grad_() is cos and cos.requires_grad and cos.is_leaf
+    assert cos.float() is cos and cos.contiguous() is cos  # torch's "return self", the leaf itself
+    built = cos._builder.tables()[0]
+    assert cos.data_ptr() == built.data_ptr() != 0
+    assert cos.untyped_storage().data_ptr() == built.untyped_storage().data_ptr()
+    assert cos.tolist() == want_cos.tolist()
+    with pytest.raises(RuntimeError, match="requires grad"):
+        cos.numpy()
+    assert (cos.numpy(force=True) == want_cos.numpy()).all()
+    for name, value in {"deepcopy": copy.deepcopy(cos), "pickle": pickle.loads(pickle.dumps(cos))}.items():
+        assert type(value) is torch.Tensor and value.requires_grad and value.is_leaf, name
+        assert torch.equal(value.detach(), want_cos), name
+    assert "requires_grad=True" in repr(cos)
+    q = torch.randn(cos.shape)
+    (q * cos).sum().backward()
+    assert torch.equal(cos.grad, q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
