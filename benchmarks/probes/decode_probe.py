@@ -3,13 +3,14 @@ configurations, against a copy of q replayed the same way; plus each kernel's ow
 
 Separates what a decode call costs into the kernel's execution (profiler duration) and the per-node cost of a
 graph replay, for the Llama-3-8B shape by default (32/8 heads, D 128, bf16, one token per sequence, per-sequence
-offsets). ``--sweep`` times every block shape instead, with Liger (given per-token tables, as its callers do)
-and a Triton copy of q and k on two grids: one program per token (Liger's grid) and one per 8 heads of q or of k
-(ropekit's default decode grid), to tell the grid's cost from the rotation's; and ``rope_kernel``'s own token
-block, address, load and store helpers on its own grid with no position, angle or rotation (``rope path, no
-rotation``), to tell the kernel's access path from its arithmetic.
+offsets; ``--heads``, ``--head-dim``). ``--sweep`` times every block shape instead, with Liger (given per-token
+tables, as its callers do) and a Triton copy of q and k on two grids: one program per token (Liger's grid) and
+one per block of heads of q or of k as ropekit's default decode grid has them (8 at head_dim 128), to tell the
+grid's cost from the rotation's; and ``rope_kernel``'s own token block, address, load and store helpers on its
+own grid with no position, angle or rotation (``rope path, no rotation``), to tell the kernel's access path from
+its arithmetic.
 
-    python benchmarks/probes/decode_probe.py [--tokens 1,16,64] [--heads 32:8] [--sweep]
+    python benchmarks/probes/decode_probe.py [--tokens 1,16,64] [--heads 32:8] [--head-dim 128] [--sweep]
 """
 
 # ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
@@ -21,7 +22,8 @@ from _options import decode_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = decode_parser(__doc__, "HQ:HK (head_dim 128)")
+    parser = decode_parser(__doc__, "HQ:HK")
+    parser.add_argument("--head-dim", type=int, default=128, help="head_dim (a power of two)")
     parser.add_argument("--sweep", action="store_true",
                         help="time every block shape (heads per program x warps), graph replay only, and print "
                              "the fastest per token count")
@@ -91,7 +93,7 @@ def rope_path_copy(q, k, qo, ko, config):
 
 
 def copy_qk(q, k, qo, ko, heads: int | None):
-    """Copy contiguous q and k ([T, 1, H, 128]): one program per token (``heads`` None) or one per ``heads``
+    """Copy contiguous q and k ([T, 1, H, D]): one program per token (``heads`` None) or one per ``heads``
     heads of q or of k."""
     T, _, HQ, D = q.shape
     HK = k.shape[2]
@@ -106,17 +108,20 @@ def main(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'tokens':>6} {'variant':<34} {'graph us':>9} {'x copy-q':>8} {'kernel us':>10}")
     HQ, HK = (int(h) for h in args.heads.split(":"))
+    D = args.head_dim
+    print(f"{HQ}/{HK} heads, head_dim {D}, bf16")
     for T in (int(t) for t in args.tokens.split(",")):
-        q = torch.randn(T, 1, HQ, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(T, 1, HK, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(T, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(T, 1, HK, D, device="cuda", dtype=torch.bfloat16)
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         offsets = torch.randint(0, 8192, (T,), device="cuda")
-        emb = torch.randn(T, 1, 128, device="cuda", dtype=torch.bfloat16)
+        emb = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16)
         variants = {"copy-q": lambda: qo.copy_(q)}
-        default = block_config(T, HQ, HK, 128, 2, _num_programs_wanted(q.device))
+        default = block_config(T, HQ, HK, D, 2, _num_programs_wanted(q.device))
         if args.sweep:
             variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
-            variants["copy q+k, 8 heads/program"] = lambda: copy_qk(q, k, qo, ko, 8)
+            # ropekit's grid: its default heads per program (8 at head_dim 128)
+            variants[f"copy q+k, {default[1]} heads/program"] = lambda: copy_qk(q, k, qo, ko, default[1])
             variants[f"rope path, no rotation {default}"] = lambda: rope_path_copy(q, k, qo, ko, default)
             try:
                 from liger_kernel.transformers.rope import liger_rotary_pos_emb
@@ -130,7 +135,7 @@ def main(args: argparse.Namespace) -> None:
             configs = {f"default {default}": None}
             hq2, hk2 = 1 << (HQ - 1).bit_length(), 1 << (HK - 1).bit_length()
             shapes = [(bt, bh, min(bh, hk2), nw) for bt in (1, 2, 4) for bh in (1, 2, 4, 8, 16, 32, 64)
-                      for nw in (1, 2, 4, 8) if bh <= hq2 and bt * bh * 64 >= 32 * nw and bt <= T
+                      for nw in (1, 2, 4, 8) if bh <= hq2 and bt * bh * D // 2 >= 32 * nw and bt <= T
                       and (bt == 1 or bh == 8)] if args.sweep else [(1, 8, 8, 1), (1, 4, 4, 1)]
             for cfg in shapes:
                 configs[f"T{cfg[0]} H{cfg[1]}/{cfg[2]} w{cfg[3]}"] = cfg
