@@ -3,8 +3,8 @@ configurations, against a copy of q replayed the same way; plus each kernel's ow
 
 Separates what a decode call costs into the kernel's execution (profiler duration) and the per-node cost of a
 graph replay, for the Llama-3-8B shape by default (32/8 heads, D 128, bf16, one token per sequence, per-sequence
-offsets; ``--heads``, ``--head-dim``); ``--sweep`` times every block shape instead. Beside them: Liger (given
-per-token tables, as its callers do) and a Triton copy of q and k on two grids: one program per token (Liger's grid) and
+offsets; ``--heads``, ``--head-dim``). ``--sweep`` times every block shape instead, with Liger (given per-token
+tables, as its callers do) and a Triton copy of q and k on two grids: one program per token (Liger's grid) and
 one per block of heads of q or of k as ropekit's default decode grid has them (8 at head_dim 128), to tell the
 grid's cost from the rotation's; and ``rope_kernel``'s own token block, address, load and store helpers on its
 own grid with no position, angle or rotation (``rope path, no rotation``), to tell the kernel's access path from
@@ -24,8 +24,6 @@ from _options import decode_parser
 def parse_args(argv=None) -> argparse.Namespace:
     parser = decode_parser(__doc__, "HQ:HK")
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim (a power of two)")
-    parser.add_argument("--int64-offsets", action="store_true",
-                        help="form every address in int64, as for tensors past 2**31 elements (the comparison)")
     parser.add_argument("--sweep", action="store_true",
                         help="time every block shape (heads per program x warps), graph replay only, and print "
                              "the fastest per token count")
@@ -43,7 +41,7 @@ from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._spec import validate
 from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
-from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope, needs_int64_offsets
+from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
 
 
 @triton.jit
@@ -67,12 +65,11 @@ def _copy_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, QW: tl.constexpr, KW: tl.const
 
 @triton.jit
 def _rope_path_copy_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, HQ, HK, S, num_tokens,
-                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                           INDEX_64: tl.constexpr):
-    """rope_kernel's grid, token block, addresses (in the width the launcher would pick), loads and stores (NeoX
-    halves, outputs with the inputs' strides), with the rotation left out: y = x."""
+                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    """rope_kernel's grid, token block, addresses, loads and stores (NeoX halves, outputs with the inputs'
+    strides), with the rotation left out: y = x."""
     hb = tl.program_id(0)
-    t, mask_t, b, s = _token_block(tl.program_id(1), num_tokens, S, BLOCK_T, INDEX_64)
+    t, mask_t, b, s = _token_block(tl.program_id(1), num_tokens, S, BLOCK_T)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     if hb < n_qb:
         base, m = _head_tile(b, s, mask_t, hb * BLOCK_HQ, HQ, q_sb, q_ss, q_sh, BLOCK_HQ)
@@ -92,8 +89,7 @@ def rope_path_copy(q, k, qo, ko, config):
     bt, bhq, bhk, nw = config
     grid = (triton.cdiv(HQ, bhq) + triton.cdiv(HK, bhk), triton.cdiv(T * S, bt))
     _rope_path_copy_kernel[grid](q, qo, k, ko, *q.stride()[:3], *k.stride()[:3], HQ, HK, S, T * S, D=D,
-                                 BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, INDEX_64=needs_int64_offsets(q, k),
-                                 num_warps=nw)
+                                 BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, num_warps=nw)
 
 
 def copy_qk(q, k, qo, ko, heads: int | None):
@@ -109,10 +105,6 @@ def copy_qk(q, k, qo, ko, heads: int | None):
 
 
 def main(args: argparse.Namespace) -> None:
-    if args.int64_offsets:
-        from ropekit import _config
-
-        _config.int64_offsets = True
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'tokens':>6} {'variant':<34} {'graph us':>9} {'x copy-q':>8} {'kernel us':>10}")
     HQ, HK = (int(h) for h in args.heads.split(":"))
@@ -126,17 +118,18 @@ def main(args: argparse.Namespace) -> None:
         emb = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16)
         variants = {"copy-q": lambda: qo.copy_(q)}
         default = block_config(T, HQ, HK, D, 2, _num_programs_wanted(q.device))
-        variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
-        # ropekit's grid: its default heads per program (8 at head_dim 128)
-        variants[f"copy q+k, {default[1]} heads/program"] = lambda: copy_qk(q, k, qo, ko, default[1])
-        variants[f"rope path, no rotation {default}"] = lambda: rope_path_copy(q, k, qo, ko, default)
-        try:
-            from liger_kernel.transformers.rope import liger_rotary_pos_emb
-        except ImportError as exc:
-            print(f"(no Liger: {exc})")
-        else:
-            qh, kh = q.transpose(1, 2).clone(), k.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
-            variants["liger (hf table)"] = lambda: liger_rotary_pos_emb(qh, kh, emb, emb)
+        if args.sweep:
+            variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
+            # ropekit's grid: its default heads per program (8 at head_dim 128)
+            variants[f"copy q+k, {default[1]} heads/program"] = lambda: copy_qk(q, k, qo, ko, default[1])
+            variants[f"rope path, no rotation {default}"] = lambda: rope_path_copy(q, k, qo, ko, default)
+            try:
+                from liger_kernel.transformers.rope import liger_rotary_pos_emb
+            except ImportError as exc:
+                print(f"(no Liger: {exc})")
+            else:
+                qh, kh = q.transpose(1, 2).clone(), k.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
+                variants["liger (hf table)"] = lambda: liger_rotary_pos_emb(qh, kh, emb, emb)
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=emb, sin=emb))):
             launch_kw = validate(q, k, **kwargs)
             configs = {f"default {default}": None}

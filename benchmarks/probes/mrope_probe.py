@@ -24,8 +24,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--label", default="", help="a label printed on every row (e.g. the variant under test)")
     parser.add_argument("--layout", default="contiguous", choices=["contiguous", "interleaved"],
                         help="section layout (interleaved: Qwen3-VL's)")
-    parser.add_argument("--int64-offsets", action="store_true",
-                        help="form every address in int64, as for tensors past 2**31 elements (the comparison)")
     return parser.parse_args(argv)
 
 
@@ -54,10 +52,6 @@ def _calls(B: int, S: int, HQ: int, HK: int, layout: str) -> dict:
 
 
 def main(args: argparse.Namespace) -> None:
-    if args.int64_offsets:
-        from ropekit import _config
-
-        _config.int64_offsets = True
     HQ, HK = (int(h) for h in args.heads.split(":"))
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"{args.layout} sections  {args.label}")

@@ -39,7 +39,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from decode_probe import _rope_path_copy_kernel
 
-from ropekit.triton.launcher import needs_int64_offsets
 from test_compile_targets import _compile_for, _compile_kernel
 
 
@@ -77,8 +76,7 @@ def main(args: argparse.Namespace) -> None:
         bt, bhq, bhk, warps = config
         copy_args = (q, q, k, k, *q.stride()[:3], *k.stride()[:3], 32, 8, 1, T)
         rows["rope path, no rotation"] = _branch(_compile_kernel(
-            "sm90", _rope_path_copy_kernel, copy_args,
-            dict(D=128, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, INDEX_64=needs_int64_offsets(q, k)), warps))
+            "sm90", _rope_path_copy_kernel, copy_args, dict(D=128, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk), warps))
         print(f"block shape {config}")
         for name, ops in rows.items():
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(8))

@@ -13,8 +13,6 @@
   float64, 64-bit integer turns on the others; float64 under the interpreter -- see
   ``ropekit.triton.launcher.integer_angles``), ``"float64"`` or ``"integer"``. ``ROPEKIT_EXACT_ANGLES`` sets it at
   import; :func:`ropekit.testing.exact_angles` for a block.
-* ``int64_offsets``: the rope kernel forms addresses in int64 even where every offset fits in 31 bits (where it
-  would use int32), so that CI compares the two; see :func:`ropekit.testing.int64_offsets`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ fast_path: bool = os.environ.get("ROPEKIT_DISABLE_FAST_PATH", "0").strip().lower
 kernels_on_cpu: bool = False
 float32_path_on_cpu: bool = False
 exact_angles: str | None = os.environ.get("ROPEKIT_EXACT_ANGLES") or None
-int64_offsets: bool = False
 
 
 def set_fast_path(enabled: bool) -> bool:

@@ -73,23 +73,6 @@ def exact_angles(method: str) -> Iterator[None]:
         _fastpath.clear()
 
 
-@contextlib.contextmanager
-def int64_offsets() -> Iterator[None]:
-    """Within the block, the rope kernel forms every address in int64, as it does for tensors with an element
-    offset of 2**31 or more; outside, smaller tensors get int32 addresses. Results are identical either way; this
-    lets a test compare the two on small tensors. See ``ropekit._config``."""
-    from ropekit import _config, _fastpath
-
-    previous = _config.int64_offsets
-    _config.int64_offsets = True
-    _fastpath.clear()  # plans hold launches bound to the other width
-    try:
-        yield
-    finally:
-        _config.int64_offsets = previous
-        _fastpath.clear()
-
-
 class Tolerance(NamedTuple):
     """``|out - ref| <= atol + rtol * |ref|`` element by element, against the float64 reference, for inputs of
     unit scale (standard normal). ``rtol`` is the one rounding at the store, ``atol`` the error of the math

@@ -133,8 +133,8 @@ def _token_positions(
     t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr,
 ):
-    """(pos, valid) of canonical token indices ``t`` = ``b * S + s`` (``b``, ``s`` as :func:`_token_block` gives
-    them). Tokens outside ``mask_t`` (past the last token) read nothing."""
+    """(pos, valid) of canonical token indices ``t`` = ``b * S + s`` (``b``, ``s`` int64). Tokens outside
+    ``mask_t`` (past the last token) read nothing."""
     valid = t == t
     if POS_MODE == 0:
         pos = s + pos_offset
@@ -305,27 +305,20 @@ def _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b):
 
 
 @triton.jit
-def _token_block(tb, num_tokens, S, BLOCK_T: tl.constexpr, INDEX_64: tl.constexpr):
+def _token_block(tb, num_tokens, S, BLOCK_T: tl.constexpr):
     """(t, mask_t, b, s) of token block ``tb``: canonical token indices (int32) ``t = b * S + s``, the ones before
-    ``num_tokens``, and b, s for addresses: int64 with ``INDEX_64``, else int32 (the launcher's choice when every
-    element offset of every tensor fits in 31 bits: 32-bit address arithmetic is about a fifth fewer instructions
-    on a decode call's path)."""
+    ``num_tokens``, and b, s (int64, for addresses)."""
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    b = t // S
-    s = t - b * S
-    if INDEX_64:
-        b = b.to(tl.int64)
-        s = s.to(tl.int64)
-    return t, t < num_tokens, b, s
+    b32 = t // S
+    return t, t < num_tokens, b32.to(tl.int64), (t - b32 * S).to(tl.int64)
 
 
 @triton.jit
 def _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H: tl.constexpr):
-    """Element offsets of the start of each row [BLOCK_T, BLOCK_H, 1] of a block of heads, and its row mask; in
-    the integer width of ``b`` (:func:`_token_block`)."""
+    """Element offsets of the start of each row [BLOCK_T, BLOCK_H, 1] of a block of heads, and its row mask."""
     h = h0 + tl.arange(0, BLOCK_H)
     m = (mask_t[:, None] & (h < H)[None, :])[:, :, None]
-    base = (b * x_sb + s * x_ss)[:, None, None] + (h.to(b.dtype) * x_sh)[None, :, None]
+    base = (b * x_sb + s * x_ss)[:, None, None] + (h.to(tl.int64) * x_sh)[None, :, None]
     return base, m
 
 
@@ -496,17 +489,17 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
-    AXIS_BOUND_3: tl.constexpr, INDEX_64: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens."""
     # Grid: (head blocks, token blocks) with the token blocks over axes 1 and 2 (axis 1 holds at most 65535), so
     # that no program index is divided -- a division is ~40 dependent instructions before the first address -- and
     # the programs of one token run together. Token indices are int32 (the launcher refuses 2**31 tokens);
-    # addresses are formed in int64 where some tensor's offsets need it (INDEX_64), else in int32.
+    # addresses are formed in int64.
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
-    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T, INDEX_64)
+    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
     if hb < n_qb:
         _rope_head_block(
             q_ptr, qo_ptr, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, t, b, s, mask_t, hb * BLOCK_HQ, HQ, q_scale,

@@ -176,18 +176,6 @@ def axis_constexprs(sections, section_layout: str) -> tuple[int, bool, int, int,
     return (A, section_layout == "interleaved", *bounds, *[0] * (MAX_AXES - A))
 
 
-def needs_int64_offsets(*tensors: torch.Tensor | None) -> bool:
-    """Whether some element offset of these tensors (their largest: the sum of (size - 1) * stride) reaches
-    2**31, so that the kernel must form addresses in int64; otherwise int32 is exact and shorter. Also true while
-    ``ropekit.testing.int64_offsets`` forces the int64 path."""
-    if _config.int64_offsets:
-        return True
-    for x in tensors:
-        if x is not None and x.numel() and sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride())) >= 2**31:
-            return True
-    return False
-
-
 def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
                 spec: RopeSpec, *, tile_bytes: int = TILE_BYTES,
                 config: tuple[int, int, int, int] | None = None) -> None:
@@ -275,11 +263,6 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
         *axis_constexprs(sections, section_layout),
-        # varlen keeps int64: its token search runs in int64, and int32 addresses beside it made one fp32
-        # raw-angle specialisation spill on sm_90 (tests/test_compile_targets.py)
-        pos_mode == kernel.POS_VARLEN or needs_int64_offsets(
-            qc, qoc, kc if has_k else None, koc if has_k else None,
-            pos_t if pos_mode == kernel.POS_PER_TOKEN else None, cos, sin),
     )
     return grid, args, constexprs, num_warps
 
@@ -287,7 +270,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
-                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "INDEX_64")
+                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3")
 class KernelRoles:
     """A kernel's runtime arguments by role, as positions in its signature (derived from its parameter names, so
     that a new argument cannot shift a hard-coded index): pointers (names ending in ``_ptr``), the ints Triton

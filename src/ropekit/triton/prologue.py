@@ -185,7 +185,7 @@ def prologue_kernel(
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     n_kb = tl.cdiv(HK, BLOCK_HK)
-    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T, True)
+    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
     pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                   n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     valid = valid & mask_t
@@ -306,7 +306,7 @@ def _norm_rope_bwd_heads(
     w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
                                     HAS_PASS)
     for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
-        t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T, True)
+        t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
         pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                       n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
         d_lo, d_hi, d_p = _norm_rope_bwd_block(
