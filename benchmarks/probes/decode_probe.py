@@ -3,10 +3,10 @@ configurations, against a copy of q replayed the same way; plus each kernel's ow
 
 Separates what a decode call costs into the kernel's execution (profiler duration) and the per-node cost of a
 graph replay, for the Llama-3-8B shape by default (32/8 heads, D 128, bf16, one token per sequence, per-sequence
-offsets; ``--heads``, ``--head-dim``). ``--sweep`` times every block shape instead, with Liger (given per-token
-tables, as its callers do) and a Triton copy of q and k on two grids: one program per token (Liger's grid) and
-one per block of heads of q or of k as ropekit's default decode grid has them (8 at head_dim 128), to tell the
-grid's cost from the rotation's; and ``rope_kernel``'s own token block, address, load and store helpers on its
+offsets; ``--heads``, ``--head-dim``); ``--sweep`` times every block shape instead. Beside them: Liger (given
+per-token tables, as its callers do) and a Triton copy of q and k on two grids, one program per token (Liger's
+grid) and one per block of heads of q or of k as ropekit's default decode grid has them (8 at head_dim 128), to
+tell the grid's cost from the rotation's; and ``rope_kernel``'s own token block, address, load and store helpers on its
 own grid with no position, angle or rotation (``rope path, no rotation``), to tell the kernel's access path from
 its arithmetic.
 
@@ -118,18 +118,17 @@ def main(args: argparse.Namespace) -> None:
         emb = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16)
         variants = {"copy-q": lambda: qo.copy_(q)}
         default = block_config(T, HQ, HK, D, 2, _num_programs_wanted(q.device))
-        if args.sweep:
-            variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
-            # ropekit's grid: its default heads per program (8 at head_dim 128)
-            variants[f"copy q+k, {default[1]} heads/program"] = lambda: copy_qk(q, k, qo, ko, default[1])
-            variants[f"rope path, no rotation {default}"] = lambda: rope_path_copy(q, k, qo, ko, default)
-            try:
-                from liger_kernel.transformers.rope import liger_rotary_pos_emb
-            except ImportError as exc:
-                print(f"(no Liger: {exc})")
-            else:
-                qh, kh = q.transpose(1, 2).clone(), k.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
-                variants["liger (hf table)"] = lambda: liger_rotary_pos_emb(qh, kh, emb, emb)
+        variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
+        # ropekit's grid: its default heads per program (8 at head_dim 128)
+        variants[f"copy q+k, {default[1]} heads/program"] = lambda: copy_qk(q, k, qo, ko, default[1])
+        variants[f"rope path, no rotation {default}"] = lambda: rope_path_copy(q, k, qo, ko, default)
+        try:
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        except ImportError as exc:
+            print(f"(no Liger: {exc})")
+        else:
+            qh, kh = q.transpose(1, 2).clone(), k.transpose(1, 2).clone()  # [T, H, 1, D], rotated in place
+            variants["liger (hf table)"] = lambda: liger_rotary_pos_emb(qh, kh, emb, emb)
         for label, kwargs in (("exact", dict(positions=offsets)), ("hf table", dict(cos=emb, sin=emb))):
             launch_kw = validate(q, k, **kwargs)
             configs = {f"default {default}": None}
