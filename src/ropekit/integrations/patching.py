@@ -236,10 +236,8 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
     # use these frequencies), so threads sharing the model each get the frequencies their call selected
     seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
     f, cached, inv = rope._choose(seq_len, x.device)
-    scale = float(f.attention_scaling)
     if _tracing() or type(x) is not Tensor or type(position_ids) is not Tensor:
         cos, sin = _eager_tables(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype)
-        width = cos.shape[-1]
     else:
         # hf_tables' shape: the positions' ([B, S]; M-RoPE's [A, B, S] less the axis dim), then W
         shape = (*position_ids.shape[f.sections is not None:], 2 * inv.shape[-1])
@@ -247,10 +245,9 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
                                 shape)
         cos = _LazyTable(builder, 0, shape, x.dtype, position_ids.device)
         sin = _LazyTable(builder, 1, shape, x.dtype, position_ids.device)
-        width = shape[-1]
     rope._commit(f, cached, inv)
-    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=scale, width=width,
-                                   sections=f.sections, section_layout=f.section_layout))
+    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
+                                   width=cos.shape[-1], sections=f.sections, section_layout=f.section_layout))
     return cos, sin
 
 
