@@ -151,6 +151,44 @@ def test_kernel_pair_axes_for_one_to_four_axes(device, sections, section_layout)
     assert_close_to_ref(got_k, want_k, k.dtype)
 
 
+# Sections where some axis has no pair (its positions are still checked), and pair counts that are not a power of
+# two (the kernel's padded pairs must not decide a token's validity).
+INVALID_AXIS_CASES = [
+    ((16, 24, 24), "contiguous"), ((24, 20, 20), "interleaved"), ((2, 3), "contiguous"), ((1, 2, 2), "interleaved"),
+    ((0, 8), "contiguous"), ((8, 0), "contiguous"), ((8, 0), "interleaved"), ((2, 0, 6), "contiguous"),
+    ((0, 3, 0, 5), "contiguous"), ((0, 3, 0, 5), "interleaved"), ((1, 1, 0, 0), "interleaved"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sections, section_layout", INVALID_AXIS_CASES,
+                         ids=[f"{'-'.join(map(str, s))}-{lay}" for s, lay in INVALID_AXIS_CASES])
+def test_device_position_invalid_on_any_axis_makes_its_token_nan(device, sections, section_layout):
+    """A device-resident position that is negative or past 2**31 - 1 on any axis -- one a pair reads or one no
+    pair reads -- makes its whole token NaN in q and k (the reference's rule), and no other token changes. On CPU
+    the API reads positions on the host and raises, so the launcher gets what the API passes on a GPU."""
+    from ropekit._spec import validate
+    from ropekit.triton.launcher import launch_rope
+
+    A, D, S = len(sections), 2 * sum(sections), 4
+    q, k = make_qk(1, S, 3, 1, D, device=device)
+    good = torch.randint(0, 1 << 20, (A, 1, S), device=device)
+    kw = dict(sections=sections, section_layout=section_layout)
+    want_q, want_k = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=good.cpu(), **kw)
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        for axis in range(A):
+            for token, bad in ((1, -1), (2, 2**31), (3, -(2**40))):
+                positions = good.clone()
+                spec = validate(q, k, positions=positions, **kw)  # the values are checked on the host here
+                positions[axis, 0, token] = bad  # ... and change before the kernel reads them, as on a device
+                q_out, k_out = torch.full_like(q, 12345.0), torch.full_like(k, 12345.0)
+                launch_rope(q, k, q_out, k_out, spec)
+                assert q_out[0, token].isnan().all() and k_out[0, token].isnan().all(), (axis, token)
+                rest = [t for t in range(S) if t != token]
+                assert_close_to_ref(q_out[:, rest], want_q[:, rest], q.dtype)
+                assert_close_to_ref(k_out[:, rest], want_k[:, rest], k.dtype)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(positions=torch.zeros(3, 2, 5, dtype=torch.long), sections=(4, 4, 4)), ValueError, "sum to rotary_dim/2"),
     (dict(positions=torch.zeros(2, 2, 5, dtype=torch.long), sections=(8, 4, 4)), ValueError, "positions must be"),
@@ -175,6 +213,21 @@ def test_bad_multi_axis_arguments_name_themselves(kwargs, error, match):
     with pytest.raises(error, match=match):
         ropekit.apply_rope_(q, **kwargs)
     assert torch.equal(q, before)
+
+
+def test_axis_rows_past_int32_offsets_are_refused():
+    """The kernels offset an axis's row of positions in int32: rows 2**31 elements apart or more (a view of a huge
+    buffer) are refused with the remedy, not read out of bounds; just under the limit is taken. Meta tensors:
+    nothing is allocated."""
+    from ropekit._spec import validate
+
+    q = torch.empty(2, 5, 2, 32, device="meta")
+    for A, sections in ((2, (8, 8)), (3, (8, 4, 4))):
+        limit = -(-(2**31) // (A - 1))  # the smallest axis stride with (A - 1) * stride >= 2**31
+        buffer = torch.empty(A * limit, dtype=torch.int32, device="meta")
+        with pytest.raises(ValueError, match=r"positions: the rows .* positions\.contiguous\(\)"):
+            validate(q, None, positions=buffer.as_strided((A, 2, 5), (limit, 5, 1)), sections=sections)
+        assert validate(q, None, positions=buffer.as_strided((A, 2, 5), (limit - 1, 5, 1)), sections=sections)
 
 
 def test_axial_frequencies_give_flux_rope():

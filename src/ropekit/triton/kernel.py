@@ -202,21 +202,50 @@ def _pair_axis(i, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_B
 
 
 @triton.jit
-def _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES: tl.constexpr,
+def _axis_valid(a: tl.constexpr, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss):
+    """Tokens whose position on axis ``a`` is valid."""
+    p = tl.load(pos_ptr + a * pos_sa + b * pos_sb + s * pos_ss, mask=mask_t, other=0)
+    return (p >= 0) & (p <= _MAX_POSITION)
+
+
+@triton.jit
+def _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF: tl.constexpr, NUM_AXES: tl.constexpr,
                     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
                     AXIS_BOUND_3: tl.constexpr):
     """Multi-axis positions: int32 [BLOCK_T, HALF_BLOCK] the position of each pair's axis for every token, and
-    the tokens whose positions are valid on every axis. ``pos`` holds axis 0's (already loaded, int64).
+    the tokens whose positions are valid on every axis [BLOCK_T].
 
-    The selects run in int32 (an int64 select is two, and its conversion to float64 costs more): exact, since a
-    valid position is at most 2**31 - 1, and a token invalid on any axis comes out NaN whatever its truncation."""
+    Each pair's position is loaded from its own axis's row (the compiler merges the loads of a thread's pairs
+    that share an axis), not loaded per axis and selected per pair: selects wait for every axis's load before
+    the angle math, and ptxas then issued the data loads after them, so a decode program paid the position
+    round trip and then the data round trip. The token's validity is the minimum over its pairs (a reduction
+    off the angle path), plus a load for any axis no pair reads (a section of 0 pairs). The position is exact in
+    int32: a valid one is at most 2**31 - 1, and a token invalid on any axis is NaN."""
     axis = _pair_axis(i, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)[None, :]
-    pair_pos = pos.to(tl.int32)[:, None] + tl.zeros_like(axis)
-    for a in tl.static_range(1, NUM_AXES):
-        p = tl.load(pos_ptr + a * pos_sa + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
-        valid = valid & (p >= 0) & (p <= _MAX_POSITION)
-        pair_pos = tl.where(axis == a, p.to(tl.int32)[:, None], pair_pos)
-    return pair_pos, valid
+    token = (b * pos_sb + s * pos_ss)[:, None]
+    # axis * pos_sa in int32 (int64 costs 7% more instructions): ropekit._spec refuses strides where it overflows
+    p = tl.load(pos_ptr + axis * pos_sa + token, mask=mask_t[:, None], other=0)
+    # Padded pairs (i >= HALF) read some axis's position too: any axis's invalid position voids the token.
+    valid = tl.min(((p >= 0) & (p <= _MAX_POSITION)).to(tl.int32), axis=1) > 0
+    # Axes no pair reads (compile-time): contiguous axis a reads pairs [bound_a, bound_{a+1}); interleaved axis
+    # a >= 1 reads pairs a, a + A, ... below min(bound_a, HALF), axis 0 always pair 0.
+    if AXES_INTERLEAVED:
+        if AXIS_BOUND_1 <= 1 or HALF <= 1:
+            valid = valid & _axis_valid(1, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+        if NUM_AXES > 2 and (AXIS_BOUND_2 <= 2 or HALF <= 2):
+            valid = valid & _axis_valid(2, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+        if NUM_AXES > 3 and (AXIS_BOUND_3 <= 3 or HALF <= 3):
+            valid = valid & _axis_valid(3, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+    else:
+        if AXIS_BOUND_1 == 0:
+            valid = valid & _axis_valid(0, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+        if (NUM_AXES == 2 and HALF == AXIS_BOUND_1) or (NUM_AXES > 2 and AXIS_BOUND_2 == AXIS_BOUND_1):
+            valid = valid & _axis_valid(1, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+        if (NUM_AXES == 3 and HALF == AXIS_BOUND_2) or (NUM_AXES > 3 and AXIS_BOUND_3 == AXIS_BOUND_2):
+            valid = valid & _axis_valid(2, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+        if NUM_AXES > 3 and HALF == AXIS_BOUND_3:
+            valid = valid & _axis_valid(3, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+    return p.to(tl.int32), valid
 
 
 @triton.jit
@@ -230,15 +259,17 @@ def _rotation(
 ):
     """fp32 [BLOCK_T, HALF_BLOCK] (cos_lo, cos_hi, sin_a, sin_b) with ``lo' = lo*cos_lo - hi*sin_a`` and
     ``hi' = hi*cos_hi + lo*sin_b``; invalid tokens get NaN. With ``NUM_AXES`` > 1 (M-RoPE; in-kernel angles only)
-    pair i turns by the position of its axis (:func:`_pair_axis`)."""
+    pair i turns by the position of its axis (:func:`_pair_axis`), read here with its validity
+    (:func:`_pair_positions`); ``pos`` is not read then."""
     HALF: tl.constexpr = ROT_DIM // 2
     i = tl.arange(0, HALF_BLOCK)
     mask_i = i < HALF
     if FREQ_MODE == 3:
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0)
         if NUM_AXES > 1:
-            pair_pos, valid = _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES,
-                                              AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            pair_pos, axes_valid = _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF, NUM_AXES,
+                                                   AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            valid = valid & axes_valid
             turns = _angle_turns(pair_pos, inv_freq[None, :])
         else:
             turns = _angle_turns(pos[:, None], inv_freq[None, :])
@@ -248,8 +279,9 @@ def _rotation(
     elif FREQ_MODE == 0:
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0).to(tl.float64)
         if NUM_AXES > 1:
-            pair_pos, valid = _pair_positions(b, s, mask_t, i, pos, valid, pos_ptr, pos_sa, pos_sb, pos_ss, NUM_AXES,
-                                              AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            pair_pos, axes_valid = _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF, NUM_AXES,
+                                                   AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            valid = valid & axes_valid
             angle = pair_pos.to(tl.float64) * inv_freq[None, :]
         else:
             angle = pos.to(tl.float64)[:, None] * inv_freq[None, :]
@@ -458,8 +490,12 @@ def _rope_head_block(
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
                                   COPY_PASS, False)
-    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
-                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+    if NUM_AXES > 1:  # positions are read per pair, with their validity, by _rotation (_pair_positions)
+        pos = s
+        valid = mask_t
+    else:
+        pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                      n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     # The output scale goes into cos/sin with the rotary scale (one scalar product): per column, not per element.
     c_lo, c_hi, s_a, s_b = _rotation(
         b, s, pos, valid & mask_t, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
