@@ -10,10 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import ropekit
 from ropekit._spec import pair_axis_map
 from ropekit.testing import assert_close_to_ref, kernels_on_cpu, make_qk, max_relative_error
+from ropekit.triton.kernel import _mod_axes
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -131,7 +134,7 @@ AXIS_CASES = [
     ((3, 5), "contiguous"), ((5, 3), "contiguous"), ((5, 3), "interleaved"), ((2, 6), "interleaved"),
     ((2, 0, 6), "contiguous"), ((1, 4, 3), "interleaved"), ((6, 1, 1), "interleaved"),
     ((1, 2, 3, 2), "contiguous"), ((0, 3, 0, 5), "contiguous"), ((2, 2, 1, 3), "interleaved"),
-    ((0, 3, 0, 5), "interleaved"),
+    ((0, 3, 0, 5), "interleaved"), ((2, 2, 2, 2), "interleaved"), ((2, 3, 3), "interleaved"),
 ]
 
 
@@ -187,6 +190,23 @@ def test_device_position_invalid_on_any_axis_makes_its_token_nan(device, section
                 rest = [t for t in range(S) if t != token]
                 assert_close_to_ref(q_out[:, rest], want_q[:, rest], q.dtype)
                 assert_close_to_ref(k_out[:, rest], want_k[:, rest], k.dtype)
+
+
+@triton.jit
+def _mod_axes_kernel(out_ptr, NUM_AXES: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _mod_axes(i, NUM_AXES))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_index_modulo_is_exact_over_its_whole_range(device):
+    """The kernel's multiply-shift ``i % 3`` (and ``i % 2``, ``i % 4``) equals Python's for every pair index it
+    may see (below 2**15)."""
+    n = 2**15
+    for num_axes in (2, 3, 4):
+        out = torch.full((n,), -1, dtype=torch.int32, device=device)
+        _mod_axes_kernel[(1,)](out, num_axes, n)
+        assert torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32) % num_axes), num_axes
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
