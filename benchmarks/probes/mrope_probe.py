@@ -3,7 +3,7 @@ shape (28/4 heads, D 128, sections 16/24/24, bf16), decode under CUDA-graph repl
 from the profiler) and forward with a cold L2.
 
 Both go through the raw launcher with preallocated outputs, so the ratio is the kernel's alone (the bench's
-``mrope-*`` targets measure the public call). Backs the way ``kernel._pair_positions`` selects each pair's
+``mrope-*`` targets measure the public call). Backs the way ``kernel._pair_positions`` reads each pair's
 position.
 
     python benchmarks/probes/mrope_probe.py [--tokens 1,16,64,256] [--prefill 1x4096,2x4096,8x4096]
