@@ -135,6 +135,7 @@ AXIS_CASES = [
     ((2, 0, 6), "contiguous"), ((1, 4, 3), "interleaved"), ((6, 1, 1), "interleaved"),
     ((1, 2, 3, 2), "contiguous"), ((0, 3, 0, 5), "contiguous"), ((2, 2, 1, 3), "interleaved"),
     ((0, 3, 0, 5), "interleaved"), ((2, 2, 2, 2), "interleaved"), ((2, 3, 3), "interleaved"),
+    ((2, 1, 1, 4), "interleaved"), ((4, 1, 3), "interleaved"),
 ]
 
 
@@ -154,12 +155,15 @@ def test_kernel_pair_axes_for_one_to_four_axes(device, sections, section_layout)
     assert_close_to_ref(got_k, want_k, k.dtype)
 
 
-# Sections where some axis has no pair (its positions are still checked), and pair counts that are not a power of
-# two (the kernel's padded pairs must not decide a token's validity).
+# Sections where some axis has no pair (its positions are still checked: an empty first, middle or last axis, and
+# interleaved axes whose index is past the last pair), and pair counts that are not a power of two (padded pairs
+# read some axis's position too; a token needs every axis valid either way).
 INVALID_AXIS_CASES = [
     ((16, 24, 24), "contiguous"), ((24, 20, 20), "interleaved"), ((2, 3), "contiguous"), ((1, 2, 2), "interleaved"),
     ((0, 8), "contiguous"), ((8, 0), "contiguous"), ((8, 0), "interleaved"), ((2, 0, 6), "contiguous"),
     ((0, 3, 0, 5), "contiguous"), ((0, 3, 0, 5), "interleaved"), ((1, 1, 0, 0), "interleaved"),
+    ((0, 1), "interleaved"), ((1, 0, 1), "interleaved"), ((1, 0, 0, 1), "interleaved"), ((4, 4, 0), "contiguous"),
+    ((2, 2, 4, 0), "contiguous"),
 ]
 
 

@@ -434,10 +434,10 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
     else:
         raise ValueError(f"with {A} sections, positions must be {want}, one row per axis; got shape "
                          f"{tuple(positions.shape)}")
-    if (A - 1) * abs(pos.stride(0)) >= 2**31:  # the kernels offset an axis's row in int32
+    if (A - 1) * pos.stride(0) >= 2**31:  # the kernels offset an axis's row in int32
         raise ValueError(f"positions: the rows of the {A} axes lie {pos.stride(0)} elements apart; the kernels "
-                         f"address them within 2**31 elements -- pass positions.contiguous() (at most "
-                         f"{(2**31 - 1) // max(A - 1, 1)} tokens per call)")
+                         f"address them within 2**31 elements -- pass positions.contiguous(), and split calls "
+                         f"of more than {(2**31 - 1) // max(A - 1, 1)} tokens")
     return pos, sections
 
 

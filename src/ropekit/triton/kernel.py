@@ -181,8 +181,8 @@ def _table_columns(i, HALF: tl.constexpr, NEOX: tl.constexpr, TABLE_FULL: tl.con
 def _mod_axes(i, NUM_AXES: tl.constexpr):
     """``i % NUM_AXES`` for pair indices ``i`` (int32, 0 <= i < 2**15) in int32 multiply-shift form: the compiler
     lowers ``i % 3`` of a small range through 8- and 16-bit arithmetic, about twice the instructions."""
-    tl.static_assert(i.shape[0] <= 2**15)
     if NUM_AXES == 3:
+        tl.static_assert(i.shape[0] <= 2**15)
         r = i - 3 * ((i * 43691) >> 17)  # 43691 / 2**17 = 1/3 + 2.5e-6: exact quotient below 2**15
     else:
         r = i % NUM_AXES
