@@ -24,7 +24,7 @@ import triton.language as tl
 from ropekit._spec import CacheSpec, RopeSpec, to_canonical
 from ropekit.triton import launcher
 from ropekit.triton.kernel import (
-    _MAX_POSITION,
+    _axis_valid,
     _head_tile,
     _load_heads,
     _pass_columns,
@@ -200,8 +200,7 @@ def prologue_kernel(
             if not TABLE_BY_TOKEN:
                 row_valid = row_valid & (pos < table_rows)
         for a in tl.static_range(1, NUM_AXES):
-            p = tl.load(pos_ptr + a * pos_sa + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
-            row_valid = row_valid & (p >= 0) & (p <= _MAX_POSITION)
+            row_valid = row_valid & _axis_valid(a, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
         k_row, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
                                   block_size, c_sb, c_ss, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
     if hb < n_qb:
