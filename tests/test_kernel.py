@@ -241,6 +241,12 @@ def test_block_config_shapes():
     assert block_config(32768, 16, 8, 256, 2, sms4, full_table=True) == (1, 8, 8, 8)
     assert block_config(32768, 16, 16, 64, 2, sms4, full_table=True) == (1, 16, 16, 4)
     assert block_config(64, 16, 8, 256, 2, sms4, full_table=True) == (1, 4, 4, 4)  # decode keeps its shape
+    # interleaved M-RoPE: 32 B per thread once a decode grid has a program per SM, not before and not past decode
+    assert block_config(16, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 4)  # 80 programs < 132 SMs
+    assert block_config(32, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 160 programs
+    assert block_config(128, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)
+    assert block_config(256, 32, 8, 128, 2, sms4, pair_axes=True) == block_config(256, 32, 8, 128, 2, sms4)
+    assert block_config(32, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # the rule is M-RoPE's alone
 
 
 def test_norm_kernels_block_shapes_on_large_grids():

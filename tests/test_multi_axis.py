@@ -155,6 +155,32 @@ def test_kernel_pair_axes_for_one_to_four_axes(device, sections, section_layout)
     assert_close_to_ref(got_k, want_k, k.dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 32, 128, 256])
+def test_interleaved_decode_block_shapes_equal_reference(tokens):
+    """Qwen3-VL decode (32/8 heads, D 128, one token per sequence) at the grid sizes where the launcher changes
+    the interleaved call's warps per program (``launcher.PAIR_AXES_BYTES_PER_THREAD``): each shape against the
+    float64 reference, so the two-heads-per-thread programs are checked where they run."""
+    from ropekit._spec import validate
+    from ropekit.triton import launcher
+
+    q, k = make_qk(tokens, 1, 32, 8, 128, device="cuda")
+    positions = torch.randint(0, 1 << 24, (3, tokens, 1), device="cuda")
+    kw = dict(positions=positions, sections=(24, 20, 20), section_layout="interleaved", base=5e6)
+    warps = {layout: launcher.kernel_launch(q, k, q, k, validate(q, k, **dict(kw, section_layout=layout)))[3]
+             for layout in ("interleaved", "contiguous")}
+    programs, sms = tokens * 5, torch.cuda.get_device_properties(0).multi_processor_count  # 4 q + 1 k blocks
+    if sms <= programs < 2 * launcher._num_programs_wanted(q.device):  # fills the SMs, still latency-bound
+        assert warps["interleaved"] < warps["contiguous"], warps
+    else:
+        assert warps["interleaved"] == warps["contiguous"], warps
+    want_q, want_k = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), **dict(kw, positions=positions.cpu()))
+    for _call in range(2):
+        got_q, got_k = ropekit.apply_rope(q, k, **kw)
+        assert_close_to_ref(got_q, want_q, q.dtype)
+        assert_close_to_ref(got_k, want_k, k.dtype)
+
+
 # Sections where some axis has no pair (its positions are still checked: an empty first, middle or last axis, and
 # interleaved axes whose index is past the last pair), and pair counts that are not a power of two (padded pairs
 # read some axis's position too; a token needs every axis valid either way).

@@ -38,6 +38,12 @@ STREAM_MIN_PROGRAMS_FACTOR = 8
 # with one 16-byte vector per thread (decode_probe.py --sweep).
 LATENCY_BYTES_PER_THREAD = 16
 LATENCY_BOUND_FACTOR = 2
+# Interleaved M-RoPE sections give each pair its own axis, address and position load, work that every thread of a
+# head block repeats. Once a decode grid fills the SMs (min_programs / PAIR_AXES_SM_FRACTION programs), two heads
+# per thread halve it: H100, the interleaved call / the 1-D call at 32-128 tokens went from 1.04-1.11x to
+# 0.96-1.00x. Smaller grids are latency-bound and keep the default (docs/perf-notes.md, "Multi-axis positions").
+PAIR_AXES_BYTES_PER_THREAD = 32
+PAIR_AXES_SM_FRACTION = 4
 # Angles from full-width cos/sin tables (transformers' layout, a value per column): every thread also gathers its
 # columns' cos and sin at both halves, and one warp per 2 KB program leaves too few loads in flight -- at head_dim
 # 256 (4 heads per program) the transformers drop-in ran at 1.31x copy on the H100. One 16-byte vector per thread
@@ -122,7 +128,7 @@ def _num_programs_wanted(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4096)
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
                  tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
-                 head_tile_elems: int = HEAD_TILE_ELEMS) -> tuple[int, int, int, int]:
+                 head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
@@ -130,7 +136,8 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     under ``LATENCY_BOUND_FACTOR * min_programs`` (decode) gives each thread ``LATENCY_BYTES_PER_THREAD``; a large
     one ``BYTES_PER_THREAD``, or ``STREAM_BYTES_PER_THREAD`` where ``stream`` (the call qualifies, see there), or
     with ``full_table`` (angles from full-width cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS``
-    heads or more."""
+    heads or more. With ``pair_axes`` (interleaved M-RoPE sections: a position load per pair) a decode grid of at
+    least ``min_programs / PAIR_AXES_SM_FRACTION`` programs gives each thread ``PAIR_AXES_BYTES_PER_THREAD``."""
     d_pad = _next_pow2(head_dim)
     heads_cap = max(1, head_tile_elems // d_pad)
     block_hq = min(_next_pow2(hq), heads_cap)
@@ -145,11 +152,12 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
         block_t //= 2
     n_programs = programs(block_t)
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
-        per_thread = LATENCY_BYTES_PER_THREAD
+        filled = PAIR_AXES_SM_FRACTION * n_programs >= min_programs
+        per_thread = PAIR_AXES_BYTES_PER_THREAD if pair_axes and filled else LATENCY_BYTES_PER_THREAD
     elif full_table:
         if heads_cap < TABLE_MIN_HEADS:
             return block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
-                                TABLE_MIN_HEADS * d_pad)
+                                TABLE_MIN_HEADS * d_pad, pair_axes)
         per_thread = TABLE_BYTES_PER_THREAD
     elif stream and n_programs >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
         per_thread = STREAM_BYTES_PER_THREAD
@@ -237,7 +245,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
               and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
-        freq_mode == "table" and table_full and q.device.type == "cuda")
+        freq_mode == "table" and table_full and q.device.type == "cuda",
+        pair_axes=sections is not None and len(sections) > 1 and section_layout == "interleaved")
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = _cdiv(num_tokens, block_t)
