@@ -3,7 +3,8 @@
 ``MODELS``
     name -> attention shape: ``hq``/``hk`` query and key heads, ``head_dim``, ``rotary_dim`` (default: head_dim),
     ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``sections`` (M-RoPE pairs per
-    axis, for positions "mrope"), ``qk_norm`` (True: per-head RMSNorm of q and k before the rotation, as Qwen3;
+    axis, for positions "mrope") and ``section_layout`` ("contiguous", the default, or "interleaved" as Qwen3-VL),
+    ``qk_norm`` (True: per-head RMSNorm of q and k before the rotation, as Qwen3;
     the prologue modes normalise, and norm-fwdbwd needs it), ``about`` (one line).
 ``SIZES``
     name -> list of ``[batch, seqlen]`` pairs. Tokens = batch * seqlen. Decode sizes are ``[batch, 1]``: one new
@@ -58,8 +59,13 @@ MODELS = {
                  "about": "Qwen3-8B: GQA 32 / 8 heads, D 128, per-head RMSNorm of q and k before RoPE"},
     "qwen2-vl-7b": {"hq": 28, "hk": 4, "head_dim": 128, "base": 1000000.0, "sections": [16, 24, 24],
                     "about": "Qwen2-VL-7B's language model: GQA 28 / 4 heads, D 128, M-RoPE sections 16/24/24"},
+    "qwen3-vl-8b": {"hq": 32, "hk": 8, "head_dim": 128, "base": 5000000.0, "sections": [24, 20, 20],
+                    "section_layout": "interleaved",
+                    "about": "Qwen3-VL-8B's language model: GQA 32 / 8 heads, D 128, interleaved M-RoPE 24/20/20"},
     # Tiny shapes for the CPU smoke run (Triton interpreter); not model shapes.
     "tiny": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "sections": [4, 6, 6], "about": "CPU smoke only"},
+    "tiny-interleaved": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "sections": [6, 5, 5],
+                         "section_layout": "interleaved", "about": "CPU smoke only: Qwen3-VL's section layout"},
     "tiny-back": {"hq": 2, "hk": 2, "head_dim": 32, "rotary_dim": 16, "rotary_at": "back", "base": 10000.0,
                   "about": "CPU smoke only: half the head rotated at the back"},
     "tiny-qknorm": {"hq": 4, "hk": 2, "head_dim": 32, "base": 1000000.0, "qk_norm": True,
@@ -126,10 +132,10 @@ PRESETS = {
          "modes": ["fwdbwd"]},
         {"name": "decode", "models": ["llama3-8b", "llama3-70b"], **_BF16_NEOX, "positions": ["batch"],
          "sizes": "decode", "modes": ["decode"]},
-        {"name": "mrope", "models": ["qwen2-vl-7b"], **_BF16_NEOX, "positions": ["mrope"], "sizes": "prefill",
-         "modes": ["fwd"]},
-        {"name": "mrope-decode", "models": ["qwen2-vl-7b"], **_BF16_NEOX, "positions": ["mrope"], "sizes": "decode",
-         "modes": ["decode"]},
+        {"name": "mrope", "models": ["qwen2-vl-7b", "qwen3-vl-8b"], **_BF16_NEOX, "positions": ["mrope"],
+         "sizes": "prefill", "modes": ["fwd"]},
+        {"name": "mrope-decode", "models": ["qwen2-vl-7b", "qwen3-vl-8b"], **_BF16_NEOX, "positions": ["mrope"],
+         "sizes": "decode", "modes": ["decode"]},
         {"name": "decode-fp16-interleaved", "models": ["llama3-8b"], "dtypes": ["fp16"], "styles": ["interleaved"],
          "positions": ["batch"], "sizes": "decode", "modes": ["decode"]},
         {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
@@ -144,8 +150,8 @@ PRESETS = {
     ],
     # CPU smoke run of the harness itself (TRITON_INTERPRET=1): tiny shapes, not a performance figure.
     "smoke": [
-        {"name": "smoke-mrope", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["neox"], "positions": ["mrope"],
-         "sizes": [[2, 16]], "modes": ["fwd"]},
+        {"name": "smoke-mrope", "models": ["tiny", "tiny-interleaved"], "dtypes": ["bf16"], "styles": ["neox"],
+         "positions": ["mrope"], "sizes": [[2, 16]], "modes": ["fwd"]},
         {"name": "smoke-neox", "models": ["tiny"], "dtypes": ["fp32"], "styles": ["neox"],
          "positions": ["range"], "sizes": [[1, 16]], "modes": ["fwd", "fwdbwd"]},
         {"name": "smoke-varlen", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["interleaved"],

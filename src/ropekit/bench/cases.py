@@ -46,6 +46,7 @@ class Case:
     modes: tuple[str, ...]
     impls: tuple[str, ...] | None = None
     sections: tuple[int, ...] | None = None  # M-RoPE pairs per axis (the model's), for positions="mrope"
+    section_layout: str = "contiguous"  # the model's pair -> axis layout: "contiguous" (Qwen2-VL), "interleaved"
     qk_norm: bool = False  # the model normalises q and k per head before the rotation (Qwen3)
     cache: str | None = None  # KV modes: the caches' dtype (a CACHE_DTYPES name); None for the other modes
 
@@ -151,6 +152,7 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                     seqlen=int(seqlen), modes=modes,
                                     impls=tuple(group["impls"]) if group.get("impls") else None,
                                     sections=tuple(model["sections"]) if model.get("sections") else None,
+                                    section_layout=model.get("section_layout", "contiguous"),
                                     qk_norm=bool(model.get("qk_norm", False)), cache=cache)
                                 _check_case(group["name"], case)
                                 fresh = tuple(m for m in modes if (case.name, m) not in seen)

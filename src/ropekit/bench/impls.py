@@ -141,7 +141,7 @@ def build_ropekit(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if name == "ropekit-1d":  # the yardstick of multi-axis calls: the same call with one axis's positions
         if not mrope:
             raise Unsupported("only for multi-axis cases: the same call with axis 0's per-token positions")
-        kw = {key: v for key, v in kw.items() if key != "sections"}
+        kw = {key: v for key, v in kw.items() if key not in ("sections", "section_layout")}
         kw["positions"] = inp.pos_grid
         fn = lambda: ropekit.apply_rope(inp.q, inp.k, **kw)  # noqa: E731
         return Bench(run=fn, result=None, note="1-D per-token positions (axis 0), same shapes")
@@ -187,7 +187,8 @@ def build_launcher(inp: Inputs) -> Bench:
 
     spec = validate(inp.q, inp.k, positions=inp.positions, inv_freq=inp.inv_freq, style=c.style, layout=inp.layout,
                     rotary_dim=c.rotary_dim, rotary_at="back" if inp.rotary_start else "front",
-                    cu_seqlens=inp.cu_seqlens, sections=c.sections if c.positions == "mrope" else None)
+                    cu_seqlens=inp.cu_seqlens, sections=c.sections if c.positions == "mrope" else None,
+                    section_layout=c.section_layout)
     q_out, k_out = torch.empty_like(inp.q), torch.empty_like(inp.k)
 
     def launch() -> None:
@@ -279,6 +280,8 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if name == "liger" and c.positions == "mrope":
         if peers.liger_mrope is None:
             raise Unsupported(peers.missing.get("liger (M-RoPE)", "absent"))
+        if c.section_layout != "contiguous":
+            raise Unsupported("Liger's M-RoPE takes Qwen2-VL's contiguous sections only")
         cos3, sin3 = inp.hf_axis_tables()
         sections = list(c.sections)
         return _hf_style_bench(inp, mode, lambda q, k, cos, sin: peers.liger_mrope(q, k, cos3, sin3, sections),

@@ -58,7 +58,7 @@ class Inputs:
         kwargs = dict(positions=self.positions, base=c.base, style=c.style, layout=self.layout,
                       rotary_dim=c.rotary_dim, rotary_at=c.rotary_at, cu_seqlens=self.cu_seqlens)
         if c.positions == "mrope":
-            kwargs["sections"] = c.sections
+            kwargs["sections"], kwargs["section_layout"] = c.sections, c.section_layout
         return kwargs
 
     def kv_call(self) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
@@ -169,7 +169,7 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     rows = int(grid.max()) + 1 if grid.numel() else 1
     pair_axis = None
     if case.positions == "mrope":
-        pair_axis = pair_axis_tensor(case.sections, "contiguous", device)
+        pair_axis = pair_axis_tensor(case.sections, case.section_layout, device)
     exponent = torch.arange(0, R, 2, dtype=torch.int64).to(torch.float32) / R
     inv_freq = 1.0 / (case.base ** exponent)
     angle = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)
