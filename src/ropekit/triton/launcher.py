@@ -41,7 +41,7 @@ LATENCY_BOUND_FACTOR = 2
 # Interleaved M-RoPE sections give each pair its own axis, address and position load, work that every thread of a
 # head block repeats. Once a decode grid fills the SMs (min_programs / PAIR_AXES_SM_FRACTION programs), two heads
 # per thread halve it: H100, the interleaved call / the 1-D call at 32-128 tokens went from 1.04-1.11x to
-# 0.96-1.00x. Smaller grids are latency-bound and keep the default (docs/perf-notes.md, "Multi-axis positions").
+# 0.95-1.00x. Smaller grids are latency-bound and keep the default (docs/perf-notes.md, "Multi-axis positions").
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 4
 # Angles from full-width cos/sin tables (transformers' layout, a value per column): every thread also gathers its
