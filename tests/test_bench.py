@@ -98,6 +98,10 @@ def test_registry_presets_expand():
     full = bench_cases.expand_preset(registry, "full")
     assert {c.model for c in full} >= {"llama3-8b", "llama3-70b", "mha16-d64", "hd256", "mla-rope"}
     assert {c.dtype for c in full} == {"fp32", "fp16", "bf16"}
+    layouts = {c.model: c.section_layout for c in full + bench_cases.expand_preset(registry, "smoke")
+               if c.positions == "mrope"}
+    assert layouts == {"qwen2-vl-7b": "contiguous", "qwen3-vl-8b": "interleaved", "tiny": "contiguous",
+                       "tiny-interleaved": "interleaved"}
     assert {c.style for c in full} == {"neox", "interleaved"}
     assert {c.positions for c in full} == set(bench_cases.POSITION_KINDS)
     assert {m for c in full for m in c.modes} == set(bench_cases.MODES)
@@ -469,6 +473,8 @@ def test_smoke_csv_and_json_rows(smoke_run):
             assert all(r["median_us"] and r["max_rel_diff"] for r in group.values() if r is not base), group
         else:
             assert "ropekit-table" in group
+            if "/mrope/" in case:  # the yardstick of the M-RoPE targets runs in every multi-axis case
+                assert group["ropekit-1d"]["median_us"], group["ropekit-1d"]
     # Every timed implementation agrees with ropekit (the peer path's cos/sin layout, THD, partial rotary; the
     # prologue's q and cache rows, fp8 rows within one e4m3 step).
     for row in rows:

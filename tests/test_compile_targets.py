@@ -73,7 +73,7 @@ def _compile_kernel(target: str, fn, args, consts: dict, num_warps: int):
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
-        elif value == 1 and not dynamic:
+        elif type(value) is int and value == 1 and not dynamic:
             signature[name], consts[name] = "constexpr", 1
         else:
             signature[name] = "i32"

@@ -249,6 +249,24 @@ def test_block_config_shapes():
     assert block_config(32, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # the rule is M-RoPE's alone
 
 
+def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch):
+    """``kernel_launch`` asks for the interleaved-sections shape for interleaved M-RoPE only: at 32 decode tokens
+    on a 132-SM card, fewer warps than the contiguous and 1-D calls, which share theirs."""
+    from ropekit.triton import launcher
+
+    monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
+    q, k = make_qk(32, 1, 32, 8, 128, dtype=torch.bfloat16)
+    positions = torch.randint(0, 100, (3, 32, 1))
+
+    def warps(**kw):
+        return launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, **kw))[3]
+
+    one_d = warps(positions=positions[0].clone())
+    contiguous = warps(positions=positions, sections=(24, 20, 20))
+    interleaved = warps(positions=positions, sections=(24, 20, 20), section_layout="interleaved")
+    assert contiguous == one_d and interleaved < contiguous, (one_d, contiguous, interleaved)
+
+
 def test_norm_kernels_block_shapes_on_large_grids():
     """Norm launches on a CUDA device never take the streaming shape: qk_norm_rope's forward with range positions
     2 tokens x 16 heads x 4 warps, its backward 16 heads x 2 warps, cache writes and gathered positions the plain

@@ -164,7 +164,7 @@ def test_interleaved_decode_block_shapes_equal_reference(tokens):
     from ropekit._spec import validate
     from ropekit.triton import launcher
 
-    q, k = make_qk(tokens, 1, 32, 8, 128, device="cuda")
+    q, k = make_qk(tokens, 1, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     positions = torch.randint(0, 1 << 24, (3, tokens, 1), device="cuda")
     kw = dict(positions=positions, sections=(24, 20, 20), section_layout="interleaved", base=5e6)
     warps = {layout: launcher.kernel_launch(q, k, q, k, validate(q, k, **dict(kw, section_layout=layout)))[3]

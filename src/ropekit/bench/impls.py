@@ -188,7 +188,7 @@ def build_launcher(inp: Inputs) -> Bench:
     spec = validate(inp.q, inp.k, positions=inp.positions, inv_freq=inp.inv_freq, style=c.style, layout=inp.layout,
                     rotary_dim=c.rotary_dim, rotary_at="back" if inp.rotary_start else "front",
                     cu_seqlens=inp.cu_seqlens, sections=c.sections if c.positions == "mrope" else None,
-                    section_layout=c.section_layout)
+                    section_layout=c.section_layout if c.positions == "mrope" else "contiguous")
     q_out, k_out = torch.empty_like(inp.q), torch.empty_like(inp.k)
 
     def launch() -> None:
