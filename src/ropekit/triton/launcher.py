@@ -243,10 +243,10 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         tile_bytes = max(tile_bytes, INTERPRETER_TILE_BYTES)
     stream = (q.device.type == "cuda" and pos_mode in (kernel.POS_RANGE, kernel.POS_PER_SEQ) and rotary_dim == D
               and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
+    axes = axis_constexprs(sections, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, bounds...)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
-        freq_mode == "table" and table_full and q.device.type == "cuda",
-        pair_axes=sections is not None and len(sections) > 1 and section_layout == "interleaved")
+        freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1])
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = _cdiv(num_tokens, block_t)
@@ -271,7 +271,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         freq_mode_id, table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
-        *axis_constexprs(sections, section_layout),
+        *axes,
     )
     return grid, args, constexprs, num_warps
 
