@@ -16,7 +16,7 @@ test:  ## the test suite (on CPU the Triton kernels run under the interpreter)
 lint:  ## ruff, with the rules of pyproject.toml (CI pins the version in .ci/constraints.txt)
 	ruff check .
 
-gpu:  ## the GPU tests and `ropekit check`, on a CUDA machine (logs in out/gpu-suite)
+gpu:  ## the whole test suite and `ropekit check`, on a CUDA machine (logs in out/gpu-suite)
 	bash benchmarks/probes/gpu_suite.sh tests check
 
 bench:  ## the quick benchmark preset (needs CUDA)
