@@ -146,6 +146,23 @@ def test_registry_rejects_bad_prologue_groups(group, error):
         bench_cases.expand_preset(registry, "p")
 
 
+
+@pytest.mark.parametrize("model, error", [
+    ({"section_layout": "interleave"}, "section_layout must be one of"),
+    ({"sections": [6, 5, 4]}, "must sum to rotary_dim / 2 = 16"),
+])
+def test_registry_rejects_bad_multi_axis_models(model, error):
+    registry = bench_cases.load_registry(str(REGISTRY))
+    models = dict(registry["MODELS"], bad=dict(registry["MODELS"]["tiny-interleaved"], **model))
+    group = {"name": "g", "models": ["bad"], "dtypes": ["bf16"], "styles": ["neox"], "positions": ["mrope"],
+             "sizes": [[2, 16]], "modes": ["fwd"]}
+    registry = dict(registry, MODELS=models, PRESETS={"p": [group]})
+    with pytest.raises(ValueError, match=error):
+        bench_cases.expand_preset(registry, "p")
+    registry["MODELS"]["bad"] = registry["MODELS"]["tiny-interleaved"]  # the same group with a good model builds
+    assert [c.section_layout for c in bench_cases.expand_preset(registry, "p")] == ["interleaved"]
+
+
 def _targets():
     return bench_targets.targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ropekit._spec import SECTION_LAYOUTS
+
 REGISTRY_PATH = Path("benchmarks") / "registry.py"
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
@@ -179,6 +181,12 @@ def _check_kv_group(group: dict[str, Any], modes: tuple[str, ...]) -> bool:
 def _check_case(group: str, case: Case) -> None:
     if case.positions == "mrope" and case.sections is None:
         raise ValueError(f"group {group!r}: positions 'mrope' needs a model with sections; {case.model!r} has none")
+    if case.section_layout not in SECTION_LAYOUTS:
+        raise ValueError(f"model {case.model!r}: section_layout must be one of {SECTION_LAYOUTS}, "
+                         f"got {case.section_layout!r}")
+    if case.sections is not None and sum(case.sections) != case.rotary_dim // 2:
+        raise ValueError(f"model {case.model!r}: sections {case.sections} must sum to rotary_dim / 2 = "
+                         f"{case.rotary_dim // 2} (pairs per axis)")
     if case.cache is not None and case.positions not in KV_POSITION_KINDS:
         raise ValueError(f"group {group!r}: KV modes take positions {KV_POSITION_KINDS}, not {case.positions!r}")
     if "kv-decode" in case.modes and (case.seqlen != 1 or case.positions != "batch"):
