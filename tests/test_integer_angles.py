@@ -44,10 +44,14 @@ def test_every_kind_of_frequency():
     assert max_relative_error(out, _ref(q, None, positions=pos, inv_freq=inv)[0]) <= FP32
 
 
+@pytest.mark.parametrize("one_position", [False, True], ids=["per-axis", "text-tokens"])
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
-def test_multi_axis_positions(layout):
+def test_multi_axis_positions(layout, one_position):
+    # distinct positions per axis (image tokens), and one position on every axis (text tokens)
     q = torch.randn(2, 8, 2, 64)
     pos = torch.randint(0, 2**24, (3, 2, 8))
+    if one_position:
+        pos = pos[:1].expand(3, 2, 8).contiguous()
     with kernels_on_cpu(), exact_angles("integer"):
         out = ropekit.apply_rope(q, positions=pos, sections=(8, 12, 12), section_layout=layout)
     ref = _ref(q, None, positions=pos, sections=(8, 12, 12), section_layout=layout)[0]

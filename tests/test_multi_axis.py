@@ -127,6 +127,52 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
     assert plan_calls["served"] >= 2 * 3  # calls 3 and 4 of the out-of-place, in-place and backward signatures
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("B, S", [(2, 9), (12, 1)])
+def test_one_position_on_every_axis_gives_the_one_d_bits(device, section_layout, B, S):
+    """Text tokens (one position on every axis, what decode runs) give the 1-D call's bits; moving one token on one
+    axis changes no other token's bits; a token invalid on every axis is NaN and leaves the rest alone."""
+    from ropekit._spec import validate
+    from ropekit.triton.launcher import launch_rope
+
+    sections = LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
+    D = 2 * sum(sections)
+    kw = dict(sections=sections, section_layout=section_layout)
+
+    def launch(q, k, positions, mutate=None):
+        spec = validate(q, k, positions=positions, **kw)  # values checked on the host here ...
+        if mutate is not None:
+            mutate(positions)  # ... and changed before the kernel reads them, as on a device
+        q_out, k_out = torch.full_like(q, 12345.0), torch.full_like(k, 12345.0)
+        launch_rope(q, k, q_out, k_out, spec)
+        return q_out, k_out
+
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        for _call in range(2):
+            q, k = make_qk(B, S, 4, 2, D, device=device)
+            ids = torch.randint(0, 1 << 24, (B, S), device=device)
+            same = ids[None].expand(3, B, S).contiguous()
+            one_d = ropekit.apply_rope(q, k, positions=ids)
+            text = launch(q, k, same.clone())
+            for got, want in zip(text, one_d):
+                assert torch.equal(got, want)
+            # one token (the last) moves on axis 1: it matches the reference, every other token keeps its bits
+            moved = same.clone()
+            moved[1, -1, -1] += 1
+            mixed = launch(q, k, moved)
+            want = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=moved.cpu(), **kw)
+            for got, exact, ref, x in zip(mixed, text, want, (q, k)):
+                assert torch.equal(got[:-1], exact[:-1]) and torch.equal(got[-1, :-1], exact[-1, :-1])
+                assert_close_to_ref(got[-1:, -1:], ref[-1:, -1:], x.dtype)
+            # the first token invalid on every axis: NaN, the rest unchanged
+            invalid = launch(q, k, same.clone(), mutate=lambda p: p[:, 0, 0].fill_(-1))
+            for got, exact in zip(invalid, text):
+                assert got[0, 0].isnan().all()
+                assert torch.equal(got[1:], exact[1:]) and torch.equal(got[0, 1:], exact[0, 1:])
+
+
 # Pair -> axis maps the kernel forms from its compile-time bounds: 1 to 4 axes, empty axes, interleaved strides
 # that pass the last pair (that axis gets fewer pairs), unequal sections in both orders. 8 pairs (D 16).
 AXIS_CASES = [
