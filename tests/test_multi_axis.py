@@ -173,6 +173,38 @@ def test_one_position_on_every_axis_gives_the_one_d_bits(device, section_layout,
                 assert torch.equal(got[1:], exact[1:]) and torch.equal(got[0, 1:], exact[0, 1:])
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
+def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layout):
+    """Positions expanded from one id tensor (axis stride 0, as transformers' Qwen2-VL text model builds them) are
+    launched as 1-D positions, with the 1-D call's bits, out of place, in place and backward; a materialised copy
+    of the same ids keeps the multi-axis launch."""
+    from ropekit._spec import validate
+    from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch
+
+    sections = LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
+    D = 2 * sum(sections)
+    kw = dict(sections=sections, section_layout=section_layout)
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        for _call in range(3):  # plans from the second call
+            q, k = make_qk(2, 7, 4, 2, D, device=device)
+            ids = torch.randint(0, 1 << 24, (2, 7), device=device)
+            expanded, copied = ids[None].expand(3, 2, 7), ids[None].expand(3, 2, 7).contiguous()
+            for positions, axes in ((expanded, 1), (copied, 3)):
+                constexprs = kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k),
+                                           validate(q, k, positions=positions, **kw))[2]
+                assert dict(zip(_CONSTEXPR_NAMES, constexprs))["NUM_AXES"] == axes
+                for got, want in zip(ropekit.apply_rope(q, k, positions=positions, **kw),
+                                     ropekit.apply_rope(q, k, positions=ids)):
+                    assert torch.equal(got, want)
+                qi, ki = q.clone(), k.clone()
+                ropekit.apply_rope_(qi, ki, positions=positions, **kw)
+                assert torch.equal(qi, ropekit.apply_rope(q, positions=ids))
+                assert torch.equal(ropekit.rope_backward(q, positions=positions, **kw),
+                                   ropekit.rope_backward(q, positions=ids))
+
+
 # Pair -> axis maps the kernel forms from its compile-time bounds: 1 to 4 axes, empty axes, interleaved strides
 # that pass the last pair (that axis gets fewer pairs), unequal sections in both orders. 8 pairs (D 16).
 AXIS_CASES = [

@@ -243,7 +243,9 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         tile_bytes = max(tile_bytes, INTERPRETER_TILE_BYTES)
     stream = (q.device.type == "cuda" and pos_mode in (kernel.POS_RANGE, kernel.POS_PER_SEQ) and rotary_dim == D
               and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
-    axes = axis_constexprs(sections, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, bounds...)
+    # Axes that share one row (stride 0: positions expanded from one id tensor, as transformers' Qwen2-VL text
+    # model builds them without images) are 1-D positions: one load a token instead of one a pair.
+    axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
         freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1])
