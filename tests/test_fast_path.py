@@ -320,3 +320,42 @@ def test_sections_are_part_of_the_plan_signature(device, plan_calls):
                 _check(k_rot, ref_k, torch.bfloat16, f"k {what}")
             assert len(_fastpath._PLANS) == min(index + 1, 3)
     assert plan_calls["served"] == 3 * (CALLS - 2) + CALLS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_calls_never_read_the_plan_dicts(device, monkeypatch):
+    """torch.compile traces no plan lookup or recording, with plans of a q-only and a q-and-k signature already
+    made: dynamo would guard on the plan dict's keys, which change with every new signature (torch 2.11 failed to
+    build those guards once a q-only call's key, with None for k, was among them)."""
+    B, S, HQ, HK, D = SHAPES[device]
+    with device_mode(device):
+        q, k = (torch.randn(B, S, h, D, device=device) for h in (HQ, HK))
+        positions = torch.randint(0, 1 << 20, (B, S), device=device)
+        w_q, w_k = torch.rand(D, device=device), torch.rand(D, device=device)
+        for _ in range(2):
+            ropekit.apply_rope(q, positions=positions)
+            ropekit.apply_rope(q, k, positions=positions)
+            ropekit.qk_norm_rope(q, k, w_q, w_k, positions=positions)
+        assert len(_fastpath._PLANS) == 2 and len(_fastpath._NORM_PLANS) == 1
+
+        def eager_only(fn):
+            def plans(*args):
+                if torch.compiler.is_compiling():
+                    raise AssertionError(f"{fn.__name__} read a plan dict while compiling")
+                return fn(*args)
+            return plans
+
+        for name in ("_planned", "_prologue_call", "_sighted"):
+            monkeypatch.setattr(_fastpath, name, eager_only(getattr(_fastpath, name)))
+        torch._dynamo.reset()
+        rotate = torch.compile(lambda a, b, p: ropekit.apply_rope(a, b, positions=p), fullgraph=True, backend="eager")
+        norm_rotate = torch.compile(lambda a, b, p: ropekit.qk_norm_rope(a, b, w_q, w_k, positions=p),
+                                    fullgraph=True, backend="eager")
+        for _ in range(2):
+            q, k = (torch.randn(B, S, h, D, device=device) for h in (HQ, HK))
+            want = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=positions.cpu())
+            for got, exact in zip(rotate(q, k, positions), want):
+                _check(got, exact, torch.float32, "compiled apply_rope")
+            eager = ropekit.qk_norm_rope(q, k, w_q, w_k, positions=positions)
+            for got, same in zip(norm_rotate(q, k, positions), eager):
+                torch.testing.assert_close(got, same, rtol=0, atol=0)

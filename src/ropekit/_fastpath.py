@@ -72,7 +72,7 @@ def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     replay the plan of its signature, or validate, run and note the signature. Returns what the public function
     returns."""
     sig = None
-    if _config.fast_path and not options["check_positions"]:
+    if _plans_apply() and not options["check_positions"]:
         plan, sig = _planned(_PLANS, signature(q, k, mode, options))
         if plan is not None:
             outs = plan(q, k, sig[1], options, mode)
@@ -84,6 +84,13 @@ def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     if sig is not None:
         _sighted(sig[0], q, k, options, spec, outs, mode)
     return outs[0] if k is None else outs
+
+
+def _plans_apply() -> bool:
+    """Whether calls look up and record plans: the fast path is on and torch.compile is not tracing. Traced code
+    must not read the plan dicts at all: dynamo guards on a dict's keys, which change with every new signature
+    (and some torch versions fail to build those guards for keys that hold None)."""
+    return _config.fast_path and not torch.compiler.is_compiling()
 
 
 def _planned(plans: OrderedDict, sig):
@@ -355,8 +362,9 @@ _KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping",
 def write_kv(options: dict) -> Tensor:
     """:func:`ropekit.rope_kv_write` (``options``: its arguments by name): replay the plan of the call's signature,
     or validate, run and note the signature."""
-    use = _config.fast_path and not options["check_positions"] and options["cu_seqlens"] is None
-    return _prologue_call(_KV_PLANS, _kv_signature(options) if use else None, options, _write_kv_full)
+    if not (_plans_apply() and not options["check_positions"] and options["cu_seqlens"] is None):
+        return _write_kv_full(options, None, None)
+    return _prologue_call(_KV_PLANS, _kv_signature(options), options, _write_kv_full)
 
 
 @contextlib.contextmanager
@@ -620,9 +628,9 @@ _MAX_BACKWARDS = 8  # gradient layouts kept per plan
 def norm_rotate(options: dict) -> tuple:
     """:func:`ropekit.qk_norm_rope` (``options``: its arguments by name): replay the plan of the call's signature,
     or validate, run and note the signature."""
-    use = _config.fast_path and not options["check_positions"]
-    sig = _call_signature(options, _NORM_TENSORS, grad_ok=True) if use else None
-    return _prologue_call(_NORM_PLANS, sig, options, _norm_full)
+    if not (_plans_apply() and not options["check_positions"]):
+        return _norm_full(options, None, None)
+    return _prologue_call(_NORM_PLANS, _call_signature(options, _NORM_TENSORS, grad_ok=True), options, _norm_full)
 
 
 def _norm_spec(options: dict) -> RopeSpec:
