@@ -295,3 +295,21 @@ def test_vision_language_models_rotate_with_mrope(model_type, monkeypatch):
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("model_type", sorted(VL_SECTIONS))
+def test_vision_language_greedy_generate_matches(model_type, rope_calls):
+    """Greedy generation of a patched Qwen2-VL, Qwen2.5-VL or Qwen3-VL from a text prompt: the tokens of the
+    unpatched model, with the prefill and every decode step's rotation run by ropekit (decode positions are one
+    position on every axis, as transformers builds them after the prompt)."""
+    model = tiny_vl_model(model_type)
+    ids = torch.randint(2, 128, (2, 6))
+    kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    ref = model.generate(ids, **kwargs)
+    patch(model)
+    try:
+        out = model.generate(ids, **kwargs)
+    finally:
+        unpatch(model)
+    assert len(rope_calls) == 4 * 2  # prefill + 3 decode steps, both layers
+    assert torch.equal(out, ref)
