@@ -146,7 +146,6 @@ def test_registry_rejects_bad_prologue_groups(group, error):
         bench_cases.expand_preset(registry, "p")
 
 
-
 @pytest.mark.parametrize("model, error", [
     ({"section_layout": "interleave"}, "section_layout must be one of"),
     ({"sections": [6, 5, 4]}, "must sum to rotary_dim / 2 = 16"),

@@ -324,19 +324,22 @@ def test_sections_are_part_of_the_plan_signature(device, plan_calls):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_calls_never_read_the_plan_dicts(device, monkeypatch):
-    """torch.compile traces no plan lookup or recording, with plans of a q-only and a q-and-k signature already
-    made: dynamo would guard on the plan dict's keys, which change with every new signature (torch 2.11 failed to
-    build those guards once a q-only call's key, with None for k, was among them)."""
+    """torch.compile traces no plan lookup or recording (apply_rope, qk_norm_rope, rope_kv_write), with plans of a
+    q-only and a q-and-k signature already made: dynamo would guard on the plan dicts' keys, which change with every
+    new signature (torch 2.11 failed to build those guards once a q-only call's key, None for k, was among them)."""
     B, S, HQ, HK, D = SHAPES[device]
     with device_mode(device):
         q, k = (torch.randn(B, S, h, D, device=device) for h in (HQ, HK))
         positions = torch.randint(0, 1 << 20, (B, S), device=device)
         w_q, w_k = torch.rand(D, device=device), torch.rand(D, device=device)
+        v = torch.randn(B, 1, HK, D, device=device)
+        caches = [torch.zeros(B, 8, HK, D, device=device) for _ in range(2)]
         for _ in range(2):
             ropekit.apply_rope(q, positions=positions)
             ropekit.apply_rope(q, k, positions=positions)
             ropekit.qk_norm_rope(q, k, w_q, w_k, positions=positions)
-        assert len(_fastpath._PLANS) == 2 and len(_fastpath._NORM_PLANS) == 1
+            ropekit.rope_kv_write(q[:, :1], k[:, :1], v, *caches, positions=3)
+        assert len(_fastpath._PLANS) == 2 and len(_fastpath._NORM_PLANS) == 1 and len(_fastpath._KV_PLANS) == 1
 
         def eager_only(fn):
             def plans(*args):
@@ -351,6 +354,8 @@ def test_compiled_calls_never_read_the_plan_dicts(device, monkeypatch):
         rotate = torch.compile(lambda a, b, p: ropekit.apply_rope(a, b, positions=p), fullgraph=True, backend="eager")
         norm_rotate = torch.compile(lambda a, b, p: ropekit.qk_norm_rope(a, b, w_q, w_k, positions=p),
                                     fullgraph=True, backend="eager")
+        write = torch.compile(lambda a, b, c, kc, vc: ropekit.rope_kv_write(a, b, c, kc, vc, positions=3),
+                              fullgraph=True, backend="eager")
         for _ in range(2):
             q, k = (torch.randn(B, S, h, D, device=device) for h in (HQ, HK))
             want = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=positions.cpu())
@@ -358,4 +363,9 @@ def test_compiled_calls_never_read_the_plan_dicts(device, monkeypatch):
                 _check(got, exact, torch.float32, "compiled apply_rope")
             eager = ropekit.qk_norm_rope(q, k, w_q, w_k, positions=positions)
             for got, same in zip(norm_rotate(q, k, positions), eager):
+                torch.testing.assert_close(got, same, rtol=0, atol=0)
+            eager_caches = [c.clone() for c in caches]
+            eager_q = ropekit.rope_kv_write(q[:, :1], k[:, :1], v, *eager_caches, positions=3)
+            torch.testing.assert_close(write(q[:, :1], k[:, :1], v, *caches), eager_q, rtol=0, atol=0)
+            for got, same in zip(caches, eager_caches):
                 torch.testing.assert_close(got, same, rtol=0, atol=0)

@@ -127,7 +127,6 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
     assert plan_calls["served"] >= 2 * 3  # calls 3 and 4 of the out-of-place, in-place and backward signatures
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("B, S", [(2, 9), (12, 1)])
@@ -173,36 +172,59 @@ def test_one_position_on_every_axis_gives_the_one_d_bits(device, section_layout,
                 assert torch.equal(got[1:], exact[1:]) and torch.equal(got[0, 1:], exact[0, 1:])
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
-def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layout):
-    """Positions expanded from one id tensor (axis stride 0, as transformers' Qwen2-VL text model builds them) are
-    launched as 1-D positions, with the 1-D call's bits, out of place, in place and backward; a materialised copy
-    of the same ids keeps the multi-axis launch."""
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layout, layout, plan_calls):
+    """Positions expanded to every axis from one row (axis stride 0, as transformers' Qwen2-VL text model builds
+    them for a forward without position ids) launch as 1-D positions, with the 1-D call's bits out of place, in
+    place and backward, plans included; a token invalid there is NaN. Materialised copies, and [A, 1, S] positions
+    broadcast over the batch (stride 0 on B, not on the axes), keep the multi-axis launch."""
     from ropekit._spec import validate
-    from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch
+    from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch, launch_rope
 
     sections = LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
-    D = 2 * sum(sections)
-    kw = dict(sections=sections, section_layout=section_layout)
+    D, B, S = 2 * sum(sections), 2, 7
+    kw = dict(sections=sections, section_layout=section_layout, layout=layout)
+    row_shape = (B * S,) if layout == "thd" else (B, S)
+
+    def num_axes(q, k, positions):
+        constexprs = kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, positions=positions,
+                                                                                           **kw))[2]
+        return dict(zip(_CONSTEXPR_NAMES, constexprs))["NUM_AXES"]
+
     with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
-        for _call in range(3):  # plans from the second call
-            q, k = make_qk(2, 7, 4, 2, D, device=device)
-            ids = torch.randint(0, 1 << 24, (2, 7), device=device)
-            expanded, copied = ids[None].expand(3, 2, 7), ids[None].expand(3, 2, 7).contiguous()
-            for positions, axes in ((expanded, 1), (copied, 3)):
-                constexprs = kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k),
-                                           validate(q, k, positions=positions, **kw))[2]
-                assert dict(zip(_CONSTEXPR_NAMES, constexprs))["NUM_AXES"] == axes
-                for got, want in zip(ropekit.apply_rope(q, k, positions=positions, **kw),
-                                     ropekit.apply_rope(q, k, positions=ids)):
-                    assert torch.equal(got, want)
-                qi, ki = q.clone(), k.clone()
-                ropekit.apply_rope_(qi, ki, positions=positions, **kw)
-                assert torch.equal(qi, ropekit.apply_rope(q, positions=ids))
-                assert torch.equal(ropekit.rope_backward(q, positions=positions, **kw),
-                                   ropekit.rope_backward(q, positions=ids))
+        for _call in range(4):  # the second call of each signature records a plan, the later ones replay it
+            q, k = make_qk(B, S, 4, 2, D, device=device, layout=layout)
+            ids = torch.randint(0, 1 << 24, row_shape, device=device)
+            expanded = ids[None].expand(3, *row_shape)
+            assert num_axes(q, k, expanded) == 1 and num_axes(q, k, expanded.contiguous()) == 3
+            one_d = dict(positions=ids, layout=layout)
+            for got, want in zip(ropekit.apply_rope(q, k, positions=expanded, **kw), ropekit.apply_rope(q, k, **one_d)):
+                assert torch.equal(got, want)
+            qi, ki = q.clone(), k.clone()
+            ropekit.apply_rope_(qi, ki, positions=expanded, **kw)
+            for got, want in zip((qi, ki), ropekit.apply_rope(q, k, **one_d)):
+                assert torch.equal(got, want)
+            assert torch.equal(ropekit.rope_backward(q, positions=expanded, **kw), ropekit.rope_backward(q, **one_d))
+        if layout == "bshd":  # one row of ids for the whole batch: [A, 1, S]
+            row = torch.randint(0, 1 << 24, (1, 1, S), device=device)
+            assert num_axes(q, k, row.expand(3, 1, S)) == 1
+            assert num_axes(q, k, torch.randint(0, 1 << 24, (3, 1, S), device=device)) == 3
+            assert torch.equal(ropekit.apply_rope(q, positions=row.expand(3, 1, S), **kw),
+                               ropekit.apply_rope(q, positions=row[0].expand(B, S)))
+        # a device-resident invalid position (changed after the host check): its token is NaN, the rest as 1-D
+        source = torch.randint(0, 1 << 24, row_shape, device=device)
+        spec = validate(q, k, positions=source[None].expand(3, *row_shape), **kw)
+        source.view(-1)[1] = -1
+        q_out, k_out = torch.full_like(q, 12345.0), torch.full_like(k, 12345.0)
+        launch_rope(q, k, q_out, k_out, spec)
+        want_q, want_k = ropekit.apply_rope(q, k, positions=source.clamp(min=0), layout=layout)
+        rest = [0, *range(2, B * S)]
+        for got, want in ((q_out, want_q), (k_out, want_k)):
+            got, want = got.reshape(B * S, -1, D), want.reshape(B * S, -1, D)  # token-major in both layouts
+            assert got[1].isnan().all() and torch.equal(got[rest], want[rest])
+    assert plan_calls["served"] >= 3 * 2  # calls 3 and 4 of the out-of-place, in-place and backward signatures
 
 
 # Pair -> axis maps the kernel forms from its compile-time bounds: 1 to 4 axes, empty axes, interleaved strides

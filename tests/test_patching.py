@@ -3,6 +3,7 @@ with and without ropekit, in fp32 and bf16; unpatch restores everything."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 
@@ -11,8 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import INTERPRETED  # noqa: E402
 from ropekit.integrations import patching  # noqa: E402
 from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch  # noqa: E402
+from ropekit.testing import kernels_on_cpu  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64)
@@ -300,15 +303,17 @@ def test_vision_language_models_rotate_with_mrope(model_type, monkeypatch):
 @pytest.mark.parametrize("model_type", sorted(VL_SECTIONS))
 def test_vision_language_greedy_generate_matches(model_type, rope_calls):
     """Greedy generation of a patched Qwen2-VL, Qwen2.5-VL or Qwen3-VL from a text prompt: the tokens of the
-    unpatched model, with the prefill and every decode step's rotation run by ropekit (decode positions are one
-    position on every axis, as transformers builds them after the prompt)."""
+    unpatched model, with the prefill and every decode step's rotation sent through ropekit's multi-axis call and
+    run by its Triton kernels (the interpreter, in CPU-only runs). transformers passes materialised [3, B, S]
+    positions, one position on every axis for the decode steps."""
     model = tiny_vl_model(model_type)
     ids = torch.randint(2, 128, (2, 6))
     kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     ref = model.generate(ids, **kwargs)
     patch(model)
     try:
-        out = model.generate(ids, **kwargs)
+        with kernels_on_cpu() if INTERPRETED else contextlib.nullcontext():
+            out = model.generate(ids, **kwargs)
     finally:
         unpatch(model)
     assert len(rope_calls) == 4 * 2  # prefill + 3 decode steps, both layers
