@@ -109,14 +109,13 @@ def _planned(plans: OrderedDict, sig):
 
 def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     """(key, handles) of a call, or None when the fast path does not apply: not a kernel call (CUDA, or CPU under
-    ``kernels_on_cpu``; float64 runs the reference), tensor subclasses, tracing, in-place calls that need autograd.
+    ``kernels_on_cpu``; float64 runs the reference), tensor subclasses, in-place calls that need autograd. Never
+    called while torch.compile traces (:func:`_plans_apply`).
 
     The handles are q's, k's and the tensor options' data pointers in that order (0 for an absent k) -- the
     tensors themselves on CPU, where the interpreter needs them. Calls that need autograd get keys (and plans) of
     their own."""
     if type(q) is not Tensor or (k is not None and type(k) is not Tensor) or not uses_kernels(q):
-        return None
-    if torch.compiler.is_compiling():
         return None
     grad = needs_grad(q, k)
     if grad and mode.inplace:  # in place with autograd: the full path (mark_dirty and its checks)
@@ -419,12 +418,13 @@ def _write_kv_full(options: dict, sig, launches: list | None) -> Tensor:
 
 def _call_signature(options: dict, names: tuple, grad_ok: bool):
     """(key, tensors) of a call whose options are ``options``, or None where plans do not apply (not a kernel
-    call, tracing, tensor subclasses, or -- unless ``grad_ok`` -- autograd). ``tensors``: the options named in
-    ``names``, in that order (None where absent or not a tensor). The key holds every tensor's shape, strides,
-    dtype, device and alignment, which of them share a data pointer, whether autograd records the call, and every
-    other option's value (an int position offset by its type)."""
+    call, tensor subclasses, or -- unless ``grad_ok`` -- autograd; never called while tracing, see
+    :func:`_plans_apply`). ``tensors``: the options named in ``names``, in that order (None where absent or not a
+    tensor). The key holds every tensor's shape, strides, dtype, device and alignment, which of them share a data
+    pointer, whether autograd records the call, and every other option's value (an int position offset by its
+    type)."""
     q = options["q"]
-    if type(q) is not Tensor or not uses_kernels(q) or torch.compiler.is_compiling():
+    if type(q) is not Tensor or not uses_kernels(q):
         return None
     tensors, parts, ptrs = [], [], []
     grad = False
