@@ -27,6 +27,11 @@ DEVICES = [
 LAYOUTS = {"contiguous": (16, 24, 24), "interleaved": (24, 20, 20)}  # Qwen2-VL's and Qwen3-VL's, D = 128
 
 
+def _sections(device: str, section_layout: str) -> tuple[int, ...]:
+    """The layout's model sections on a GPU, a quarter of each (D = 32) under the CPU interpreter."""
+    return LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
+
+
 def _hf_merge(freqs: torch.Tensor, sections, section_layout: str) -> torch.Tensor:
     """Per-axis angles [A, B, S, R/2] merged into one [B, S, R/2] as transformers' rotary modules merge them (its
     own code where transformers is installed, the same formula written out otherwise)."""
@@ -99,7 +104,7 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
     """Every call of a signature -- the full path, the one that records a plan, two replays -- with fresh data,
     out of place, in place, the explicit backward and autograd, against the float64 reference; positions up to
     2**24 on every axis (exact in-kernel angles)."""
-    sections = LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
+    sections = _sections(device, section_layout)
     D = 2 * sum(sections)
     B, S = (2, 64) if device == "cuda" else (2, 5)
     with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
@@ -136,7 +141,7 @@ def test_one_position_on_every_axis_gives_the_one_d_bits(device, section_layout,
     from ropekit._spec import validate
     from ropekit.triton.launcher import launch_rope
 
-    sections = LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
+    sections = _sections(device, section_layout)
     D = 2 * sum(sections)
     kw = dict(sections=sections, section_layout=section_layout)
 
@@ -183,7 +188,7 @@ def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layou
     from ropekit._spec import validate
     from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch, launch_rope
 
-    sections = LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
+    sections = _sections(device, section_layout)
     D, B, S = 2 * sum(sections), 2, 7
     kw = dict(sections=sections, section_layout=section_layout, layout=layout)
     row_shape = (B * S,) if layout == "thd" else (B, S)
