@@ -40,3 +40,25 @@ def test_probe_help_exits_zero(script):
 def test_gpu_suite_script_parses():
     proc = subprocess.run(["bash", "-n", str(PROBES / "gpu_suite.sh")], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_sass_count_reads_issue_cycles_from_the_control_codes(monkeypatch):
+    """The stall count is the control code's last field, in hex; the branch ends at its first EXIT."""
+    monkeypatch.syspath_prepend(str(PROBES))
+    import sass_count
+
+    class Compiled:
+        asm = {"sass": "\n".join([
+            "Function:rope_kernel",
+            "--:-:0:-:8\tLDC R1, c[0x0][0x28];",
+            "--:-:3:-:a\t@!P0 LDG.E.64 R6, desc[UR6][R18.64];",
+            "08:-:-:Y:1\tIMAD R0, R6, R2, RZ;",
+            "--:-:-:-:2\tSTG.E.64 desc[UR6][R2.64], R0;",
+            "--:-:-:-:5\tEXIT;",
+            "--:-:-:-:1\tLDG.E R1, desc[UR6][R2.64];",
+        ])}
+
+    ops, cycles = sass_count._branch(Compiled)
+    assert ops == ["LDC", "LDG", "IMAD", "STG"]
+    assert cycles == [0, 8, 18, 19]
+    assert sass_count._memory_cycles(ops, cycles) == "loads @8  first store @19"

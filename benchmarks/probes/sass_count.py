@@ -7,7 +7,12 @@ Llama-3-8B decode shape (32/8 heads, D 128, bf16, one token per sequence) at a b
 from per-token positions, a transformers-style per-token table (no angle math), M-RoPE positions (contiguous and
 interleaved sections 16/24/24), and ``decode_probe.py``'s ``rope path, no rotation`` (the same grid, addresses,
 loads and stores, no rotation). Prints the SASS instruction count up to the branch's exit and its largest opcode
-groups.
+groups, and the issue cycles (the stall counts of the instructions before it) at which each global load and the
+first store issue: a one-token program is one pass through this list, so the data loads must issue before the
+first instruction that waits for a position, or the call pays two round trips to memory instead of one.
+
+Compiled with the Triton version the GPU runs (``pip install triton==<version> --target <dir>`` and that dir first
+on PYTHONPATH), the SASS, stall counts included, equals the GPU JIT's instruction for instruction.
 
     python benchmarks/probes/sass_count.py [--tokens 256] [--configs 1x8x8x1,1x8x8x4]
 """
@@ -42,18 +47,29 @@ from decode_probe import _rope_path_copy_kernel
 from test_compile_targets import _compile_for, _compile_kernel
 
 
-def _branch(compiled) -> list[str]:
-    """SASS opcodes of the first branch (the q heads), up to its first EXIT."""
-    ops = []
+def _branch(compiled) -> tuple[list[str], list[int]]:
+    """SASS opcodes of the first branch (the q heads), up to its first EXIT, and the issue cycle of each: the sum
+    of the stall counts (the control code's last field, in hex) of the instructions before it."""
+    ops, cycles, cycle = [], [], 0
     for line in compiled.asm["sass"].splitlines():
         if "\t" not in line:
             continue
-        words = line.split("\t", 1)[1].split()
+        control, text = line.split("\t", 1)
+        words = text.split()
         op = words[1] if words[0].startswith("@") else words[0]
         if op.startswith("EXIT"):
             break
         ops.append(op.split(".")[0])
-    return ops
+        cycles.append(cycle)
+        cycle += int(control.rsplit(":", 1)[-1], 16)
+    return ops, cycles
+
+
+def _memory_cycles(ops: list[str], cycles: list[int]) -> str:
+    """Issue cycles of the branch's global loads and of its first store."""
+    loads = ",".join(str(c) for op, c in zip(ops, cycles) if op == "LDG")
+    store = next((c for op, c in zip(ops, cycles) if op == "STG"), None)
+    return f"loads @{loads}  first store @{store}"
 
 
 def main(args: argparse.Namespace) -> None:
@@ -78,9 +94,10 @@ def main(args: argparse.Namespace) -> None:
         rows["rope path, no rotation"] = _branch(_compile_kernel(
             "sm90", _rope_path_copy_kernel, copy_args, dict(D=128, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk), warps))
         print(f"block shape {config}")
-        for name, ops in rows.items():
+        for name, (ops, cycles) in rows.items():
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(8))
             print(f"  {name:<24} {len(ops):>5}   {top}")
+            print(f"  {'':<24} {'':>5}   issue cycles: {_memory_cycles(ops, cycles)}")
 
 
 if __name__ == "__main__":
