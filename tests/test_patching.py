@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import types
 
 import pytest
@@ -318,3 +319,57 @@ def test_vision_language_greedy_generate_matches(model_type, rope_calls):
         unpatch(model)
     assert len(rope_calls) == 4 * 2  # prefill + 3 decode steps, both layers
     assert torch.equal(out, ref)
+
+
+def _vision_forward_backward(model, pixels, grid):
+    """The vision tower's output for one image and the gradients of a weighted sum of it (pixels and weights)."""
+    model.zero_grad(set_to_none=True)
+    pixels.grad = None
+    out = model.model.visual(pixels, grid_thw=grid).last_hidden_state
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), pixels.grad.clone(), grads
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model_type", sorted(VL_SECTIONS))
+def test_vision_towers_rotate_by_their_patch_ids(model_type, device, monkeypatch):
+    """Qwen2-VL's and Qwen3-VL's vision towers (transformers 5.x: (h, w) ids [N, 2] -> [N, D] tables): the patched
+    tower gives the unpatched output and gradients, each layer's rotation ran through ropekit as two contiguous
+    sections over the (h, w) ids of a 4 x 6 patch grid, and an unpatched model of the family still runs
+    transformers' function. Qwen2.5-VL reorders its tables for window attention: its tower is left alone."""
+    model, other = tiny_vl_model(model_type).to(device), tiny_vl_model(model_type).to(device)
+    vision = model.model.visual.config
+    torch.manual_seed(0)
+    pixels = torch.randn(24, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2,
+                         device=device, requires_grad=True)
+    grid = torch.tensor([[1, 4, 6]], device=device)
+    ref_out, ref_pixel_grad, ref_grads = _vision_forward_backward(model, pixels, grid)
+    calls = []
+    original = patching.apply_rope
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("layout"), kwargs.get("sections"), tuple(kwargs["positions"].shape)))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(patching, "apply_rope", spy)
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    original_function = modeling.apply_rotary_pos_emb_vision
+    patch(model)
+    try:
+        with kernels_on_cpu() if INTERPRETED and device == "cpu" else contextlib.nullcontext():
+            out, pixel_grad, grads = _vision_forward_backward(model, pixels, grid)
+        seen = len(calls)
+        other_out = _vision_forward_backward(other, pixels, grid)[0]  # same weights, not patched
+        assert len(calls) == seen and torch.equal(other_out, ref_out)
+    finally:
+        unpatch(model)
+    assert modeling.apply_rotary_pos_emb_vision is original_function
+    pairs_per_axis = model.model.visual.rotary_pos_emb.inv_freq.numel()  # head_dim / 4
+    expected = [] if model_type == "qwen2_5_vl" else [("thd", (pairs_per_axis,) * 2, (2, 24))] * vision.depth
+    assert calls == expected
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert rel_err(pixel_grad, ref_pixel_grad) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name

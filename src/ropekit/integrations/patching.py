@@ -22,6 +22,11 @@ and every attention layer then calls its modeling module's ``apply_rotary_pos_em
   positions and frequencies (angles formed exactly in the kernel, fp32 math, no bf16 table); given anything else
   (an unpatched model of the same family) it calls the original function unchanged.
 
+Vision towers of the same form (Qwen2-VL's and Qwen3-VL's with transformers 5.x: a rotary module that turns the
+patches' (h, w) ids [N, 2] into [N, D] tables) are patched the same way, except that their rotary module still
+builds its tables (small: one row per patch) and tags cos with the ids; ``apply_rotary_pos_emb_vision``'s dispatcher
+then rotates them as M-RoPE with two contiguous sections, one frequency set shared by both axes.
+
 The module-level replacement is shared by all patched models of a family and reference-counted: the original
 function comes back when the last such model is unpatched.
 """
@@ -62,11 +67,12 @@ _FAMILIES: dict[str, dict[str, str]] = {
     "glm": {"apply_rotary_pos_emb": "interleaved"},
     "glm4": {"apply_rotary_pos_emb": "interleaved"},
     "deepseek_v3": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_interleave": "interleaved_to_halves"},
-    # vision-language models: the language model's M-RoPE (positions [3, B, S]); the vision tower's own rotary
-    # (apply_rotary_pos_emb_vision) is left as it is
-    "qwen2_vl": {"apply_rotary_pos_emb": "neox"},
+    # vision-language models: the language model's M-RoPE (positions [3, B, S]) and the vision tower's 2-D axial
+    # rotation (apply_rotary_pos_emb_vision, (h, w) ids [N, 2]). Qwen2.5-VL's tower reorders its cos/sin tables for
+    # window attention after its rotary module returns them, so its rotation keeps transformers' function
+    "qwen2_vl": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"},
     "qwen2_5_vl": {"apply_rotary_pos_emb": "neox"},
-    "qwen3_vl": {"apply_rotary_pos_emb": "neox"},
+    "qwen3_vl": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"},
 }
 #: ``config.model_type`` values :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
@@ -82,7 +88,8 @@ _ORIGINALS: dict[tuple[str, str], Callable] = {}
 class _Plan:
     """What a patched rotary module knew when it built the tables: enough to rotate without them."""
 
-    positions: Tensor  # int64 [B|1, S] on the tables' device; [A, B|1, S] for multi-axis (M-RoPE) models
+    positions: Tensor  # int64 [B|1, S] on the tables' device; [A, B|1, S] for multi-axis (M-RoPE) models; [2, N]
+    # (h, w) for a vision tower's patches
     inv_freq: Tensor  # float32 [R/2]
     scale: float  # attention_scaling
     width: int  # cos.shape[-1]
@@ -251,6 +258,32 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
     return cos, sin
 
 
+def _is_vision_rotary(module: nn.Module, modeling: str) -> bool:
+    """A vision tower's rotary module of the form transformers 5.x gives Qwen2-VL and Qwen3-VL: ``forward(x,
+    position_ids)`` with (h, w) ids [N, 2], one float32 ``inv_freq`` [D/4] for both axes, and tables [N, D] laid out
+    ``[h angles, w angles]`` twice (``recomposition_frequencies``). Older towers return raw frequencies instead."""
+    cls = type(module)
+    if not (cls.__name__.endswith("VisionRotaryEmbedding") and cls.__module__ == modeling
+            and hasattr(cls, "recomposition_frequencies") and isinstance(getattr(module, "inv_freq", None), Tensor)):
+        return False
+    return list(inspect.signature(cls.forward).parameters) == ["self", "x", "position_ids"]
+
+
+def _vision_rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Replacement of a vision tower's ``*VisionRotaryEmbedding.forward``: the tables of the class's own forward
+    (built as before: they are [N, D], built once per forward), with cos tagged with a plan: pair i < D/4 turns by
+    the patch's row h and pair D/4 + i by its column w, both with ``inv_freq[i]`` -- M-RoPE with two contiguous
+    sections over the (h, w) ids."""
+    cos, sin = type(self).forward(self, x, position_ids)
+    inv = self.inv_freq.float()
+    n = inv.shape[-1]
+    if (isinstance(position_ids, Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == 2
+            and cos.shape == (position_ids.shape[0], 4 * n)):
+        setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids.t(), inv_freq=torch.cat([inv, inv]),
+                                       scale=float(self.attention_scaling), width=4 * n, sections=(n, n)))
+    return cos, sin
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the module-level dispatchers
 # --------------------------------------------------------------------------------------------------------------
@@ -287,6 +320,8 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
     """The ropekit rotation for one dispatcher call, or None when the call falls outside what the plan covers
     (then the original function runs). Reads only cos's metadata (shape, dtype): reading its values would build the
     lazy tables."""
+    if kind == "vision":
+        return _rotate_patches(plan, q, k, cos)
     layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
     if layout is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
         return None
@@ -314,6 +349,22 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
     return q_out, k_out
 
 
+def _rotate_patches(plan: _Plan, q: Tensor, k: Tensor, cos: Tensor):
+    """A vision tower's rotation (``apply_rotary_pos_emb_vision``: q, k [N, H, D] patches, cos [N, D], outputs in
+    q's and k's dtypes) from its plan, or None when the call is not of that form."""
+    if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 3 or k.dim() != 3:
+        return None
+    if plan.sections is None or plan.positions.dim() != 2 or cos.shape[-1] != plan.width:
+        return None
+    n = plan.positions.shape[-1]
+    if q.shape[0] != n or k.shape[0] != n or q.shape[-1] != plan.width or k.shape[-1] != plan.width:
+        return None
+    if k.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return None
+    return apply_rope(q, k, positions=plan.positions, inv_freq=plan.inv_freq, style="neox", layout="thd",
+                      rotary_dim=plan.width, rotary_scale=plan.scale, sections=plan.sections)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # patch / unpatch
 # --------------------------------------------------------------------------------------------------------------
@@ -321,7 +372,7 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
 
 @dataclasses.dataclass
 class _ModuleState:
-    rope: RotaryEmbedding
+    rope: RotaryEmbedding | None  # None for a vision tower's rotary (its own forward builds the tables)
     modeling: str
 
 
@@ -355,12 +406,14 @@ def patch(model: nn.Module) -> nn.Module:
 
     Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
     GPT-NeoX, GLM, GLM-4, DeepSeek-V3, and the language model of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose multi-axis
-    M-RoPE positions ropekit rotates by exactly; their vision towers keep their own rotary). Every rope type works
-    (default, linear, dynamic, yarn, longrope, llama3, ...); partial rotary and attention scaling follow the model.
-    Logits and gradients match the unpatched model (to float32 rounding in fp32; in bf16 ropekit is the more
-    accurate of the two, since transformers rounds its cos/sin tables to bf16). The rotary module's ``(cos, sin)``
-    are built only if something reads them (see the module docstring); its position ids must not be changed in
-    place before then. Patching twice is a no-op. Undo with :func:`unpatch`.
+    M-RoPE positions ropekit rotates by exactly; the vision towers of Qwen2-VL and Qwen3-VL too, by their patches'
+    (h, w) ids, while Qwen2.5-VL's, which reorders its tables for window attention, keeps its own). Every rope type
+    works (default, linear, dynamic, yarn, longrope, llama3, ...); partial rotary and attention scaling follow the
+    model. Logits and gradients match the unpatched model (to float32 rounding in fp32; in bf16 ropekit is the more
+    accurate of the two, since transformers rounds its cos/sin tables to bf16). The language model's rotary
+    ``(cos, sin)`` are built only if something reads them (see the module docstring); its position ids must not be
+    changed in place before then. A vision tower's tables ([patches, head_dim]) are built as before. Patching twice
+    is a no-op. Undo with :func:`unpatch`.
 
     Raises
     ------
@@ -378,18 +431,24 @@ def patch(model: nn.Module) -> nn.Module:
     rotaries = _rotary_modules(model, modeling)
     if not rotaries:
         raise ValueError(f"found no rotary-embedding module of {modeling} in {type(model).__name__}")
+    if "vision" in _FAMILIES[model_type].values():
+        rotaries += [m for m in model.modules() if _is_vision_rotary(m, modeling)]
     todo = [m for m in rotaries if not hasattr(m, _STATE_ATTR)]
     if not todo:
         return model
     with _LOCK:
         for rotary in todo:
-            rope = RotaryEmbedding(rotary.config)
-            buffer = getattr(rotary, "inv_freq", None)
-            if isinstance(buffer, Tensor):
-                rope.to(buffer.device)
+            if _is_vision_rotary(rotary, modeling):
+                state, forward = _ModuleState(rope=None, modeling=modeling), _vision_rotary_forward
+            else:
+                rope = RotaryEmbedding(rotary.config)
+                buffer = getattr(rotary, "inv_freq", None)
+                if isinstance(buffer, Tensor):
+                    rope.to(buffer.device)
+                state, forward = _ModuleState(rope=rope, modeling=modeling), _rotary_forward
             # not registered as a submodule: the model's module tree and state dict stay as they were
-            object.__setattr__(rotary, _STATE_ATTR, _ModuleState(rope=rope, modeling=modeling))
-            rotary.forward = types.MethodType(_rotary_forward, rotary)
+            object.__setattr__(rotary, _STATE_ATTR, state)
+            rotary.forward = types.MethodType(forward, rotary)
             _GLOBAL_REFS[modeling] = _GLOBAL_REFS.get(modeling, 0) + 1
         for name, kind in _FAMILIES[model_type].items():
             current = getattr(module, name, None)
@@ -438,6 +497,6 @@ def _ropekit_module(model: nn.Module) -> RotaryEmbedding | None:
     _check_model(model, "_ropekit_module")
     for m in model.modules():
         state = m.__dict__.get(_STATE_ATTR)
-        if state is not None:
+        if state is not None and state.rope is not None:
             return state.rope
     return None
