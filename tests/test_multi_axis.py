@@ -403,6 +403,34 @@ def test_axial_frequencies_give_flux_rope():
             ropekit.axial_inv_freq(bad)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_axial_frequencies_give_the_vision_towers_2d_rope(device):
+    """A ViT's 2-D grid RoPE, as Qwen2-VL's vision tower does it (transformers' rotary module and
+    apply_rotary_pos_emb_vision as the oracle, evaluated in float64): the patches' (row, column) ids as two axes,
+    axial_inv_freq((D/2, D/2)), sections (D/4, D/4), NeoX pairing, q and k [N, H, D] in thd layout."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+    from transformers.vision_utils import get_vision_position_ids
+
+    config = transformers.Qwen2VLVisionConfig(embed_dim=64, num_heads=2)  # head_dim D = 32
+    D, base = 32, config.rope_parameters["rope_theta"]
+    rotary = qwen2_vl.Qwen2VLVisionRotaryEmbedding(config)
+    inv = ropekit.axial_inv_freq((D // 2, D // 2), base)
+    # ropekit rounds base**(-2j/d) once; transformers' float32 power and division may differ by one ulp
+    torch.testing.assert_close(inv, torch.cat([rotary.inv_freq, rotary.inv_freq]), rtol=2**-23, atol=0)
+    hw = get_vision_position_ids(torch.tensor([[1, 6, 8], [2, 4, 4]]), 2)  # [N, 2], merge blocks of 2 x 2
+    N = hw.shape[0]
+    q, k = (torch.randn(N, 3, D, dtype=torch.float32) for _ in range(2))
+    angles = rotary.recomposition_frequencies(hw[..., None].double() * rotary.inv_freq.double())  # [N, D]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        got = ropekit.apply_rope(q.to(device), k.to(device), positions=hw.T.to(device), inv_freq=inv.to(device),
+                                 sections=(D // 4, D // 4), layout="thd")
+    for g, x in zip(got, (q, k)):
+        want = x.double() * cos + qwen2_vl.rotate_half(x.double()) * sin
+        assert_close_to_ref(g.cpu(), want, torch.float32)
+
+
 @pytest.mark.parametrize("model_type, section_layout", [("qwen2_vl", "contiguous"), ("qwen3_vl", "interleaved")])
 def test_vision_language_configs_give_sections_and_transformers_rotation(model_type, section_layout):
     transformers = pytest.importorskip("transformers")
