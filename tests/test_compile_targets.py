@@ -151,6 +151,9 @@ SPECIALISATIONS = [
      dict(positions=torch.arange(4), exact_angles="integer")),
     ("integer-angles-mrope-prefill-fp16", (2, 32, 8, 128), 2, torch.float16, None,
      dict(positions=torch.randint(0, 99, (3, 2, 32)), sections=(16, 24, 24), exact_angles="integer")),
+    # a vision tower's 2-D RoPE at head_dim 72 (head stride not divisible by 16): accesses must stay vectors
+    ("vision-2d-d72-bf16-vectorised", (1, 64, 16, 72), 16, torch.bfloat16, None,
+     dict(layout="thd", positions=torch.randint(0, 64, (2, 64)), sections=(18, 18), inv_freq=torch.rand(36))),
 ]
 
 
@@ -177,6 +180,8 @@ def _compile_case(target: str, case) -> str:
         return "no cubin"
     if "ld.local" in compiled.asm["ptx"]:
         return "spills to local memory"
+    if not isinstance(case, str) and case[0].endswith("-vectorised") and ".U16" in compiled.asm["sass"]:
+        return "2-byte scalar loads or stores (LDG/STG .U16)"
     spilled = _ptxas_spill_bytes(compiled.asm["ptx"])
     if spilled:  # register spills appear only in ptxas's allocation, not in the PTX
         return f"ptxas spills {spilled} bytes to local memory"

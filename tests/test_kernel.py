@@ -93,6 +93,9 @@ CASES = [
     ("head-dim-256", 1, 2, 2, 1, 256, torch.bfloat16, dict(positions=5)),
     ("head-dim-64-interleaved", 1, 3, 4, 2, 64, torch.float32, dict(style="interleaved")),
     ("rotary-dim-2", 1, 3, 2, 1, 8, torch.float32, dict(rotary_dim=2)),
+    # head strides not divisible by 16: the kernel takes them in units of 8 / 4 elements (launcher.stride_unit)
+    ("head-dim-72-bf16", 1, 6, 4, 2, 72, torch.bfloat16, dict(positions=9)),
+    ("head-dim-72-fp32-bhsd", 2, 3, 3, 1, 72, torch.float32, dict(layout="bhsd", style="interleaved")),
 ]
 
 
@@ -220,6 +223,25 @@ def test_launch_cache_holds_one_entry_per_compiled_variant():
 
     assert len({key(S) for S in range(17, 400, 4)}) == 1  # odd lengths: no stride or count divisible by 16
     assert key(16) != key(17)
+
+
+def test_stride_unit_is_what_every_row_stride_shares_up_to_16_bytes():
+    """1 where Triton already knows (every stride divisible by 16), else the largest power of two, at most 16
+    bytes of the widest element, dividing every row stride (dims 0-2 of the [B, S, H, D] views) of every
+    tensor."""
+    from ropekit.triton.launcher import stride_unit
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype)
+
+    assert stride_unit(t(2, 5, 4, 128), t(2, 5, 4, 128)) == 1
+    assert stride_unit(t(1, 6, 4, 72)) == 8  # head stride 72 = 8 * 9
+    assert stride_unit(t(1, 6, 4, 72, dtype=torch.float32)) == 4  # 16 bytes of fp32
+    assert stride_unit(t(1, 6, 4, 72), t(1, 6, 4, 72, dtype=torch.float32)) == 4  # bf16 in, fp32 out
+    assert stride_unit(t(1, 6, 4, 36)) == 4
+    assert stride_unit(t(1, 6, 4, 7, dtype=torch.float32)) == 1
+    assert stride_unit(t(1, 64, 3, 16, 72)[:, :, 0]) == 8  # q of a fused qkv ([B, S, H, D]): tokens 3456 apart
+    assert stride_unit(t(1, 6, 4, 72).expand(3, 6, 4, 72)) == 8  # a stride of 0 shares every unit
 
 
 def test_block_config_shapes():

@@ -522,6 +522,12 @@ def _rope_head_block(
                  NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS)
 
 
+@triton.jit
+def _in_elements(sb, ss, sh, UNIT: tl.constexpr):
+    """Row strides given in units of ``UNIT`` elements, in elements (int64: the product may pass 2**31)."""
+    return sb.to(tl.int64) * UNIT, ss.to(tl.int64) * UNIT, sh.to(tl.int64) * UNIT
+
+
 # pos_offset changes on every decode step: specialising on its value (== 1, divisible by 16) would compile new
 # variants and make a kernel bound once (ropekit.triton.launcher.bind_rope) wrong for other offsets.
 @triton.jit(do_not_specialize=["pos_offset"])
@@ -540,9 +546,16 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
-    AXIS_BOUND_3: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr,
 ):
-    """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens."""
+    """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
+    of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
+    their alignment."""
+    if STRIDE_UNIT > 1:
+        q_sb, q_ss, q_sh = _in_elements(q_sb, q_ss, q_sh, STRIDE_UNIT)
+        qo_sb, qo_ss, qo_sh = _in_elements(qo_sb, qo_ss, qo_sh, STRIDE_UNIT)
+        k_sb, k_ss, k_sh = _in_elements(k_sb, k_ss, k_sh, STRIDE_UNIT)
+        ko_sb, ko_ss, ko_sh = _in_elements(ko_sb, ko_ss, ko_sh, STRIDE_UNIT)
     # Grid: (head blocks, token blocks) with the token blocks over axes 1 and 2 (axis 1 holds at most 65535), so
     # that no program index is divided -- a division is ~40 dependent instructions before the first address -- and
     # the programs of one token run together. Token indices are int32 (the launcher refuses 2**31 tokens);

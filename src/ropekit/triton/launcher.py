@@ -61,6 +61,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def stride_unit(*tensors: torch.Tensor) -> int:
+    """The unit, in elements, in which ``rope_kernel`` takes the row strides (dims 0-2) of ``tensors`` and
+    multiplies them back, so that the compiler knows how rows are aligned: Triton itself marks only ints divisible
+    by 16, and a head stride of 72 elements (head_dim 72) would otherwise leave every access a 2-byte scalar.
+    1 when every stride is divisible by 16 (Triton knows then, and the kernel stays as it was); else the largest
+    power of two, at most 16 bytes of the widest tensor's elements, that divides them all."""
+    strides = [stride for t in tensors for stride in t.stride()[:3]]
+    if all(stride % 16 == 0 for stride in strides):
+        return 1
+    unit = 16 // max(t.element_size() for t in tensors)
+    while unit > 1 and any(stride % unit for stride in strides):
+        unit //= 2
+    return unit
+
+
 def _next_pow2(n: int) -> int:
     # triton.cdiv / triton.next_power_of_2 are constexpr functions whose Python call costs microseconds each
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -255,10 +270,10 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     n_z = _cdiv(n_tb, MAX_GRID_Y)
     grid = (n_hb, _cdiv(n_tb, n_z), n_z)
     dummy = q
+    unit = stride_unit(qc, qoc, kc, koc)
     args = (
         qc, qoc, kc, koc,
-        qc.stride(0), qc.stride(1), qc.stride(2), qoc.stride(0), qoc.stride(1), qoc.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2), koc.stride(0), koc.stride(1), koc.stride(2),
+        *(stride // unit for t in (qc, qoc, kc, koc) for stride in t.stride()[:3]),
         HQ, HK, S, num_tokens,
         pos_t, pos_sb, pos_ss,
         seq_offsets if seq_offsets is not None else dummy, pos_offset,
@@ -273,7 +288,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         freq_mode_id, table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
-        *axes,
+        *axes, unit,
     )
     return grid, args, constexprs, num_warps
 
@@ -281,7 +296,11 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
-                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3")
+                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "STRIDE_UNIT")
+#: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
+ROW_STRIDES = tuple(f"{t}_s{d}" for t in ("q", "qo", "k", "ko") for d in ("b", "s", "h"))
+
+
 class KernelRoles:
     """A kernel's runtime arguments by role, as positions in its signature (derived from its parameter names, so
     that a new argument cannot shift a hard-coded index): pointers (names ending in ``_ptr``), the ints Triton

@@ -402,6 +402,14 @@ NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 # 128 take 21 us to sum, 2816 rows 13 us).
 BWD_PROGRAMS_PER_SM = 16
 # rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
+def _rope_arguments(args: tuple, constexprs: tuple) -> dict:
+    """``rope_kernel``'s launch by parameter name, its row strides in elements (it takes them in units)."""
+    named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
+    for name in launcher.ROW_STRIDES:
+        named[name] *= named["STRIDE_UNIT"]
+    return named
+
+
 _ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
               "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
               "q_scale", "k_scale", "rotary_scale", "pos_sa")
@@ -489,7 +497,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     if launch is None:
         return
     grid, args, constexprs, num_warps = launch
-    named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
+    named = _rope_arguments(args, constexprs)
     dummy = q
     k_ptr_scale = v_ptr_scale = False
     k_div = v_div = 1.0
@@ -548,7 +556,7 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
         return dq.zero_(), dk.zero_(), zq, zq.clone()
     grid, args, constexprs, num_warps = launch
-    named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
+    named = _rope_arguments(args, constexprs)
     n_tb = launcher._cdiv(named["num_tokens"], named["BLOCK_T"])
     n_qb = launcher._cdiv(named["HQ"], named["BLOCK_HQ"])
     n_kb = launcher._cdiv(named["HK"], named["BLOCK_HK"])
