@@ -154,6 +154,8 @@ SPECIALISATIONS = [
     # a vision tower's 2-D RoPE at head_dim 72 (head stride not divisible by 16): accesses must stay vectors
     ("vision-2d-d72-bf16-vectorised", (1, 64, 16, 72), 16, torch.bfloat16, None,
      dict(layout="thd", positions=torch.randint(0, 64, (2, 64)), sections=(18, 18), inv_freq=torch.rand(36))),
+    # head stride 8 = one unit of 8: the stride argument is 1, which Triton makes a constant
+    ("head-dim-8-unit-stride-bf16", (2, 4, 4, 8), 2, torch.bfloat16, None, dict(positions=torch.arange(2))),
 ]
 
 

@@ -524,8 +524,10 @@ def _rope_head_block(
 
 @triton.jit
 def _in_elements(sb, ss, sh, UNIT: tl.constexpr):
-    """Row strides given in units of ``UNIT`` elements, in elements (int64: the product may pass 2**31)."""
-    return sb.to(tl.int64) * UNIT, ss.to(tl.int64) * UNIT, sh.to(tl.int64) * UNIT
+    """Row strides given in units of ``UNIT`` elements, in elements (int64: the product may pass 2**31). A stride
+    of 1 unit arrives as a Python int (Triton specialises it), hence the int64 scalar rather than ``.to``."""
+    unit = tl.full([], UNIT, tl.int64)
+    return sb * unit, ss * unit, sh * unit
 
 
 # pos_offset changes on every decode step: specialising on its value (== 1, divisible by 16) would compile new
