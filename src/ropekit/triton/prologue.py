@@ -401,7 +401,8 @@ NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 # prologue_probe.py --norm-sweep prints); fewer programs leave SMs idle, more make the sum longer (11264 rows of
 # 128 take 21 us to sum, 2816 rows 13 us).
 BWD_PROGRAMS_PER_SM = 16
-# rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
+
+
 def _rope_arguments(args: tuple, constexprs: tuple) -> dict:
     """``rope_kernel``'s launch by parameter name, its row strides in elements (it takes them in units)."""
     named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
@@ -410,6 +411,7 @@ def _rope_arguments(args: tuple, constexprs: tuple) -> dict:
     return named
 
 
+# rope_kernel's arguments and constexprs that the prologue kernels take too, in their order.
 _ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
               "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
               "q_scale", "k_scale", "rotary_scale", "pos_sa")
