@@ -373,3 +373,29 @@ def test_vision_towers_rotate_by_their_patch_ids(model_type, device, monkeypatch
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_compiled_patched_vision_tower_matches(model_type, rope_calls):
+    """torch.compile of a patched vision tower (with graph breaks: transformers' own position-id code reads
+    grid_thw on the host, so even the unpatched tower has no full graph) gives the unpatched output, with the
+    rotation traced through ropekit."""
+    model = tiny_vl_model(model_type)
+    vision = model.model.visual
+    pixels = torch.randn(24, vision.config.in_channels * vision.config.temporal_patch_size
+                         * vision.config.patch_size ** 2)
+    grid = torch.tensor([[1, 4, 6]])
+    with torch.no_grad():
+        ref = vision(pixels, grid_thw=grid).last_hidden_state
+    patch(model)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(vision, backend="aot_eager")
+        with torch.no_grad():
+            for _ in range(2):  # the second call runs the compiled code
+                out = compiled(pixels, grid_thw=grid).last_hidden_state
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        unpatch(model)
+        torch._dynamo.reset()
+    assert rope_calls  # traced through ropekit, not bypassed
