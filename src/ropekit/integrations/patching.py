@@ -431,14 +431,14 @@ def patch(model: nn.Module) -> nn.Module:
     rotaries = _rotary_modules(model, modeling)
     if not rotaries:
         raise ValueError(f"found no rotary-embedding module of {modeling} in {type(model).__name__}")
-    if "vision" in _FAMILIES[model_type].values():
-        rotaries += [m for m in model.modules() if _is_vision_rotary(m, modeling)]
-    todo = [m for m in rotaries if not hasattr(m, _STATE_ATTR)]
+    towers = [] if "vision" not in _FAMILIES[model_type].values() else [
+        m for m in model.modules() if _is_vision_rotary(m, modeling)]
+    todo = [m for m in rotaries + towers if not hasattr(m, _STATE_ATTR)]
     if not todo:
         return model
     with _LOCK:
         for rotary in todo:
-            if _is_vision_rotary(rotary, modeling):
+            if any(rotary is tower for tower in towers):
                 state, forward = _ModuleState(rope=None, modeling=modeling), _vision_rotary_forward
             else:
                 rope = RotaryEmbedding(rotary.config)
