@@ -321,6 +321,14 @@ def test_vision_language_greedy_generate_matches(model_type, rope_calls):
     assert torch.equal(out, ref)
 
 
+def _one_image(model, device="cpu", requires_grad=False):
+    """Pixels of one image of 4 x 6 patches for ``model``'s vision tower, and its grid_thw."""
+    vision = model.model.visual.config
+    pixels = torch.randn(24, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2,
+                         device=device, requires_grad=requires_grad)
+    return pixels, torch.tensor([[1, 4, 6]], device=device)
+
+
 def _vision_forward_backward(model, pixels, grid):
     """The vision tower's output for one image and the gradients of a weighted sum of it (pixels and weights)."""
     model.zero_grad(set_to_none=True)
@@ -341,9 +349,7 @@ def test_vision_towers_rotate_by_their_patch_ids(model_type, device, monkeypatch
     model, other = tiny_vl_model(model_type).to(device), tiny_vl_model(model_type).to(device)
     vision = model.model.visual.config
     torch.manual_seed(0)
-    pixels = torch.randn(24, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2,
-                         device=device, requires_grad=True)
-    grid = torch.tensor([[1, 4, 6]], device=device)
+    pixels, grid = _one_image(model, device, requires_grad=True)
     ref_out, ref_pixel_grad, ref_grads = _vision_forward_backward(model, pixels, grid)
     calls = []
     original = patching.apply_rope
@@ -382,9 +388,7 @@ def test_compiled_patched_vision_tower_matches(model_type, rope_calls):
     rotation traced through ropekit."""
     model = tiny_vl_model(model_type)
     vision = model.model.visual
-    pixels = torch.randn(24, vision.config.in_channels * vision.config.temporal_patch_size
-                         * vision.config.patch_size ** 2)
-    grid = torch.tensor([[1, 4, 6]])
+    pixels, grid = _one_image(model)
     with torch.no_grad():
         ref = vision(pixels, grid_thw=grid).last_hidden_state
     patch(model)
