@@ -246,7 +246,7 @@ def test_stride_unit_is_what_every_row_stride_shares_up_to_16_bytes():
 
 def test_block_config_shapes():
     """The heuristic's programs: one token of 8 heads at D 128 (2 KB), 64 B per thread; 16 B per thread for
-    streaming calls on large grids and for decode grids."""
+    streaming calls on large grids and for decode grids, and half the heads per program for the smallest ones."""
     from ropekit.triton.launcher import block_config
 
     sms4 = 4 * 132
@@ -254,8 +254,19 @@ def test_block_config_shapes():
     assert block_config(32768, 32, 8, 128, 2, sms4, stream=True) == (1, 8, 8, 4)
     assert block_config(32768, 32, 8, 128, 4, sms4, stream=True) == (1, 8, 8, 8)  # fp32: 4 KB, 16 B per thread
     assert block_config(256, 32, 8, 128, 2, sms4, stream=True) == (1, 8, 8, 1)  # small grid: no streaming shape
-    assert block_config(1, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # decode, one token: 16 B per thread
+    assert block_config(16, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # decode, 80 programs: 16 B per thread
     assert block_config(64, 64, 8, 128, 2, sms4) == (1, 8, 8, 4)  # 576 programs: still latency-bound
+    # the smallest decode grids of 2-byte calls with angles from the kernel (small_grid: at most 88 programs with
+    # half the heads): half the heads, same warps
+    assert block_config(1, 32, 8, 128, 2, sms4, small_grid=True) == (1, 4, 4, 4)
+    assert block_config(8, 32, 8, 128, 2, sms4, small_grid=True) == (1, 4, 4, 4)  # 80 programs
+    assert block_config(9, 32, 8, 128, 2, sms4, small_grid=True) == (1, 8, 8, 4)  # 90 would be too many
+    assert block_config(8, 28, 4, 128, 2, sms4, small_grid=True) == (1, 4, 4, 4)  # Qwen2-VL, 64 programs
+    assert block_config(16, 28, 4, 128, 2, sms4, small_grid=True) == (1, 8, 4, 4)  # 128 programs
+    assert block_config(1, 16, 8, 256, 2, sms4, small_grid=True) == (1, 2, 2, 4)
+    assert block_config(1, 2, 1, 128, 2, sms4, small_grid=True) == (1, 2, 1, 1)  # already under half a tile
+    assert block_config(1, 1, 1, 2048, 2, sms4, small_grid=True) == (1, 1, 1, 8)  # a head per program already
+    assert block_config(27, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 2)  # fills the SMs
     bt, bq, bk, warps = block_config(16384, 16, 16, 64, 2, sms4)
     assert (bt, bq, bk) == (1, 16, 16) and warps == 1
     # full-width cos/sin tables: 16 B per thread and at least 8 heads per program (head_dim 256: 8, not 4)
@@ -287,6 +298,59 @@ def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch
     contiguous = warps(positions=positions, sections=(24, 20, 20))
     interleaved = warps(positions=positions, sections=(24, 20, 20), section_layout="interleaved")
     assert contiguous == one_d and interleaved < contiguous, (one_d, contiguous, interleaved)
+
+
+def test_kernel_launch_takes_the_small_grid_shape_for_2_byte_computed_angles(monkeypatch):
+    """``kernel_launch`` halves the heads of one-token decode programs (launcher.SMALL_GRID_SM_FRACTION) on a
+    132-SM card for bf16/fp16 calls whose angles the kernel computes (1-D or multi-axis positions, inv_freq), not
+    for fp32 or cos/sin tables, where it measured slower, nor for per-token angles (not measured)."""
+    from ropekit.triton import launcher
+
+    monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
+    positions = torch.randint(0, 100, (3, 1, 1))
+    cos = torch.rand(1, 1, 128)
+
+    def heads_and_warps(dtype, **kw):
+        q, k = make_qk(1, 1, 32, 8, 128, dtype=dtype)
+        _, _, constexprs, warps = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k),
+                                                         validate(q, k, **kw))
+        named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
+        return named["BLOCK_HQ"], named["BLOCK_HK"], warps
+
+    for dtype in (torch.bfloat16, torch.float16):
+        assert heads_and_warps(dtype, positions=positions[0]) == (4, 4, 4)
+        assert heads_and_warps(dtype, positions=positions, sections=(24, 20, 20), section_layout="interleaved") \
+            == (4, 4, 4)
+        assert heads_and_warps(dtype, positions=positions[0], inv_freq=torch.rand(64)) == (4, 4, 4)
+        assert heads_and_warps(dtype, cos=cos.to(dtype), sin=cos.to(dtype)) == (8, 8, 4)  # full-width tables
+        assert heads_and_warps(dtype, cos=cos[..., :64].to(dtype), sin=cos[..., :64].to(dtype)) == (8, 8, 4)
+        assert heads_and_warps(dtype, angles=torch.rand(1, 1, 64)) == (8, 8, 4)  # per-token angles, loaded
+    assert heads_and_warps(torch.float32, positions=positions[0]) == (8, 8, 8)
+
+
+SMALL_GRID_CASES = [
+    ("1d-bf16", torch.bfloat16, dict(positions=lambda: torch.randint(0, 1 << 20, (1, 1)))),
+    ("interleaved-fp16", torch.float16, dict(positions=lambda: torch.randint(0, 1 << 20, (3, 1, 1)),
+                                             sections=(24, 20, 20), section_layout="interleaved")),
+    ("contiguous-bf16", torch.bfloat16, dict(positions=lambda: torch.randint(0, 1 << 20, (3, 1, 1)),
+                                             sections=(16, 24, 24))),
+]
+
+
+@pytest.mark.parametrize("case", SMALL_GRID_CASES, ids=[c[0] for c in SMALL_GRID_CASES])
+def test_small_grid_shape_equals_the_8_head_shape(case):
+    """The small-grid decode shape (4 heads a program, 2 pairs a thread) gives the 8-head shape's bits, and both
+    match the float64 reference: one token of Qwen3-VL-8B's 32/8 heads, fresh inputs on each of two calls."""
+    _, dtype, kwargs = case
+    for _call in range(2):
+        kw = _materialise(kwargs)
+        kw = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kw.items()}
+        q, k = make_qk(1, 1, 32, 8, 128, dtype=dtype, device=DEVICE)
+        small, refs = run_kernel(q, k, config=(1, 4, 4, 4), base=5e6, **kw)
+        wide, _ = run_kernel(q, k, config=(1, 8, 8, 4), base=5e6, **kw)
+        for got, want, ref in zip(small, wide, refs):
+            assert torch.equal(got, want)
+            assert_close_to_ref(got, ref, dtype)
 
 
 def test_norm_kernels_block_shapes_on_large_grids():

@@ -44,6 +44,14 @@ LATENCY_BOUND_FACTOR = 2
 # 0.95-1.00x. Smaller grids are latency-bound and keep the default (docs/perf-notes.md, "Multi-axis positions").
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 4
+# The smallest decode grids (at most min_programs / SMALL_GRID_SM_FRACTION programs with half the heads per program,
+# about two thirds of the SMs) take half the heads per program at the same warps: half the pairs a thread, so a
+# shorter path. H100 (results 2026-11-27-h100-small-grid), 1-8 tokens, kernel time over 8 heads per program: 1-D
+# positions 0.94-0.97x at D 64 and 128 (Llama-3-8B/70B, Qwen2-VL), M-RoPE 0.93-1.00x, D 256 0.96-1.00x. Only for
+# 2-byte dtypes with angles computed in the kernel (not loaded from tables or per-token angles): fp32 M-RoPE
+# measured 1.02-1.05x and full cos/sin tables up to 1.04x at 4-8 tokens; larger grids (Gemma-2 D 256 at 96
+# programs, Qwen2-VL at 128) lost up to 3% in replay.
+SMALL_GRID_SM_FRACTION = 6
 # Angles from full-width cos/sin tables (transformers' layout, a value per column): every thread also gathers its
 # columns' cos and sin at both halves, and one warp per 2 KB program leaves too few loads in flight -- at head_dim
 # 256 (4 heads per program) the transformers drop-in ran at 1.31x copy on the H100. One 16-byte vector per thread
@@ -143,7 +151,8 @@ def _num_programs_wanted(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4096)
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
                  tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
-                 head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False) -> tuple[int, int, int, int]:
+                 head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
+                 small_grid: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
@@ -152,7 +161,9 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     one ``BYTES_PER_THREAD``, or ``STREAM_BYTES_PER_THREAD`` where ``stream`` (the call qualifies, see there), or
     with ``full_table`` (angles from full-width cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS``
     heads or more. With ``pair_axes`` (interleaved M-RoPE sections: a position load per pair) a decode grid of at
-    least ``min_programs / PAIR_AXES_SM_FRACTION`` programs gives each thread ``PAIR_AXES_BYTES_PER_THREAD``."""
+    least ``min_programs / PAIR_AXES_SM_FRACTION`` programs gives each thread ``PAIR_AXES_BYTES_PER_THREAD``. With
+    ``small_grid`` (the call qualifies, see there) a decode grid that stays within ``min_programs /
+    SMALL_GRID_SM_FRACTION`` programs with half the heads per program takes that half at the same warps."""
     d_pad = _next_pow2(head_dim)
     heads_cap = max(1, head_tile_elems // d_pad)
     block_hq = min(_next_pow2(hq), heads_cap)
@@ -169,6 +180,12 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
         filled = PAIR_AXES_SM_FRACTION * n_programs >= min_programs
         per_thread = PAIR_AXES_BYTES_PER_THREAD if pair_axes and filled else LATENCY_BYTES_PER_THREAD
+        half_hq, half_hk = min(block_hq, max(1, heads_cap // 2)), min(block_hk, max(1, heads_cap // 2))
+        half_programs = _cdiv(num_tokens, block_t) * (_cdiv(hq, half_hq) + (_cdiv(hk, half_hk) if hk else 0))
+        if (small_grid and block_t == 1 and half_hq < block_hq and not (pair_axes and filled)
+                and SMALL_GRID_SM_FRACTION * half_programs <= min_programs):
+            warps = max(1, min(8, block_hq * d_pad * elem_size // (32 * per_thread)))
+            return block_t, half_hq, half_hk, warps
     elif full_table:
         if heads_cap < TABLE_MIN_HEADS:
             return block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
@@ -263,7 +280,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)
     block_t, block_hq, block_hk, num_warps = config or block_config(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
-        freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1])
+        freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
+        small_grid=q.element_size() == 2 and freq_mode == "inv_freq")  # measured faster only there
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = _cdiv(num_tokens, block_t)
