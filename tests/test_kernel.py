@@ -329,10 +329,10 @@ def test_kernel_launch_takes_the_small_grid_shape_for_2_byte_computed_angles(mon
 
 
 SMALL_GRID_CASES = [
-    ("1d-bf16", torch.bfloat16, dict(positions=lambda: torch.randint(0, 1 << 20, (1, 1)))),
-    ("interleaved-fp16", torch.float16, dict(positions=lambda: torch.randint(0, 1 << 20, (3, 1, 1)),
+    ("1d-bf16", torch.bfloat16, dict(positions=lambda: _dev(torch.randint(0, 1 << 20, (1, 1))))),
+    ("interleaved-fp16", torch.float16, dict(positions=lambda: _dev(torch.randint(0, 1 << 20, (3, 1, 1))),
                                              sections=(24, 20, 20), section_layout="interleaved")),
-    ("contiguous-bf16", torch.bfloat16, dict(positions=lambda: torch.randint(0, 1 << 20, (3, 1, 1)),
+    ("contiguous-bf16", torch.bfloat16, dict(positions=lambda: _dev(torch.randint(0, 1 << 20, (3, 1, 1))),
                                              sections=(16, 24, 24))),
 ]
 
@@ -344,7 +344,6 @@ def test_small_grid_shape_equals_the_8_head_shape(case):
     _, dtype, kwargs = case
     for _call in range(2):
         kw = _materialise(kwargs)
-        kw = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kw.items()}
         q, k = make_qk(1, 1, 32, 8, 128, dtype=dtype, device=DEVICE)
         small, refs = run_kernel(q, k, config=(1, 4, 4, 4), base=5e6, **kw)
         wide, _ = run_kernel(q, k, config=(1, 8, 8, 4), base=5e6, **kw)

@@ -171,21 +171,20 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     per_token_bytes = block_hq * d_pad * elem_size
     block_t = max(1, min(MAX_UNROLL, tile_bytes // per_token_bytes, _next_pow2(num_tokens)))
 
-    def programs(bt: int) -> int:
-        return _cdiv(num_tokens, bt) * (_cdiv(hq, block_hq) + (_cdiv(hk, block_hk) if hk else 0))
+    def programs(bt: int, bhq: int = block_hq, bhk: int = block_hk) -> int:
+        return _cdiv(num_tokens, bt) * (_cdiv(hq, bhq) + (_cdiv(hk, bhk) if hk else 0))
 
     while block_t > 1 and programs(block_t) < min_programs:
         block_t //= 2
     n_programs = programs(block_t)
+    half_heads = None  # the small-grid shape's (BLOCK_HQ, BLOCK_HK), taken after the warps are set
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
         filled = PAIR_AXES_SM_FRACTION * n_programs >= min_programs
         per_thread = PAIR_AXES_BYTES_PER_THREAD if pair_axes and filled else LATENCY_BYTES_PER_THREAD
-        half_hq, half_hk = min(block_hq, max(1, heads_cap // 2)), min(block_hk, max(1, heads_cap // 2))
-        half_programs = _cdiv(num_tokens, block_t) * (_cdiv(hq, half_hq) + (_cdiv(hk, half_hk) if hk else 0))
-        if (small_grid and block_t == 1 and half_hq < block_hq and not (pair_axes and filled)
-                and SMALL_GRID_SM_FRACTION * half_programs <= min_programs):
-            warps = max(1, min(8, block_hq * d_pad * elem_size // (32 * per_thread)))
-            return block_t, half_hq, half_hk, warps
+        if small_grid and block_t == 1 and not (pair_axes and filled):
+            half = min(block_hq, max(1, heads_cap // 2)), min(block_hk, max(1, heads_cap // 2))
+            if half[0] < block_hq and SMALL_GRID_SM_FRACTION * programs(1, *half) <= min_programs:
+                half_heads = half
     elif full_table:
         if heads_cap < TABLE_MIN_HEADS:
             return block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
@@ -196,6 +195,8 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     else:
         per_thread = BYTES_PER_THREAD
     num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // (32 * per_thread)))
+    if half_heads is not None:
+        block_hq, block_hk = half_heads
     return block_t, block_hq, block_hk, num_warps
 
 
