@@ -232,6 +232,54 @@ def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layou
     assert plan_calls["served"] >= 3 * 2  # calls 3 and 4 of the out-of-place, in-place and backward signatures
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
+def test_constant_axis_stride_equals_the_runtime_stride(device, section_layout, monkeypatch):
+    """Multi-axis calls of at most ``launcher.AXIS_STRIDE_CONSTANT_TOKENS`` tokens take the positions' axis stride
+    as a compile-time constant (``POS_AXIS_STRIDE``); larger calls, 1-D positions and axes expanded from one row
+    pass 0 (the runtime stride). The two give the same bits and match the float64 reference, for positions
+    stored axis-major, token-major (axis stride 1) and as a slice of a wider buffer, fresh inputs on each call."""
+    from ropekit._spec import validate
+    from ropekit.triton import launcher
+
+    sections = _sections(device, section_layout)
+    D, limit = 2 * sum(sections), launcher.AXIS_STRIDE_CONSTANT_TOKENS
+    kw = dict(sections=sections, section_layout=section_layout)
+
+    def axis_stride(tokens, positions, **extra):
+        q, k = make_qk(tokens, 1, 4, 2, D, device=device)
+        constexprs = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k),
+                                            validate(q, k, positions=positions, **extra))[2]
+        return dict(zip(launcher._CONSTEXPR_NAMES, constexprs))["POS_AXIS_STRIDE"]
+
+    ids = torch.randint(0, 1 << 24, (3, limit + 1, 1), device=device)
+    assert axis_stride(limit, ids[:, :limit].contiguous(), **kw) == limit
+    assert axis_stride(limit, ids[:, :limit], **kw) == limit + 1  # a slice keeps its buffer's stride
+    assert axis_stride(limit + 1, ids, **kw) == 0
+    assert axis_stride(limit, ids[0, :limit]) == 0  # 1-D positions
+    assert axis_stride(limit, ids[:1, :limit].expand(3, limit, 1), **kw) == 0  # launches as 1-D
+
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        for tokens in (2, 5, 5):
+            q, k = make_qk(tokens, 1, 4, 2, D, device=device)
+            ids = torch.randint(0, 1 << 24, (3, tokens, 1), device=device)
+            wide = torch.zeros(3, 64, 1, dtype=ids.dtype, device=device)
+            wide[:, :tokens] = ids
+            want = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=ids.cpu(), **kw)
+            for positions in (ids, ids.permute(1, 2, 0).contiguous().permute(2, 0, 1), wide[:, :tokens]):
+                spec = validate(q, k, positions=positions, **kw)
+                outs = []
+                for bound in (limit, 0):  # the constant stride, then the runtime one
+                    monkeypatch.setattr(launcher, "AXIS_STRIDE_CONSTANT_TOKENS", bound)
+                    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+                    launcher.launch_rope(q, k, q_out, k_out, spec)
+                    outs.append((q_out, k_out))
+                monkeypatch.setattr(launcher, "AXIS_STRIDE_CONSTANT_TOKENS", limit)
+                for got, runtime, ref in zip(*outs, want):
+                    assert torch.equal(got, runtime)
+                    assert_close_to_ref(got, ref, q.dtype)
+
+
 # Pair -> axis maps the kernel forms from its compile-time bounds: 1 to 4 axes, empty axes, interleaved strides
 # that pass the last pair (that axis gets fewer pairs), unequal sections in both orders. 8 pairs (D 16).
 AXIS_CASES = [

@@ -548,11 +548,14 @@ def rope_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
-    AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr, POS_AXIS_STRIDE: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
     of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
-    their alignment."""
+    their alignment. ``POS_AXIS_STRIDE`` > 0 is ``pos_sa`` as a compile-time constant (small multi-axis calls,
+    ``launcher.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset."""
+    if POS_AXIS_STRIDE > 0:
+        pos_sa = POS_AXIS_STRIDE
     if STRIDE_UNIT > 1:
         q_sb, q_ss, q_sh = _in_elements(q_sb, q_ss, q_sh, STRIDE_UNIT)
         qo_sb, qo_ss, qo_sh = _in_elements(qo_sb, qo_ss, qo_sh, STRIDE_UNIT)

@@ -58,6 +58,13 @@ SMALL_GRID_SM_FRACTION = 6
 # and at least 8 heads per program: 1.05x there, and the fastest or within 0.3% of it at head_dim 64 and 128
 # (table_probe.py, 2x4096 and 8x4096). Half-width tables keep the default shape: the rule made MLA's partial
 # rotary (64 of 192 columns, fp32 [S, 32] tables) 1.00-1.02x -> 1.03-1.06x (ropekit bench, ae76efe).
+# Multi-axis positions of a call of at most AXIS_STRIDE_CONSTANT_TOKENS tokens reach the kernel with their axis
+# stride as a compile-time constant (POS_AXIS_STRIDE). H100, interleaved M-RoPE over the 1-D call at 2-8 decode
+# tokens: 1.035-1.044x under graph replay with a runtime stride, 1.012-1.020x with a constant one (at one token
+# Triton specialises the stride of 1 itself). The constant is the stride of the positions tensor, so a [3, T] tensor
+# compiles one variant per token count up to this bound, and a slice of a persistent buffer one in all
+# (docs/perf-notes.md, "Multi-axis positions").
+AXIS_STRIDE_CONSTANT_TOKENS = 16
 TABLE_BYTES_PER_THREAD = 16
 TABLE_MIN_HEADS = 8
 INTERPRETER_TILE_BYTES = 65536
@@ -307,7 +314,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         freq_mode_id, table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
-        *axes, unit,
+        *axes, unit, pos_sa if axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS else 0,
     )
     return grid, args, constexprs, num_warps
 
@@ -315,7 +322,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
-                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "STRIDE_UNIT")
+                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "STRIDE_UNIT", "POS_AXIS_STRIDE")
 #: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
 ROW_STRIDES = tuple(f"{t}_s{d}" for t in ("q", "qo", "k", "ko") for d in ("b", "s", "h"))
 
