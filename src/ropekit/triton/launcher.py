@@ -58,6 +58,8 @@ SMALL_GRID_SM_FRACTION = 6
 # and at least 8 heads per program: 1.05x there, and the fastest or within 0.3% of it at head_dim 64 and 128
 # (table_probe.py, 2x4096 and 8x4096). Half-width tables keep the default shape: the rule made MLA's partial
 # rotary (64 of 192 columns, fp32 [S, 32] tables) 1.00-1.02x -> 1.03-1.06x (ropekit bench, ae76efe).
+TABLE_BYTES_PER_THREAD = 16
+TABLE_MIN_HEADS = 8
 # Multi-axis positions of a call of at most AXIS_STRIDE_CONSTANT_TOKENS tokens reach the kernel with their axis
 # stride as a compile-time constant (POS_AXIS_STRIDE). H100, interleaved M-RoPE over the 1-D call at 2-8 decode
 # tokens: 1.035-1.044x under graph replay with a runtime stride, 1.012-1.020x with a constant one (at one token
@@ -65,8 +67,6 @@ SMALL_GRID_SM_FRACTION = 6
 # compiles one variant per token count up to this bound, and a slice of a persistent buffer one in all
 # (docs/perf-notes.md, "Multi-axis positions").
 AXIS_STRIDE_CONSTANT_TOKENS = 16
-TABLE_BYTES_PER_THREAD = 16
-TABLE_MIN_HEADS = 8
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
