@@ -32,6 +32,15 @@ def _sections(device: str, section_layout: str) -> tuple[int, ...]:
     return LAYOUTS[section_layout] if device == "cuda" else tuple(n // 4 for n in LAYOUTS[section_layout])
 
 
+def _launch_constexprs(q: torch.Tensor, k: torch.Tensor, **kwargs) -> dict:
+    """The constexprs ``launcher.kernel_launch`` gives the call ``apply_rope(q, k, **kwargs)``, by name."""
+    from ropekit._spec import validate
+    from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch
+
+    spec = validate(q, k, **kwargs)
+    return dict(zip(_CONSTEXPR_NAMES, kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), spec)[2]))
+
+
 def _hf_merge(freqs: torch.Tensor, sections, section_layout: str) -> torch.Tensor:
     """Per-axis angles [A, B, S, R/2] merged into one [B, S, R/2] as transformers' rotary modules merge them (its
     own code where transformers is installed, the same formula written out otherwise)."""
@@ -186,7 +195,7 @@ def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layou
     place and backward, plans included; a token invalid there is NaN. Materialised copies, and [A, 1, S] positions
     broadcast over the batch (stride 0 on B, not on the axes), keep the multi-axis launch."""
     from ropekit._spec import validate
-    from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch, launch_rope
+    from ropekit.triton.launcher import launch_rope
 
     sections = _sections(device, section_layout)
     D, B, S = 2 * sum(sections), 2, 7
@@ -194,9 +203,7 @@ def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layou
     row_shape = (B * S,) if layout == "thd" else (B, S)
 
     def num_axes(q, k, positions):
-        constexprs = kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, positions=positions,
-                                                                                           **kw))[2]
-        return dict(zip(_CONSTEXPR_NAMES, constexprs))["NUM_AXES"]
+        return _launch_constexprs(q, k, positions=positions, **kw)["NUM_AXES"]
 
     with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
         for _call in range(4):  # the second call of each signature records a plan, the later ones replay it
@@ -248,9 +255,7 @@ def test_constant_axis_stride_equals_the_runtime_stride(device, section_layout, 
 
     def axis_stride(tokens, positions, **extra):
         q, k = make_qk(tokens, 1, 4, 2, D, device=device)
-        constexprs = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k),
-                                            validate(q, k, positions=positions, **extra))[2]
-        return dict(zip(launcher._CONSTEXPR_NAMES, constexprs))["POS_AXIS_STRIDE"]
+        return _launch_constexprs(q, k, positions=positions, **extra)["POS_AXIS_STRIDE"]
 
     ids = torch.randint(0, 1 << 24, (3, limit + 1, 1), device=device)
     assert axis_stride(limit, ids[:, :limit].contiguous(), **kw) == limit
