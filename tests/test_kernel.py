@@ -274,22 +274,28 @@ def test_block_config_shapes():
     assert block_config(32768, 16, 8, 256, 2, sms4, full_table=True) == (1, 8, 8, 8)
     assert block_config(32768, 16, 16, 64, 2, sms4, full_table=True) == (1, 16, 16, 4)
     assert block_config(64, 16, 8, 256, 2, sms4, full_table=True) == (1, 4, 4, 4)  # decode keeps its shape
-    # interleaved M-RoPE: 32 B per thread once a decode grid has a program per SM, not before and not past decode
-    assert block_config(16, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 4)  # 80 programs < 132 SMs
+    # interleaved M-RoPE: 32 B per thread once a decode grid has a program on two thirds of the SMs (88 of 132),
+    # 8 B below that where the small-grid shape does not apply, neither past decode
+    assert block_config(8, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 4, 4, 4)  # small grid
+    assert block_config(8, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 40 programs, not small_grid
+    assert block_config(9, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 8)  # 45 programs
+    assert block_config(17, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 8)  # 85 programs
+    assert block_config(18, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 2)  # 90 programs
     assert block_config(32, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 160 programs
     assert block_config(128, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)
     assert block_config(256, 32, 8, 128, 2, sms4, pair_axes=True) == block_config(256, 32, 8, 128, 2, sms4)
     assert block_config(32, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # the rule is M-RoPE's alone
 
 
-def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch):
-    """``kernel_launch`` asks for the interleaved-sections shape for interleaved M-RoPE only: at 32 decode tokens
-    on a 132-SM card, fewer warps than the contiguous and 1-D calls, which share theirs."""
+@pytest.mark.parametrize("tokens, interleaved_warps", [(16, "more"), (32, "fewer")])
+def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch, tokens, interleaved_warps):
+    """``kernel_launch`` asks for the interleaved-sections shape for interleaved M-RoPE only: on a 132-SM card,
+    more warps than the contiguous and 1-D calls (which share theirs) at 16 decode tokens, fewer at 32."""
     from ropekit.triton import launcher
 
     monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
-    q, k = make_qk(32, 1, 32, 8, 128, dtype=torch.bfloat16)
-    positions = torch.randint(0, 100, (3, 32, 1))
+    q, k = make_qk(tokens, 1, 32, 8, 128, dtype=torch.bfloat16)
+    positions = torch.randint(0, 100, (3, tokens, 1))
 
     def warps(**kw):
         return launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, **kw))[3]
@@ -297,7 +303,9 @@ def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch
     one_d = warps(positions=positions[0].clone())
     contiguous = warps(positions=positions, sections=(24, 20, 20))
     interleaved = warps(positions=positions, sections=(24, 20, 20), section_layout="interleaved")
-    assert contiguous == one_d and interleaved < contiguous, (one_d, contiguous, interleaved)
+    assert contiguous == one_d, (one_d, contiguous)
+    assert (interleaved > contiguous if interleaved_warps == "more" else interleaved < contiguous), (contiguous,
+                                                                                                    interleaved)
 
 
 def test_kernel_launch_takes_the_small_grid_shape_for_2_byte_computed_angles(monkeypatch):

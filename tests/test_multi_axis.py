@@ -314,11 +314,13 @@ def test_kernel_pair_axes_for_one_to_four_axes(device, sections, section_layout)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16, 32, 128, 256])
+@pytest.mark.parametrize("tokens", [1, 12, 16, 20, 32, 128, 256])
 def test_interleaved_decode_block_shapes_equal_reference(tokens):
-    """Qwen3-VL decode (32/8 heads, D 128, one token per sequence) at the grid sizes where the launcher changes
-    the interleaved call's warps per program (``launcher.PAIR_AXES_BYTES_PER_THREAD``): each shape against the
-    float64 reference, so the two-heads-per-thread programs are checked where they run."""
+    """Qwen3-VL decode (32/8 heads, D 128, one token per sequence) at the grid sizes where the launcher gives the
+    interleaved call other warps per program than the contiguous one: more (``PAIR_AXES_LATENCY_BYTES_PER_THREAD``)
+    on grids below ``min_programs / PAIR_AXES_SM_FRACTION`` that the small-grid shape does not take, fewer
+    (``PAIR_AXES_BYTES_PER_THREAD``) from there to the end of the latency-bound range. Each shape against the
+    float64 reference, so every shape is checked where it runs."""
     from ropekit._spec import validate
     from ropekit.triton import launcher
 
@@ -327,11 +329,17 @@ def test_interleaved_decode_block_shapes_equal_reference(tokens):
     kw = dict(positions=positions, sections=(24, 20, 20), section_layout="interleaved", base=5e6)
     warps = {layout: launcher.kernel_launch(q, k, q, k, validate(q, k, **dict(kw, section_layout=layout)))[3]
              for layout in ("interleaved", "contiguous")}
-    programs, sms = tokens * 5, torch.cuda.get_device_properties(0).multi_processor_count  # 4 q + 1 k blocks
-    if sms <= programs < 2 * launcher._num_programs_wanted(q.device):  # fills the SMs, still latency-bound
+    wanted = launcher._num_programs_wanted(q.device)
+    programs = tokens * 5  # 8 heads a program: 4 q + 1 k blocks a token
+    small_grid = launcher.SMALL_GRID_SM_FRACTION * tokens * 10 <= wanted  # half the heads: 8 q + 2 k blocks
+    latency_bound = programs < launcher.LATENCY_BOUND_FACTOR * wanted
+    filled = launcher.PAIR_AXES_SM_FRACTION * programs >= wanted
+    if not latency_bound or (small_grid and not filled):
+        assert warps["interleaved"] == warps["contiguous"], warps
+    elif filled:
         assert warps["interleaved"] < warps["contiguous"], warps
     else:
-        assert warps["interleaved"] == warps["contiguous"], warps
+        assert warps["interleaved"] > warps["contiguous"], warps
     want_q, want_k = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), **dict(kw, positions=positions.cpu()))
     for _call in range(2):
         got_q, got_k = ropekit.apply_rope(q, k, **kw)

@@ -39,11 +39,15 @@ STREAM_MIN_PROGRAMS_FACTOR = 8
 LATENCY_BYTES_PER_THREAD = 16
 LATENCY_BOUND_FACTOR = 2
 # Interleaved M-RoPE sections give each pair its own axis, address and position load, work that every thread of a
-# head block repeats. Once a decode grid fills the SMs (min_programs / PAIR_AXES_SM_FRACTION programs), two heads
-# per thread halve it: H100, the interleaved call / the 1-D call at 32-128 tokens went from 1.04-1.11x to
-# 0.95-1.00x. Smaller grids are latency-bound and keep the default (docs/perf-notes.md, "Multi-axis positions").
+# head block repeats. Once a decode grid has a program on about two thirds of the SMs (min_programs /
+# PAIR_AXES_SM_FRACTION programs), two heads per thread share it: H100, the interleaved call / the 1-D call at
+# 32-128 tokens went from 1.04-1.11x to 0.95-1.00x, at 22-26 tokens (Qwen3-VL-8B) from 1.025-1.032x to 0.99-1.01x.
+# Smaller grids that the small-grid shape does not take are latency-bound: two pairs a thread
+# (PAIR_AXES_LATENCY_BYTES_PER_THREAD, twice the warps) shorten each thread's path from position load to store,
+# 9-17 tokens 1.007-1.029x -> 0.98-1.00x (docs/perf-notes.md, "Multi-axis positions").
 PAIR_AXES_BYTES_PER_THREAD = 32
-PAIR_AXES_SM_FRACTION = 4
+PAIR_AXES_SM_FRACTION = 6
+PAIR_AXES_LATENCY_BYTES_PER_THREAD = 8
 # The smallest decode grids (at most min_programs / SMALL_GRID_SM_FRACTION programs with half the heads per program,
 # about two thirds of the SMs) take half the heads per program at the same warps: half the pairs a thread, so a
 # shorter path. H100 (results 2026-11-27-h100-small-grid), 1-8 tokens, kernel time over 8 heads per program: 1-D
@@ -168,7 +172,8 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     one ``BYTES_PER_THREAD``, or ``STREAM_BYTES_PER_THREAD`` where ``stream`` (the call qualifies, see there), or
     with ``full_table`` (angles from full-width cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS``
     heads or more. With ``pair_axes`` (interleaved M-RoPE sections: a position load per pair) a decode grid of at
-    least ``min_programs / PAIR_AXES_SM_FRACTION`` programs gives each thread ``PAIR_AXES_BYTES_PER_THREAD``. With
+    least ``min_programs / PAIR_AXES_SM_FRACTION`` programs gives each thread ``PAIR_AXES_BYTES_PER_THREAD``, a
+    smaller one that the small-grid shape does not take ``PAIR_AXES_LATENCY_BYTES_PER_THREAD``. With
     ``small_grid`` (the call qualifies, see there) a decode grid that stays within ``min_programs /
     SMALL_GRID_SM_FRACTION`` programs with half the heads per program takes that half at the same warps."""
     d_pad = _next_pow2(head_dim)
@@ -192,6 +197,8 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
             half = min(block_hq, max(1, heads_cap // 2)), min(block_hk, max(1, heads_cap // 2))
             if half[0] < block_hq and SMALL_GRID_SM_FRACTION * programs(1, *half) <= min_programs:
                 half_heads = half
+        if pair_axes and not filled and half_heads is None:
+            per_thread = PAIR_AXES_LATENCY_BYTES_PER_THREAD
     elif full_table:
         if heads_cap < TABLE_MIN_HEADS:
             return block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
