@@ -521,3 +521,19 @@ def test_from_json_merges_and_redraws(smoke_run, tmp_path, capsys):
     merged = json.loads(_one(tmp_path, "bench-*-merged.json").read_text())
     assert len(merged["rows"]) == 2 * len(json.loads(source.read_text())["rows"])
     assert bench_env.SMOKE_LABEL in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_a_gpu_run_warms_up_on_its_first_case_without_recording_it(monkeypatch, capsys):
+    """On a GPU the first case runs once before the recorded run and its rows are dropped (the first case of a run
+    read up to 1.4x cold); on CPU nothing runs twice."""
+    from types import SimpleNamespace
+
+    from ropekit.bench import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "run_case", lambda case, *args: calls.append(case) or [{"impl": "ropekit"}])
+    monkeypatch.setattr(cli, "_recover", lambda device: None)
+    case = SimpleNamespace(name="llama-3-8b/bf16/neox/ids/1x1")
+    assert cli._warm_up(case, SimpleNamespace(type="cpu"), None, None, {}, None) is None and calls == []
+    assert cli._warm_up(case, SimpleNamespace(type="cuda"), None, None, {}, None) is None and calls == [case]
+    assert "warm-up: llama-3-8b/bf16/neox/ids/1x1 once, not recorded" in capsys.readouterr().out
