@@ -433,12 +433,13 @@ def patch(model: nn.Module) -> nn.Module:
         raise ValueError(f"found no rotary-embedding module of {modeling} in {type(model).__name__}")
     towers = [] if "vision" not in _FAMILIES[model_type].values() else [
         m for m in model.modules() if _is_vision_rotary(m, modeling)]
-    todo = [m for m in rotaries + towers if not hasattr(m, _STATE_ATTR)]
+    todo = [(m, is_tower) for ms, is_tower in ((rotaries, False), (towers, True)) for m in ms
+            if not hasattr(m, _STATE_ATTR)]
     if not todo:
         return model
     with _LOCK:
-        for rotary in todo:
-            if any(rotary is tower for tower in towers):
+        for rotary, is_tower in todo:
+            if is_tower:
                 state, forward = _ModuleState(rope=None, modeling=modeling), _vision_rotary_forward
             else:
                 rope = RotaryEmbedding(rotary.config)
