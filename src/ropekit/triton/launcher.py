@@ -44,7 +44,8 @@ LATENCY_BOUND_FACTOR = 2
 # 32-128 tokens went from 1.04-1.11x to 0.95-1.00x, at 22-26 tokens (Qwen3-VL-8B) from 1.025-1.032x to 0.99-1.01x.
 # Smaller grids that the small-grid shape does not take are latency-bound: two pairs a thread
 # (PAIR_AXES_LATENCY_BYTES_PER_THREAD, twice the warps) shorten each thread's path from position load to store,
-# 9-17 tokens 1.007-1.029x -> 0.98-1.00x (docs/perf-notes.md, "Multi-axis positions").
+# 9-17 tokens 1.007-1.029x -> 0.98-1.00x. On the H200 9-26 tokens went from 1.02-1.05x to 0.98-1.01x
+# (docs/perf-notes.md, "Multi-axis positions").
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 6
 PAIR_AXES_LATENCY_BYTES_PER_THREAD = 8
