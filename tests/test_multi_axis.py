@@ -388,6 +388,43 @@ def test_device_position_invalid_on_any_axis_makes_its_token_nan(device, section
                 assert_close_to_ref(k_out[:, rest], want_k[:, rest], k.dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sections", sorted({s for s, lay in AXIS_CASES + INVALID_AXIS_CASES
+                                             if lay == "interleaved" and len(s) > 1}))
+def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, monkeypatch):
+    """2-byte interleaved calls on small decode grids read each axis's position once a token and select it per pair
+    (``POS_PER_AXIS``, ``launcher.AXIS_LOADS_SM_FRACTION``); elsewhere, and in fp32, each pair loads its own. The
+    two give the same bits and match the float64 reference, and a position invalid on any axis -- one a pair reads
+    or one no pair reads -- makes its token NaN in both; fresh inputs for every axis."""
+    from ropekit._spec import validate
+    from ropekit.triton import launcher
+
+    A, D, S = len(sections), 2 * sum(sections), 4
+    kw = dict(sections=sections, section_layout="interleaved")
+    with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        for axis in range(A):
+            q, k = make_qk(2, S, 3, 1, D, dtype=torch.bfloat16, device=device)
+            good = torch.randint(0, 1 << 24, (A, 2, S), device=device)
+            want = ropekit.apply_rope(q.cpu().double(), k.cpu().double(), positions=good.cpu(), **kw)
+            positions = good.clone()
+            spec = validate(q, k, positions=positions, **kw)  # the values are checked on the host here
+            positions[axis, 1, 2] = -1  # ... and change before the kernel reads them, as on a device
+            outs = {}
+            for per_axis, fraction in ((True, 0), (False, 10**9)):
+                monkeypatch.setattr(launcher, "AXIS_LOADS_SM_FRACTION", fraction)
+                assert _launch_constexprs(q, k, positions=good, **kw)["POS_PER_AXIS"] == per_axis
+                assert not _launch_constexprs(q.float(), k.float(), positions=good, **kw)["POS_PER_AXIS"]
+                q_out, k_out = torch.full_like(q, 12345.0), torch.full_like(k, 12345.0)
+                launcher.launch_rope(q, k, q_out, k_out, spec)
+                outs[per_axis] = (q_out, k_out)
+            for got, per_pair, ref in zip(outs[True], outs[False], want):
+                assert torch.equal(got.isnan(), per_pair.isnan())
+                assert torch.equal(got.nan_to_num(), per_pair.nan_to_num())
+                assert got[1, 2].isnan().all(), axis
+                assert_close_to_ref(got[0], ref[0], q.dtype)
+                assert_close_to_ref(got[1, [0, 1, 3]], ref[1, [0, 1, 3]], q.dtype)
+
+
 @triton.jit
 def _mod_axes_kernel(out_ptr, NUM_AXES: tl.constexpr, N: tl.constexpr):
     i = tl.arange(0, N)

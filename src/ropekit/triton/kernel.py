@@ -226,17 +226,30 @@ def _axis_valid(a: tl.constexpr, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss):
 @triton.jit
 def _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF: tl.constexpr, NUM_AXES: tl.constexpr,
                     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
-                    AXIS_BOUND_3: tl.constexpr):
+                    AXIS_BOUND_3: tl.constexpr, POS_PER_AXIS: tl.constexpr):
     """Multi-axis positions: int32 [BLOCK_T, HALF_BLOCK] the position of each pair's axis for every token, and
     the tokens whose positions are valid on every axis [BLOCK_T].
 
-    Each pair's position is loaded from its own axis's row (the compiler merges the loads of a thread's pairs
-    that share an axis), not loaded per axis and selected per pair: selects wait for every axis's load before
-    the angle math, and ptxas then issued the data loads after them, so a decode program paid the position
-    round trip and then the data round trip. The token's validity is the minimum over its pairs (a reduction
-    off the angle path), plus a load for any axis no pair reads (a section of 0 pairs). The position is exact in
-    int32: a valid one is at most 2**31 - 1, and a token invalid on any axis is NaN."""
+    By default each pair's position is loaded from its own axis's row (the compiler merges the loads of a
+    thread's pairs that share an axis), not loaded per axis and selected per pair: on larger grids ptxas issued
+    the data loads after the selects, which wait for every axis's load, so a program paid the position round
+    trip and then the data round trip. The token's validity is then the minimum over its pairs (a reduction off
+    the angle path), plus a load for any axis no pair reads (a section of 0 pairs). With ``POS_PER_AXIS`` (small
+    interleaved decode grids, ``launcher.AXIS_LOADS_SM_FRACTION``) each axis's position is loaded once a token at
+    an address every thread shares, which issues without waiting for the per-pair axis math, and each pair
+    selects its own. The position is exact in int32: a valid one is at most 2**31 - 1, and a token invalid on
+    any axis is NaN."""
     axis = _pair_axis(i, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)[None, :]
+    if POS_PER_AXIS:
+        row = b * pos_sb + s * pos_ss
+        p0 = tl.load(pos_ptr + row, mask=mask_t, other=0)
+        valid = (p0 >= 0) & (p0 <= _MAX_POSITION)
+        p = tl.broadcast_to(p0.to(tl.int32)[:, None], (p0.shape[0], i.shape[0]))
+        for a in tl.static_range(1, NUM_AXES):
+            pa = tl.load(pos_ptr + a * pos_sa + row, mask=mask_t, other=0)
+            valid = valid & (pa >= 0) & (pa <= _MAX_POSITION)
+            p = tl.where(axis == a, pa.to(tl.int32)[:, None], p)
+        return p, valid
     token = (b * pos_sb + s * pos_ss)[:, None]
     # axis * pos_sa in int32 (int64 costs 7% more instructions): ropekit._spec refuses strides where it overflows
     p = tl.load(pos_ptr + axis * pos_sa + token, mask=mask_t[:, None], other=0)
@@ -270,7 +283,7 @@ def _rotation(
     ROT_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, NEOX: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, FAST_TRIG: tl.constexpr,
     NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
-    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, POS_PER_AXIS: tl.constexpr,
 ):
     """fp32 [BLOCK_T, HALF_BLOCK] (cos_lo, cos_hi, sin_a, sin_b) with ``lo' = lo*cos_lo - hi*sin_a`` and
     ``hi' = hi*cos_hi + lo*sin_b``; invalid tokens get NaN. With ``NUM_AXES`` > 1 (M-RoPE; in-kernel angles only)
@@ -283,7 +296,8 @@ def _rotation(
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0)
         if NUM_AXES > 1:
             pair_pos, axes_valid = _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF, NUM_AXES,
-                                                   AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+                                                   AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3,
+                                                   POS_PER_AXIS)
             valid = valid & axes_valid
             turns = _angle_turns(pair_pos, inv_freq[None, :])
         else:
@@ -295,7 +309,8 @@ def _rotation(
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0).to(tl.float64)
         if NUM_AXES > 1:
             pair_pos, axes_valid = _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF, NUM_AXES,
-                                                   AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+                                                   AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3,
+                                                   POS_PER_AXIS)
             valid = valid & axes_valid
             angle = pair_pos.to(tl.float64) * inv_freq[None, :]
         else:
@@ -495,7 +510,7 @@ def _rope_head_block(
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr,
     BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
     FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
-    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, POS_PER_AXIS: tl.constexpr,
 ):
     """Rotate one [BLOCK_T, BLOCK_H] block of heads of ``x`` into ``o``.
 
@@ -516,7 +531,7 @@ def _rope_head_block(
         b, s, pos, valid & mask_t, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
         rotary_scale * scale, pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE,
         TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2,
-        AXIS_BOUND_3)
+        AXIS_BOUND_3, POS_PER_AXIS)
     o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
     _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
                  NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS)
@@ -549,11 +564,13 @@ def rope_kernel(
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
     AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr, POS_AXIS_STRIDE: tl.constexpr,
+    POS_PER_AXIS: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
     of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
     their alignment. ``POS_AXIS_STRIDE`` > 0 is ``pos_sa`` as a compile-time constant (small multi-axis calls,
-    ``launcher.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset."""
+    ``launcher.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset.
+    ``POS_PER_AXIS``: multi-axis positions loaded once per axis and selected per pair (:func:`_pair_positions`)."""
     if POS_AXIS_STRIDE > 0:
         pos_sa = POS_AXIS_STRIDE
     if STRIDE_UNIT > 1:
@@ -576,7 +593,7 @@ def rope_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             CONJUGATE, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
-            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS)
     elif HAS_K:
         _rope_head_block(
             k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, t, b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK,
@@ -584,4 +601,4 @@ def rope_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             CONJUGATE, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
-            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS)

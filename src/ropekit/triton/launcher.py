@@ -72,6 +72,13 @@ TABLE_MIN_HEADS = 8
 # compiles one variant per token count up to this bound, and a slice of a persistent buffer one in all
 # (docs/perf-notes.md, "Multi-axis positions").
 AXIS_STRIDE_CONSTANT_TOKENS = 16
+# 2-byte interleaved calls on decode grids of at most min_programs / AXIS_LOADS_SM_FRACTION programs (the
+# small-grid and twice-the-warps shapes) load each axis's position once a token, at an address every thread shares,
+# and select per pair (POS_PER_AXIS): the loads then issue before the per-pair axis math instead of after it. H100,
+# interleaved over 1-D at 1-8 tokens, three runs: 1.007-1.028x -> 0.996-1.016x under replay. Larger grids measured
+# slower with the selects (1.14x at 32 tokens, where two heads a thread run), and so did fp32 (1.017-1.026x against
+# 1.002-1.012x at 1-16 tokens), so those keep the per-pair loads (docs/perf-notes.md, "Multi-axis positions").
+AXIS_LOADS_SM_FRACTION = 6
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
@@ -323,6 +330,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
         *axes, unit, pos_sa if axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS else 0,
+        axes[1] and q.element_size() == 2
+        and AXIS_LOADS_SM_FRACTION * grid[0] * grid[1] * grid[2] <= _num_programs_wanted(q.device),
     )
     return grid, args, constexprs, num_warps
 
@@ -330,7 +339,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 _CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
                     "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
                     "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
-                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "STRIDE_UNIT", "POS_AXIS_STRIDE")
+                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "STRIDE_UNIT", "POS_AXIS_STRIDE",
+                    "POS_PER_AXIS")
 #: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
 ROW_STRIDES = tuple(f"{t}_s{d}" for t in ("q", "qo", "k", "ko") for d in ("b", "s", "h"))
 

@@ -127,7 +127,7 @@ def _norm_rope_block(
     c_lo, c_hi, s_a, s_b = _rotation(
         b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
-        False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+        False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, False)
     y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
     h = h0 + tl.arange(0, BLOCK_H)
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
@@ -257,7 +257,7 @@ def _norm_rope_bwd_block(
     c_lo, c_hi, s_a, s_b = _rotation(
         b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
-        True, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)
+        True, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, False)
     # d loss / d(normalised x): the conjugate rotation of the output gradient
     n_lo, n_hi = _turn(g_lo, g_hi, c_lo, c_hi, s_a, s_b)
     n_p = g_p * scale
