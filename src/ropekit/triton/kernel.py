@@ -240,8 +240,8 @@ def _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF: tl.c
     selects its own. The position is exact in int32: a valid one is at most 2**31 - 1, and a token invalid on
     any axis is NaN."""
     axis = _pair_axis(i, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3)[None, :]
+    row = b * pos_sb + s * pos_ss
     if POS_PER_AXIS:
-        row = b * pos_sb + s * pos_ss
         p0 = tl.load(pos_ptr + row, mask=mask_t, other=0)
         valid = (p0 >= 0) & (p0 <= _MAX_POSITION)
         p = tl.broadcast_to(p0.to(tl.int32)[:, None], (p0.shape[0], i.shape[0]))
@@ -250,9 +250,8 @@ def _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF: tl.c
             valid = valid & (pa >= 0) & (pa <= _MAX_POSITION)
             p = tl.where(axis == a, pa.to(tl.int32)[:, None], p)
         return p, valid
-    token = (b * pos_sb + s * pos_ss)[:, None]
     # axis * pos_sa in int32 (int64 costs 7% more instructions): ropekit._spec refuses strides where it overflows
-    p = tl.load(pos_ptr + axis * pos_sa + token, mask=mask_t[:, None], other=0)
+    p = tl.load(pos_ptr + axis * pos_sa + row[:, None], mask=mask_t[:, None], other=0)
     # Padded pairs (i >= HALF) read some axis's position too: any axis's invalid position voids the token.
     valid = tl.min(((p >= 0) & (p <= _MAX_POSITION)).to(tl.int32), axis=1) > 0
     # Axes no pair reads (compile-time): contiguous axis a reads pairs [bound_a, bound_{a+1}); interleaved axis

@@ -301,8 +301,9 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     # Axes that share one row (stride 0: positions expanded from one id tensor, as transformers' Qwen2-VL text
     # model builds them without images) are 1-D positions: one load a token instead of one a pair.
     axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)
+    wanted = _num_programs_wanted(q.device)
     block_t, block_hq, block_hk, num_warps = config or block_config(
-        num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
+        num_tokens, HQ, HK, D, q.element_size(), wanted, tile_bytes, stream,
         freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
         small_grid=q.element_size() == 2 and freq_mode == "inv_freq")  # measured faster only there
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
@@ -331,7 +332,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
         *axes, unit, pos_sa if axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS else 0,
         axes[1] and q.element_size() == 2
-        and AXIS_LOADS_SM_FRACTION * grid[0] * grid[1] * grid[2] <= _num_programs_wanted(q.device),
+        and AXIS_LOADS_SM_FRACTION * grid[0] * grid[1] * grid[2] <= wanted,
     )
     return grid, args, constexprs, num_warps
 
