@@ -26,11 +26,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # --help exits here
 
+import functools
+
 import torch
 from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._spec import validate
-from ropekit.triton import kernel, launcher
+from ropekit.triton import launcher
 
 
 def _shapes(T: int, hq: int, hk: int, D: int, elem_size: int) -> dict:
@@ -65,10 +67,7 @@ def _calls(T: int, hq: int, hk: int, D: int, dtype: torch.dtype) -> tuple[dict, 
     calls, outs = {}, {}
     for mode, spec in specs.items():
         for name, config in shapes.items():
-            grid, args, constexprs, warps = launcher.kernel_launch(q, k, qo, ko, spec, config=config)
-            named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
-            calls[mode, name] = fn = (lambda g=grid, a=args, c=named, w=warps: kernel.rope_kernel[g](*a, **c,
-                                                                                                     num_warps=w))
+            calls[mode, name] = fn = functools.partial(launcher.launch_rope, q, k, qo, ko, spec, config=config)
             qo.fill_(float("nan"))
             ko.fill_(float("nan"))
             fn()

@@ -35,11 +35,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # --help exits here
 
+import functools
+
 import torch
 from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._spec import validate
-from ropekit.triton import kernel, launcher
+from ropekit.triton import launcher
 
 VARIANTS = ("launcher", "2x warps", "half heads")
 
@@ -63,10 +65,7 @@ def _calls(T: int, hq: int, hk: int, D: int, layout: str, sections: tuple, dtype
                    "half heads": (bt, max(1, bhq // 2), max(1, bhk // 2), warps)}
         outs = {}
         for variant, config in configs.items():
-            grid, args, constexprs, warps_v = launcher.kernel_launch(q, k, qo, ko, spec, config=config)
-            named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
-            calls[call, variant] = fn = (lambda g=grid, a=args, c=named, w=warps_v: kernel.rope_kernel[g](
-                *a, **c, num_warps=w))
+            calls[call, variant] = fn = functools.partial(launcher.launch_rope, q, k, qo, ko, spec, config=config)
             qo.fill_(float("nan"))
             ko.fill_(float("nan"))
             fn()
