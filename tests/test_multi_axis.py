@@ -393,11 +393,12 @@ def test_device_position_invalid_on_any_axis_makes_its_token_nan(device, section
                                              if lay == "interleaved" and len(s) > 1}))
 def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, monkeypatch):
     """2-byte interleaved calls on small decode grids read each axis's position once a token and select it per pair
-    (``POS_PER_AXIS``, ``launcher.AXIS_LOADS_SM_FRACTION``); elsewhere, and in fp32, each pair loads its own. The
+    (``POS_PER_AXIS``, ``launcher.block_plan``); elsewhere, and in fp32, each pair loads its own. The
     two give the same bits and match the float64 reference, and a position invalid on any axis -- one a pair reads
     or one no pair reads -- makes its token NaN in both; fresh inputs for every axis."""
     from ropekit._spec import validate
     from ropekit.triton import launcher
+    from ropekit.triton.launcher import block_plan
 
     A, D, S = len(sections), 2 * sum(sections), 4
     kw = dict(sections=sections, section_layout="interleaved")
@@ -410,8 +411,11 @@ def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, mo
             spec = validate(q, k, positions=positions, **kw)  # the values are checked on the host here
             positions[axis, 1, 2] = -1  # ... and change before the kernel reads them, as on a device
             outs = {}
-            for per_axis, fraction in ((True, 0), (False, 10**9)):
-                monkeypatch.setattr(launcher, "AXIS_LOADS_SM_FRACTION", fraction)
+            for per_axis in (True, False):
+                def plan(*args, _on=per_axis, **kwargs):
+                    return block_plan(*args, **kwargs)[0], _on
+
+                monkeypatch.setattr(launcher, "block_plan", plan)
                 assert _launch_constexprs(q, k, positions=good, **kw)["POS_PER_AXIS"] == per_axis
                 assert not _launch_constexprs(q.float(), k.float(), positions=good, **kw)["POS_PER_AXIS"]
                 q_out, k_out = torch.full_like(q, 12345.0), torch.full_like(k, 12345.0)
@@ -423,6 +427,36 @@ def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, mo
                 assert got[1, 2].isnan().all(), axis
                 assert_close_to_ref(got[0], ref[0], q.dtype)
                 assert_close_to_ref(got[1, [0, 1, 3]], ref[1, [0, 1, 3]], q.dtype)
+
+
+@pytest.mark.parametrize("hq, hk", [(32, 8), (16, 16), (16, 8), (64, 8)])
+def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch, hq, hk):
+    """On a 132-SM card, every interleaved bf16 decode call from 1 to 160 tokens loads positions once per axis
+    exactly when its shape is not the two-heads-a-thread one (``PAIR_AXES_BYTES_PER_THREAD``): the two together
+    measured 1.14x the 1-D call. 16/16 heads reach the boundary itself at 88 programs twice: at 11 tokens in the
+    small-grid shape (half the heads, per-axis loads), at 22 tokens in the two-heads shape (per-pair loads)."""
+    from ropekit._spec import validate
+    from ropekit.triton import launcher
+
+    monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
+    D = 128
+    seen = set()
+    for tokens in range(1, 161):
+        q, k = make_qk(tokens, 1, hq, hk, D, dtype=torch.bfloat16)
+        positions = torch.randint(0, 100, (3, tokens, 1))
+        spec = validate(q, k, positions=positions, sections=(24, 20, 20), section_layout="interleaved")
+        grid, _, constexprs, warps = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), spec)
+        named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
+        per_thread = named["BLOCK_T"] * named["BLOCK_HQ"] * D * 2 // (32 * warps)
+        programs = grid[0] * grid[1] * grid[2]
+        decode = programs < launcher.LATENCY_BOUND_FACTOR * 4 * 132
+        two_heads = decode and per_thread == launcher.PAIR_AXES_BYTES_PER_THREAD
+        assert named["POS_PER_AXIS"] == (decode and not two_heads), (tokens, programs, per_thread)
+        seen.add((two_heads, named["POS_PER_AXIS"]))
+        if (hq, hk) == (16, 16) and tokens in (11, 21, 22):
+            assert (programs, two_heads, named["POS_PER_AXIS"]) == {11: (88, False, True), 21: (84, False, True),
+                                                                     22: (88, True, False)}[tokens]
+    assert seen >= {(True, False), (False, True)}
 
 
 @triton.jit

@@ -72,13 +72,12 @@ TABLE_MIN_HEADS = 8
 # compiles one variant per token count up to this bound, and a slice of a persistent buffer one in all
 # (docs/perf-notes.md, "Multi-axis positions").
 AXIS_STRIDE_CONSTANT_TOKENS = 16
-# 2-byte interleaved calls on decode grids of at most min_programs / AXIS_LOADS_SM_FRACTION programs (the
+# 2-byte interleaved calls on decode grids that two heads a thread do not fill (block_plan's axis_loads: the
 # small-grid and twice-the-warps shapes) load each axis's position once a token, at an address every thread shares,
 # and select per pair (POS_PER_AXIS): the loads then issue before the per-pair axis math instead of after it. H100,
-# interleaved over 1-D at 1-8 tokens, three runs: 1.007-1.028x -> 0.996-1.016x under replay. Larger grids measured
+# interleaved over 1-D at 1-8 tokens, three runs: 1.007-1.028x -> 0.996-1.016x under replay. Filled grids measured
 # slower with the selects (1.14x at 32 tokens, where two heads a thread run), and so did fp32 (1.017-1.026x against
 # 1.002-1.012x at 1-16 tokens), so those keep the per-pair loads (docs/perf-notes.md, "Multi-axis positions").
-AXIS_LOADS_SM_FRACTION = 6
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
@@ -167,12 +166,23 @@ def _num_programs_wanted(device: torch.device) -> int:
     return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=4096)
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
                  tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
                  head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
                  small_grid: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps).
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps); see :func:`block_plan`."""
+    return block_plan(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, full_table,
+                      head_tile_elems, pair_axes, small_grid)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
+               tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
+               head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
+               small_grid: bool = False) -> tuple[tuple[int, int, int, int], bool]:
+    """((BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps), axis_loads): the block shape, and for ``pair_axes`` whether the
+    grid is a decode grid that two heads a thread do not fill, where positions are loaded once per axis
+    (``POS_PER_AXIS``) -- decided here with the shape so that no grid takes both.
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
     ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
@@ -198,8 +208,10 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
         block_t //= 2
     n_programs = programs(block_t)
     half_heads = None  # the small-grid shape's (BLOCK_HQ, BLOCK_HK), taken after the warps are set
+    axis_loads = False
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
         filled = PAIR_AXES_SM_FRACTION * n_programs >= min_programs
+        axis_loads = pair_axes and not filled
         per_thread = PAIR_AXES_BYTES_PER_THREAD if pair_axes and filled else LATENCY_BYTES_PER_THREAD
         if small_grid and block_t == 1 and not (pair_axes and filled):
             half = min(block_hq, max(1, heads_cap // 2)), min(block_hk, max(1, heads_cap // 2))
@@ -209,8 +221,8 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
             per_thread = PAIR_AXES_LATENCY_BYTES_PER_THREAD
     elif full_table:
         if heads_cap < TABLE_MIN_HEADS:
-            return block_config(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
-                                TABLE_MIN_HEADS * d_pad, pair_axes)
+            return block_plan(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, True,
+                              TABLE_MIN_HEADS * d_pad, pair_axes)
         per_thread = TABLE_BYTES_PER_THREAD
     elif stream and n_programs >= STREAM_MIN_PROGRAMS_FACTOR * min_programs:
         per_thread = STREAM_BYTES_PER_THREAD
@@ -219,7 +231,7 @@ def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: in
     num_warps = max(1, min(8, block_t * block_hq * d_pad * elem_size // (32 * per_thread)))
     if half_heads is not None:
         block_hq, block_hk = half_heads
-    return block_t, block_hq, block_hk, num_warps
+    return (block_t, block_hq, block_hk, num_warps), axis_loads
 
 
 def axis_constexprs(sections, section_layout: str) -> tuple[int, bool, int, int, int]:
@@ -301,11 +313,11 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     # Axes that share one row (stride 0: positions expanded from one id tensor, as transformers' Qwen2-VL text
     # model builds them without images) are 1-D positions: one load a token instead of one a pair.
     axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)
-    wanted = _num_programs_wanted(q.device)
-    block_t, block_hq, block_hk, num_warps = config or block_config(
-        num_tokens, HQ, HK, D, q.element_size(), wanted, tile_bytes, stream,
+    shape, axis_loads = block_plan(
+        num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
         freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
         small_grid=q.element_size() == 2 and freq_mode == "inv_freq")  # measured faster only there
+    block_t, block_hq, block_hk, num_warps = config or shape  # an override changes the shape, not the loads
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = _cdiv(num_tokens, block_t)
@@ -331,8 +343,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
         *axes, unit, pos_sa if axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS else 0,
-        axes[1] and q.element_size() == 2
-        and AXIS_LOADS_SM_FRACTION * grid[0] * grid[1] * grid[2] <= wanted,
+        axis_loads and q.element_size() == 2,
     )
     return grid, args, constexprs, num_warps
 
