@@ -537,3 +537,34 @@ def test_a_gpu_run_warms_up_on_its_first_case_without_recording_it(monkeypatch, 
     assert cli._warm_up(case, SimpleNamespace(type="cpu"), None, None, {}, None) is None and calls == []
     assert cli._warm_up(case, SimpleNamespace(type="cuda"), None, None, {}, None) is None and calls == [case]
     assert "warm-up: llama-3-8b/bf16/neox/ids/1x1 once, not recorded" in capsys.readouterr().out
+
+
+def test_decode_implementations_are_timed_together_in_turn():
+    """A decode case's implementations, baseline included, are timed in one ``Timer.graphs`` call (graphs replayed
+    in turn, so clock drift spreads over all of them), after every one is built and checked; one that fails to
+    time gets a note and no time while the others keep theirs. On CPU ``Timer.graphs`` times each with timeit."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.modes == ("decode", "host"))
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    device = torch.device("cpu")
+    timer = run.Timer(device)
+    timer._cpu = lambda fn: fn() or 2.0
+    timer.host = lambda fn: 1.0
+    timed = timer.graphs({"a": lambda: None, "b": lambda: 1 / 0})
+    assert timed["a"] == 2.0 and isinstance(timed["b"], ZeroDivisionError)
+
+    seen = []
+
+    def graphs(fns):
+        seen.append(list(fns))
+        return {name: (RuntimeError("capture failed") if name == "ropekit_" else 3.0) for name in fns}
+
+    timer.graphs = graphs
+    rows = run.run_case(case, device, timer, None, env, ["ropekit", "ropekit_"], lambda s: None)
+    by_impl = {r["impl"]: r for r in rows if r["mode"] == "decode"}
+    assert seen == [["copy-q", "copy", "ropekit", "ropekit_"]]  # the baseline and the extra one too
+    assert by_impl["ropekit"]["median_us"] == "3.000" and by_impl["ropekit"]["ratio_vs_copy"] == "1.0000"
+    assert by_impl["ropekit_"]["median_us"] == ""
+    assert "failed: RuntimeError: capture failed" in by_impl["ropekit_"]["note"]

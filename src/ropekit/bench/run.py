@@ -17,13 +17,16 @@ from .peers import Peers
 from .timing import Timer
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
+GRAPH_MODES = ("decode", "kv-decode")  # timed under CUDA-graph replay, a mode's implementations in turn
 
 
 def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: dict[str, Any],
              impl_globs: list[str] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every mode of ``case``: baselines first, then ropekit and the peers; one row each. Each implementation is
     built, checked against ropekit's output (the mode's :data:`impls.REFERENCE`, else ``ropekit``), timed and freed
-    before the next one (memory stays at the inputs, ropekit's reference output and one implementation)."""
+    before the next one (memory stays at the inputs, ropekit's reference output and one implementation). The
+    :data:`GRAPH_MODES` (decode sizes, small) keep every implementation until all are checked, then time them
+    together, their graphs replayed in turn (:meth:`Timer.graphs`)."""
     rows: list[dict[str, Any]] = []
     inp = make_inputs(case, device)
     nbytes = bytes_model(inp)
@@ -33,6 +36,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
         order = [(n, True) for n in (BASELINE[mode], *EXTRA_BASELINES.get(mode, ()))] + [(n, False) for n in names]
         mode_rows: list[dict[str, Any]] = []
         times: dict[str, float] = {}
+        in_turn: dict[str, tuple[dict[str, Any], Callable[[], Any]]] = {}
         # fwd/decode/host run without autograd, as inference does; fwd+bwd with it. torch.compile warms up in
         # the same grad mode as the calls it times.
         reference = REFERENCE.get(mode, "ropekit")
@@ -63,18 +67,26 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                         row["max_rel_diff"] = f"{diff:.2e}"
                         if not agree:
                             row["note"] = f"MISMATCH vs {reference}; {row['note']}"
-                    us = _time(timer, mode, bench.run)
+                    if mode in GRAPH_MODES:  # timed below, all of the mode's implementations in turn
+                        in_turn[name] = (row, bench.run)
+                        continue
+                    _record(row, times, name, _time(timer, mode, bench.run))
                 except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the run
                     row["note"] = f"failed: {_first_line(exc)}; {row['note']}"
                     continue
                 finally:
                     del bench
                     _recover(device)
-                times[name] = us
-                row["median_us"] = f"{us:.3f}"
-                if mode != "host":
-                    row["gbps"] = f"{row['bytes'] / us / 1e3:.4g}"
             del refs
+            if in_turn:
+                timed = timer.graphs({name: run for name, (_, run) in in_turn.items()})
+                for name, (row, _) in in_turn.items():
+                    if isinstance(timed[name], Exception):
+                        row["note"] = f"failed: {_first_line(timed[name])}; {row['note']}"
+                    else:
+                        _record(row, times, name, timed[name])
+                del in_turn, timed
+                _recover(device)
         base = times.get(BASELINE[mode])
         for row in mode_rows:
             if row["impl"] in times and base:
@@ -128,11 +140,14 @@ def _try_build(make: Callable[..., Any], *args: Any) -> Any:
 
 
 def _time(timer: Timer, mode: str, fn: Callable[[], Any]) -> float:
-    if mode in ("decode", "kv-decode"):
-        return timer.graph(fn)
-    if mode == "host":
-        return timer.host(fn)
-    return timer.kernel(fn)
+    return timer.host(fn) if mode == "host" else timer.kernel(fn)
+
+
+def _record(row: dict[str, Any], times: dict[str, float], name: str, us: float) -> None:
+    times[name] = us
+    row["median_us"] = f"{us:.3f}"
+    if row["mode"] != "host":
+        row["gbps"] = f"{row['bytes'] / us / 1e3:.4g}"
 
 
 def _recover(device: torch.device) -> None:
