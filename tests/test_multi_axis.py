@@ -388,20 +388,23 @@ def test_device_position_invalid_on_any_axis_makes_its_token_nan(device, section
                 assert_close_to_ref(k_out[:, rest], want_k[:, rest], k.dtype)
 
 
+PER_AXIS_CASES = sorted({(s, lay) for s, lay in AXIS_CASES + INVALID_AXIS_CASES if len(s) > 1})
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sections", sorted({s for s, lay in AXIS_CASES + INVALID_AXIS_CASES
-                                             if lay == "interleaved" and len(s) > 1}))
-def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, monkeypatch):
-    """2-byte interleaved calls on small decode grids read each axis's position once a token and select it per pair
+@pytest.mark.parametrize("sections, section_layout", PER_AXIS_CASES,
+                         ids=[f"{'-'.join(map(str, s))}-{lay}" for s, lay in PER_AXIS_CASES])
+def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, section_layout, monkeypatch):
+    """2-byte multi-axis calls on small decode grids read each axis's position once a token and select it per pair
     (``POS_PER_AXIS``, ``launcher.block_plan``); elsewhere, and in fp32, each pair loads its own. The
     two give the same bits and match the float64 reference, and a position invalid on any axis -- one a pair reads
-    or one no pair reads -- makes its token NaN in both; fresh inputs for every axis."""
+    or one no pair reads -- makes its token NaN in both; both layouts, fresh inputs for every axis."""
     from ropekit._spec import validate
     from ropekit.triton import launcher
     from ropekit.triton.launcher import block_plan
 
     A, D, S = len(sections), 2 * sum(sections), 4
-    kw = dict(sections=sections, section_layout="interleaved")
+    kw = dict(sections=sections, section_layout=section_layout)
     with kernels_on_cpu() if device == "cpu" else contextlib.nullcontext():
         for axis in range(A):
             q, k = make_qk(2, S, 3, 1, D, dtype=torch.bfloat16, device=device)
@@ -434,7 +437,8 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
     """On a 132-SM card, every interleaved bf16 decode call from 1 to 160 tokens loads positions once per axis
     exactly when its shape is not the two-heads-a-thread one (``PAIR_AXES_BYTES_PER_THREAD``): the two together
     measured 1.14x the 1-D call. 16/16 heads reach the boundary itself at 88 programs twice: at 11 tokens in the
-    small-grid shape (half the heads, per-axis loads), at 22 tokens in the two-heads shape (per-pair loads)."""
+    small-grid shape (half the heads, per-axis loads), at 22 tokens in the two-heads shape (per-pair loads).
+    Contiguous sections load once per axis on the same grids, 1-D positions and fp32 never."""
     from ropekit._spec import validate
     from ropekit.triton import launcher
 
@@ -453,6 +457,12 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
         two_heads = decode and per_thread == launcher.PAIR_AXES_BYTES_PER_THREAD
         assert named["POS_PER_AXIS"] == (decode and not two_heads), (tokens, programs, per_thread)
         seen.add((two_heads, named["POS_PER_AXIS"]))
+        contiguous = _launch_constexprs(q, k, positions=positions, sections=(24, 20, 20))
+        programs_of_8_heads = tokens * (-(-hq // 8) + -(-hk // 8))  # before the small-grid shape halves them
+        assert contiguous["POS_PER_AXIS"] == (6 * programs_of_8_heads < 4 * 132), tokens
+        assert not _launch_constexprs(q, k, positions=positions[0].clone())["POS_PER_AXIS"]
+        assert not _launch_constexprs(q.float(), k.float(), positions=positions, sections=(24, 20, 20))[
+            "POS_PER_AXIS"]
         if (hq, hk) == (16, 16) and tokens in (11, 21, 22):
             assert (programs, two_heads, named["POS_PER_AXIS"]) == {11: (88, False, True), 21: (84, False, True),
                                                                      22: (88, True, False)}[tokens]

@@ -235,7 +235,7 @@ def _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF: tl.c
     the data loads after the selects, which wait for every axis's load, so a program paid the position round
     trip and then the data round trip. The token's validity is then the minimum over its pairs (a reduction off
     the angle path), plus a load for any axis no pair reads (a section of 0 pairs). With ``POS_PER_AXIS`` (small
-    interleaved decode grids, ``launcher.block_plan``) each axis's position is loaded once a token at
+    multi-axis decode grids, ``launcher.block_plan``) each axis's position is loaded once a token at
     an address every thread shares, which issues without waiting for the per-pair axis math, and each pair
     selects its own. The position is exact in int32: a valid one is at most 2**31 - 1, and a token invalid on
     any axis is NaN."""

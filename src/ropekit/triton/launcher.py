@@ -72,12 +72,14 @@ TABLE_MIN_HEADS = 8
 # compiles one variant per token count up to this bound, and a slice of a persistent buffer one in all
 # (docs/perf-notes.md, "Multi-axis positions").
 AXIS_STRIDE_CONSTANT_TOKENS = 16
-# 2-byte interleaved calls on decode grids that two heads a thread do not fill (block_plan's axis_loads: the
-# small-grid and twice-the-warps shapes) load each axis's position once a token, at an address every thread shares,
-# and select per pair (POS_PER_AXIS): the loads then issue before the per-pair axis math instead of after it. H100,
-# interleaved over 1-D at 1-8 tokens, three runs: 1.007-1.028x -> 0.996-1.016x under replay. Filled grids measured
-# slower with the selects (1.14x at 32 tokens, where two heads a thread run), and so did fp32 (1.017-1.026x against
-# 1.002-1.012x at 1-16 tokens), so those keep the per-pair loads (docs/perf-notes.md, "Multi-axis positions").
+# 2-byte multi-axis calls on decode grids below min_programs / PAIR_AXES_SM_FRACTION programs (block_plan's
+# axis_loads; for interleaved sections the small-grid and twice-the-warps shapes) load each axis's position once a
+# token, at an address every thread shares, and select per pair (POS_PER_AXIS): the loads then issue before the
+# per-pair axis math instead of after it. H100, over the 1-D call under replay: interleaved at 1-8 tokens, three
+# runs, 1.007-1.028x -> 0.996-1.016x; contiguous (Qwen2-VL's 28/4 heads) at 1-16 tokens 0.985-1.030x ->
+# 1.001-1.020x. Larger interleaved grids measured slower with the selects (1.14x at 32 tokens, where two heads a
+# thread run), and so did fp32 (1.017-1.026x against 1.002-1.012x at 1-16 tokens), so those keep the per-pair
+# loads (docs/perf-notes.md, "Multi-axis positions").
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
@@ -180,9 +182,10 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
                tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
                head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
                small_grid: bool = False) -> tuple[tuple[int, int, int, int], bool]:
-    """((BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps), axis_loads): the block shape, and for ``pair_axes`` whether the
-    grid is a decode grid that two heads a thread do not fill, where positions are loaded once per axis
-    (``POS_PER_AXIS``) -- decided here with the shape so that no grid takes both.
+    """((BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps), axis_loads): the block shape, and whether the grid is a decode
+    grid below ``min_programs / PAIR_AXES_SM_FRACTION`` programs, where multi-axis positions are loaded once per
+    axis (``POS_PER_AXIS``) -- decided here with the shape, so that no interleaved grid takes those loads with two
+    heads a thread.
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
     ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
@@ -211,7 +214,7 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
     axis_loads = False
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
         filled = PAIR_AXES_SM_FRACTION * n_programs >= min_programs
-        axis_loads = pair_axes and not filled
+        axis_loads = not filled
         per_thread = PAIR_AXES_BYTES_PER_THREAD if pair_axes and filled else LATENCY_BYTES_PER_THREAD
         if small_grid and block_t == 1 and not (pair_axes and filled):
             half = min(block_hq, max(1, heads_cap // 2)), min(block_hk, max(1, heads_cap // 2))
@@ -343,7 +346,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
         *axes, unit, pos_sa if axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS else 0,
-        axis_loads and q.element_size() == 2,
+        axes[0] > 1 and axis_loads and q.element_size() == 2,
     )
     return grid, args, constexprs, num_warps
 
