@@ -76,10 +76,11 @@ AXIS_STRIDE_CONSTANT_TOKENS = 16
 # axis_loads; for interleaved sections the small-grid and twice-the-warps shapes) load each axis's position once a
 # token, at an address every thread shares, and select per pair (POS_PER_AXIS): the loads then issue before the
 # per-pair axis math instead of after it. H100, over the 1-D call under replay: interleaved at 1-8 tokens, three
-# runs, 1.007-1.028x -> 0.996-1.016x; contiguous (Qwen2-VL's 28/4 heads) at 1-16 tokens 0.985-1.030x ->
-# 1.001-1.020x. Larger interleaved grids measured slower with the selects (1.14x at 32 tokens, where two heads a
-# thread run), and so did fp32 (1.017-1.026x against 1.002-1.012x at 1-16 tokens), so those keep the per-pair
-# loads (docs/perf-notes.md, "Multi-axis positions").
+# runs, 1.007-1.028x -> 0.996-1.016x; contiguous at 1-16 tokens 0.986-1.029x -> 0.999-1.017x (Qwen2-VL's
+# 28/4 heads, two runs) and 1.010-1.034x -> 0.996-1.013x (Qwen2.5-VL-3B's 16/2). Contiguous sections past 16 tokens (a
+# runtime axis stride) measured slower with them (1.011-1.044x against 0.992-1.040x at 17-29 tokens), as did larger
+# interleaved grids (1.14x at 32 tokens, where two heads a thread run) and fp32 (1.017-1.026x against 1.002-1.012x
+# at 1-16 tokens): those keep the per-pair loads (docs/perf-notes.md, "Multi-axis positions").
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
@@ -316,11 +317,14 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     # Axes that share one row (stride 0: positions expanded from one id tensor, as transformers' Qwen2-VL text
     # model builds them without images) are 1-D positions: one load a token instead of one a pair.
     axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)
+    stride_constant = axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS
     shape, axis_loads = block_plan(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
         freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
         small_grid=q.element_size() == 2 and freq_mode == "inv_freq")  # measured faster only there
     block_t, block_hq, block_hk, num_warps = config or shape  # an override changes the shape, not the loads
+    # Per-axis position loads (POS_PER_AXIS, the note above AXIS_STRIDE_CONSTANT_TOKENS's) only where measured faster.
+    axis_loads = axis_loads and q.element_size() == 2 and (axes[1] or stride_constant)
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = _cdiv(num_tokens, block_t)
@@ -345,8 +349,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         freq_mode_id, table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
         block_t, block_hq, block_hk, _next_pow2(rotary_dim // 2),
         _next_pow2(max(D - rotary_dim, 1)), fast_trig(q.device.type, torch.version.hip),
-        *axes, unit, pos_sa if axes[0] > 1 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS else 0,
-        axes[0] > 1 and axis_loads and q.element_size() == 2,
+        *axes, unit, pos_sa if stride_constant else 0,
+        axis_loads,
     )
     return grid, args, constexprs, num_warps
 
