@@ -19,9 +19,9 @@ and every mode it asks for, one run times:
   PyTorch code eager and compiled (``unfused-eager``, ``unfused-compile``).
 
 Modes: ``fwd`` (``triton.testing.do_bench``, which zeroes a 256 MB buffer before every call, so every call starts
-with a cold L2), ``fwdbwd`` (forward + ``torch.autograd.grad``), ``decode`` (``do_bench_cudagraph``: many calls
-captured in one CUDA graph, time per call), ``host`` (``time.perf_counter`` around many eager calls with no sync
-inside the loop). Times are medians.
+with a cold L2), ``fwdbwd`` (forward + ``torch.autograd.grad``), ``decode`` (many calls captured in one CUDA
+graph per implementation, the case's graphs replayed in turn, time per call), ``host`` (``time.perf_counter``
+around many eager calls with no sync inside the loop). Times are medians.
 
 Before timing, every implementation's output (fwdbwd: its gradients; KV modes: q and the written cache rows) is
 compared with ropekit's: ``max_rel_diff`` is ``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` (fp8

@@ -64,7 +64,8 @@ def _sync(device: torch.device) -> None:
 
 @dataclasses.dataclass
 class Timer:
-    """Medians in microseconds. CUDA: ``do_bench`` (cold L2) and ``do_bench_cudagraph``; CPU: ``timeit``."""
+    """Medians in microseconds. CUDA: ``do_bench`` (cold L2) and graph replay in turn (:meth:`graphs`); CPU:
+    ``timeit``."""
 
     device: torch.device
     warmup_ms: float = 25.0
