@@ -186,7 +186,8 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
     """((BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps), axis_loads): the block shape, and whether the grid is a decode
     grid below ``min_programs / PAIR_AXES_SM_FRACTION`` programs, where multi-axis positions are loaded once per
     axis (``POS_PER_AXIS``) -- decided here with the shape, so that no interleaved grid takes those loads with two
-    heads a thread.
+    heads a thread. :func:`kernel_launch` narrows it to where the loads measured faster (2-byte dtypes; contiguous
+    sections up to ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens).
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
     ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
@@ -323,7 +324,7 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
         freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
         small_grid=q.element_size() == 2 and freq_mode == "inv_freq")  # measured faster only there
     block_t, block_hq, block_hk, num_warps = config or shape  # an override changes the shape, not the loads
-    # Per-axis position loads (POS_PER_AXIS, the note above AXIS_STRIDE_CONSTANT_TOKENS's) only where measured faster.
+    # Per-axis position loads (POS_PER_AXIS) only where they measured faster: see the note on them at the top.
     axis_loads = axis_loads and q.element_size() == 2 and (axes[1] or stride_constant)
     n_hb = _cdiv(HQ, block_hq) + (_cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
