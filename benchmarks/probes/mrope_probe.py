@@ -9,10 +9,11 @@ position.
     python benchmarks/probes/mrope_probe.py [--tokens 1,16,64,256] [--prefill 1x4096,2x4096,8x4096]
         [--layout interleaved --sections 24,20,20] [--positions axis-major,token-major,wide]
 
-``--positions`` times the same decode call with the same position values stored three ways: ``axis-major`` (a
+``--positions`` times the same decode call with the same position values stored up to four ways: ``axis-major`` (a
 contiguous [3, B, S] tensor, as the default), ``token-major`` (a [B, S, 3] buffer viewed as [3, B, S]: a token's
-positions side by side) and ``wide`` (the first B*S columns of a persistent [3, 4096] buffer, as a serving engine
-keeps them). The kernel is the same; only where the three positions of a token lie changes.
+positions side by side), ``token-major-strided`` (the same with a gap after each position: an axis stride of 2) and
+``wide`` (the first B*S columns of a persistent [3, 4096] buffer, as a serving engine keeps them). The kernel is the
+same; only where the three positions of a token lie changes.
 """
 
 # ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
@@ -33,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sections", default="16,24,24",
                         help="pairs per axis (Qwen2-VL: 16,24,24; Qwen3-VL: 24,20,20 with --layout interleaved)")
     parser.add_argument("--positions", default="axis-major",
-                        help="comma-separated storage of the decode positions: axis-major, token-major, wide")
+                        help="comma-separated storage of the decode positions: axis-major, token-major, "
+                             "token-major-strided, wide")
     return parser.parse_args(argv)
 
 
