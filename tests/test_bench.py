@@ -25,7 +25,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(ROOT / "src"))
 from ropekit.bench import cases as bench_cases  # noqa: E402
-from ropekit.bench import cli, impls, inputs, prologue, report, run  # noqa: E402
+from ropekit.bench import cli, impls, inputs, prologue, report, run, timing  # noqa: E402
 from ropekit.bench import env as bench_env  # noqa: E402
 from ropekit.bench import targets as bench_targets  # noqa: E402
 
@@ -537,6 +537,44 @@ def test_a_gpu_run_warms_up_on_its_first_case_without_recording_it(monkeypatch, 
     assert cli._warm_up(case, SimpleNamespace(type="cpu"), None, None, {}, None) is None and calls == []
     assert cli._warm_up(case, SimpleNamespace(type="cuda"), None, None, {}, None) is None and calls == [case]
     assert "warm-up: llama-3-8b/bf16/neox/ids/1x1 once, not recorded" in capsys.readouterr().out
+
+
+def test_graphs_replayed_in_turn_start_on_a_held_gpu_in_alternating_order(monkeypatch):
+    """Every timed interval starts behind a sleep kernel (the host's launch of its first replay stays out of it),
+    odd rounds replay the graphs in reverse order, and each graph's time is the median over rounds per call."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            log.append("record")
+            self.at = len(log)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)  # milliseconds: one per logged step
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            log.append(self.name)
+
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.torch.cuda, "_sleep", lambda cycles: log.append(("hold", cycles)))
+    out = timing._replay_in_turn({"a": Graph("a"), "b": Graph("b")}, rounds=3, replays=2, calls=4)
+
+    def interval(name):
+        return [("hold", timing.HOLD_CYCLES), "record", name, name, "record"]
+
+    assert log == [*interval("a"), *interval("b"), *interval("b"), *interval("a"), *interval("a"), *interval("b")]
+    assert list(out) == ["a", "b"] and out == {"a": 375.0, "b": 375.0}  # 3 ms over 2 replays of 4 calls
 
 
 def test_decode_implementations_are_timed_together_in_turn():
