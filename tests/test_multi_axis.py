@@ -314,11 +314,12 @@ def test_kernel_pair_axes_for_one_to_four_axes(device, sections, section_layout)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 12, 16, 20, 32, 128, 256])
+@pytest.mark.parametrize("tokens", [1, 12, 16, 20, 32, 33, 40, 128, 256])
 def test_interleaved_decode_block_shapes_equal_reference(tokens):
     """Qwen3-VL decode (32/8 heads, D 128, one token per sequence) at the grid sizes where the launcher gives the
     interleaved call other warps per program than the contiguous one: more (``PAIR_AXES_LATENCY_BYTES_PER_THREAD``)
-    on grids below ``min_programs / PAIR_AXES_SM_FRACTION`` that the small-grid shape does not take, fewer
+    on grids below ``min_programs / PAIR_AXES_SM_FRACTION`` (``PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION`` up to
+    ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens) that the small-grid shape does not take, fewer
     (``PAIR_AXES_BYTES_PER_THREAD``) from there to the end of the latency-bound range. Each shape against the
     float64 reference, so every shape is checked where it runs."""
     from ropekit._spec import validate
@@ -333,7 +334,9 @@ def test_interleaved_decode_block_shapes_equal_reference(tokens):
     programs = tokens * 5  # 8 heads a program: 4 q + 1 k blocks a token
     small_grid = launcher.SMALL_GRID_SM_FRACTION * tokens * 10 <= wanted  # half the heads: 8 q + 2 k blocks
     latency_bound = programs < launcher.LATENCY_BOUND_FACTOR * wanted
-    filled = launcher.PAIR_AXES_SM_FRACTION * programs >= wanted
+    fraction = (launcher.PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION if tokens <= launcher.AXIS_STRIDE_CONSTANT_TOKENS
+                else launcher.PAIR_AXES_SM_FRACTION)
+    filled = fraction * programs >= wanted
     if not latency_bound or (small_grid and not filled):
         assert warps["interleaved"] == warps["contiguous"], warps
     elif filled:
@@ -436,10 +439,11 @@ def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, se
 def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch, hq, hk):
     """On a 132-SM card, every interleaved bf16 decode call from 1 to 160 tokens loads positions once per axis
     exactly when its shape is not the two-heads-a-thread one (``PAIR_AXES_BYTES_PER_THREAD``): the two together
-    measured 1.14x the 1-D call. 16/16 heads reach the boundary itself at 88 programs twice: at 11 tokens in the
-    small-grid shape (half the heads, per-axis loads), at 22 tokens in the two-heads shape (per-pair loads).
-    Contiguous sections load once per axis on the same grids up to 16 tokens (with a constant axis stride), 1-D
-    positions and fp32 never."""
+    measured 1.14x the 1-D call. That shape starts at 88 programs of 8 heads, or at 176 for calls of at most 32
+    tokens (a constant axis stride). 16/16 heads reach the bounds at 88 programs in the small-grid shape (11 tokens,
+    half the heads), at 88 programs of 8 heads (22 tokens, still below 176) and past 32 tokens (33 tokens, 132
+    programs: two heads a thread). Contiguous sections load once per axis on grids below 88 programs up to 32
+    tokens, 1-D positions and fp32 never."""
     from ropekit._spec import validate
     from ropekit.triton import launcher
 
@@ -457,16 +461,19 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
         decode = programs < launcher.LATENCY_BOUND_FACTOR * 4 * 132
         two_heads = decode and per_thread == launcher.PAIR_AXES_BYTES_PER_THREAD
         assert named["POS_PER_AXIS"] == (decode and not two_heads), (tokens, programs, per_thread)
+        programs_of_8_heads = tokens * (-(-hq // 8) + -(-hk // 8))  # before the small-grid shape halves them
+        two_heads_from = 4 * 132 // (3 if tokens <= 32 else 6)
+        assert two_heads == (decode and programs_of_8_heads >= two_heads_from), (tokens, programs_of_8_heads)
         seen.add((two_heads, named["POS_PER_AXIS"]))
         contiguous = _launch_constexprs(q, k, positions=positions, sections=(24, 20, 20))
-        programs_of_8_heads = tokens * (-(-hq // 8) + -(-hk // 8))  # before the small-grid shape halves them
-        assert contiguous["POS_PER_AXIS"] == (6 * programs_of_8_heads < 4 * 132 and tokens <= 16), tokens
+        assert contiguous["POS_PER_AXIS"] == (6 * programs_of_8_heads < 4 * 132 and tokens <= 32), tokens
         assert not _launch_constexprs(q, k, positions=positions[0].clone())["POS_PER_AXIS"]
         assert not _launch_constexprs(q.float(), k.float(), positions=positions, sections=(24, 20, 20))[
             "POS_PER_AXIS"]
-        if (hq, hk) == (16, 16) and tokens in (11, 21, 22):
-            assert (programs, two_heads, named["POS_PER_AXIS"]) == {11: (88, False, True), 21: (84, False, True),
-                                                                     22: (88, True, False)}[tokens]
+        if (hq, hk) == (16, 16) and tokens in (11, 21, 22, 32, 33):
+            assert (programs, two_heads, named["POS_PER_AXIS"]) == {
+                11: (88, False, True), 21: (84, False, True), 22: (88, False, True), 32: (128, False, True),
+                33: (132, True, False)}[tokens]
     assert seen >= {(True, False), (False, True)}
 
 

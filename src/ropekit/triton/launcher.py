@@ -45,9 +45,13 @@ LATENCY_BOUND_FACTOR = 2
 # Smaller grids that the small-grid shape does not take are latency-bound: two pairs a thread
 # (PAIR_AXES_LATENCY_BYTES_PER_THREAD, twice the warps) shorten each thread's path from position load to store,
 # 9-17 tokens 1.007-1.029x -> 0.98-1.00x. On the H200 9-26 tokens went from 1.02-1.05x to 0.98-1.01x
-# (docs/perf-notes.md, "Multi-axis positions").
+# (docs/perf-notes.md, "Multi-axis positions"). With the axis stride a compile-time constant (2-byte calls of at
+# most AXIS_STRIDE_CONSTANT_TOKENS tokens) that shape, with per-axis position loads, holds up to min_programs /
+# PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION programs: H100, 88-153 programs (Qwen3-VL-2B/8B/32B heads at 10-32 tokens),
+# 0.968-0.994x against 0.982-1.029x for two heads a thread.
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 6
+PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION = 3
 PAIR_AXES_LATENCY_BYTES_PER_THREAD = 8
 # The smallest decode grids (at most min_programs / SMALL_GRID_SM_FRACTION programs with half the heads per program,
 # about two thirds of the SMs) take half the heads per program at the same warps: half the pairs a thread, so a
@@ -68,19 +72,21 @@ TABLE_MIN_HEADS = 8
 # Multi-axis positions of a call of at most AXIS_STRIDE_CONSTANT_TOKENS tokens reach the kernel with their axis
 # stride as a compile-time constant (POS_AXIS_STRIDE). H100, interleaved M-RoPE over the 1-D call at 2-8 decode
 # tokens: 1.035-1.044x under graph replay with a runtime stride, 1.012-1.020x with a constant one (at one token
-# Triton specialises the stride of 1 itself). The constant is the stride of the positions tensor, so a [3, T] tensor
-# compiles one variant per token count up to this bound, and a slice of a persistent buffer one in all
-# (docs/perf-notes.md, "Multi-axis positions").
-AXIS_STRIDE_CONSTANT_TOKENS = 16
-# 2-byte multi-axis calls on decode grids below min_programs / PAIR_AXES_SM_FRACTION programs (block_plan's
-# axis_loads; for interleaved sections the small-grid and twice-the-warps shapes) load each axis's position once a
-# token, at an address every thread shares, and select per pair (POS_PER_AXIS): the loads then issue before the
-# per-pair axis math instead of after it. H100, over the 1-D call under replay: interleaved at 1-8 tokens, three
-# runs, 1.007-1.028x -> 0.996-1.016x; contiguous at 1-16 tokens 0.986-1.029x -> 0.999-1.017x (Qwen2-VL's
-# 28/4 heads, two runs) and 1.010-1.034x -> 0.996-1.013x (Qwen2.5-VL-3B's 16/2). Contiguous sections past 16 tokens (a
-# runtime axis stride) measured slower with them (1.011-1.044x against 0.992-1.040x at 17-29 tokens), as did larger
-# interleaved grids (1.14x at 32 tokens, where two heads a thread run) and fp32 (1.017-1.026x against 1.002-1.012x
-# at 1-16 tokens): those keep the per-pair loads (docs/perf-notes.md, "Multi-axis positions").
+# Triton specialises the stride of 1 itself); contiguous sections at 17-32 tokens (Qwen2-VL-2B's 12/2 heads,
+# Qwen2.5-VL-3B's 16/2) 1.000-1.028x -> 0.979-1.016x. The constant is the stride of the positions tensor, so a
+# [3, T] tensor compiles one variant per token count up to this bound, and a slice of a persistent buffer one in
+# all (docs/perf-notes.md, "Multi-axis positions").
+AXIS_STRIDE_CONSTANT_TOKENS = 32
+# 2-byte multi-axis calls on decode grids below block_plan's "filled" bound (min_programs / PAIR_AXES_SM_FRACTION
+# programs, or PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION for interleaved sections with a constant axis stride; the
+# small-grid and twice-the-warps shapes) load each axis's position once a token, at an address every thread
+# shares, and select per pair (POS_PER_AXIS): the loads then issue before the per-pair axis math instead of after
+# it. H100, over the 1-D call under replay: interleaved at 1-8 tokens, three runs, 1.007-1.028x -> 0.996-1.016x;
+# contiguous at 1-16 tokens 0.986-1.029x -> 0.999-1.017x (Qwen2-VL's 28/4 heads, two runs) and 1.010-1.034x ->
+# 0.996-1.013x (Qwen2.5-VL-3B's 16/2). Contiguous sections with a runtime axis stride measured slower with them
+# (1.011-1.044x against 0.992-1.040x at 17-29 tokens), as did grids where two heads a thread run (1.12-1.17x) and
+# fp32 (1.017-1.026x against 1.002-1.012x at 1-16 tokens): those keep the per-pair loads (docs/perf-notes.md,
+# "Multi-axis positions").
 INTERPRETER_TILE_BYTES = 65536
 MAX_UNROLL = 8
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
@@ -184,10 +190,11 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
                head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
                small_grid: bool = False) -> tuple[tuple[int, int, int, int], bool]:
     """((BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps), axis_loads): the block shape, and whether the grid is a decode
-    grid below ``min_programs / PAIR_AXES_SM_FRACTION`` programs, where multi-axis positions are loaded once per
-    axis (``POS_PER_AXIS``) -- decided here with the shape, so that no interleaved grid takes those loads with two
-    heads a thread. :func:`kernel_launch` narrows it to where the loads measured faster (2-byte dtypes; contiguous
-    sections up to ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens).
+    grid below ``min_programs / PAIR_AXES_SM_FRACTION`` programs (``PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION`` for
+    2-byte interleaved calls of at most ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens), where multi-axis positions are
+    loaded once per axis (``POS_PER_AXIS``) -- decided here with the shape, so that no interleaved grid takes those
+    loads with two heads a thread. :func:`kernel_launch` narrows it to where the loads measured faster (2-byte
+    dtypes; contiguous sections up to ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens).
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
     ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
@@ -195,8 +202,8 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
     one ``BYTES_PER_THREAD``, or ``STREAM_BYTES_PER_THREAD`` where ``stream`` (the call qualifies, see there), or
     with ``full_table`` (angles from full-width cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS``
     heads or more. With ``pair_axes`` (interleaved M-RoPE sections: a position load per pair) a decode grid of at
-    least ``min_programs / PAIR_AXES_SM_FRACTION`` programs gives each thread ``PAIR_AXES_BYTES_PER_THREAD``, a
-    smaller one that the small-grid shape does not take ``PAIR_AXES_LATENCY_BYTES_PER_THREAD``. With
+    least that bound gives each thread ``PAIR_AXES_BYTES_PER_THREAD``, a smaller one that the small-grid shape
+    does not take ``PAIR_AXES_LATENCY_BYTES_PER_THREAD``. With
     ``small_grid`` (the call qualifies, see there) a decode grid that stays within ``min_programs /
     SMALL_GRID_SM_FRACTION`` programs with half the heads per program takes that half at the same warps."""
     d_pad = _next_pow2(head_dim)
@@ -215,7 +222,9 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
     half_heads = None  # the small-grid shape's (BLOCK_HQ, BLOCK_HK), taken after the warps are set
     axis_loads = False
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
-        filled = PAIR_AXES_SM_FRACTION * n_programs >= min_programs
+        constant_stride = pair_axes and elem_size == 2 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS
+        fraction = PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION if constant_stride else PAIR_AXES_SM_FRACTION
+        filled = fraction * n_programs >= min_programs
         axis_loads = not filled
         per_thread = PAIR_AXES_BYTES_PER_THREAD if pair_axes and filled else LATENCY_BYTES_PER_THREAD
         if small_grid and block_t == 1 and not (pair_axes and filled):
