@@ -266,7 +266,7 @@ def test_block_config_shapes():
     assert block_config(1, 16, 8, 256, 2, sms4, small_grid=True) == (1, 2, 2, 4)
     assert block_config(1, 2, 1, 128, 2, sms4, small_grid=True) == (1, 2, 1, 1)  # already under half a tile
     assert block_config(1, 1, 1, 2048, 2, sms4, small_grid=True) == (1, 1, 1, 8)  # a head per program already
-    assert block_config(36, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 2)  # fills the SMs
+    assert block_config(27, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 2)  # fills the SMs
     bt, bq, bk, warps = block_config(16384, 16, 16, 64, 2, sms4)
     assert (bt, bq, bk) == (1, 16, 16) and warps == 1
     # full-width cos/sin tables: 16 B per thread and at least 8 heads per program (head_dim 256: 8, not 4)
@@ -275,16 +275,18 @@ def test_block_config_shapes():
     assert block_config(32768, 16, 16, 64, 2, sms4, full_table=True) == (1, 16, 16, 4)
     assert block_config(64, 16, 8, 256, 2, sms4, full_table=True) == (1, 4, 4, 4)  # decode keeps its shape
     # interleaved M-RoPE: 32 B per thread once a decode grid has a program on two thirds of the SMs (88 of 132),
-    # or on all of them (176) up to 32 tokens in 2 bytes (a constant axis stride); 8 B below that where the
-    # small-grid shape does not apply, neither past decode
+    # or on every SM (132) up to 32 tokens in 2 bytes (a constant axis stride); 8 B below that where the small-grid
+    # shape does not apply, neither past decode
     assert block_config(8, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 4, 4, 4)  # small grid
     assert block_config(8, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 40 programs, not small_grid
     assert block_config(9, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 8)  # 45 programs
     assert block_config(18, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 8)  # 90 programs
-    assert block_config(32, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 160 programs, 32 tokens
-    assert block_config(33, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 165 programs, 33 tokens
-    assert block_config(18, 64, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 162 programs
-    assert block_config(20, 64, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 180 programs
+    assert block_config(26, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 130 programs
+    assert block_config(27, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 135 programs
+    assert block_config(32, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 160 programs
+    assert block_config(14, 64, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 126 programs
+    assert block_config(15, 64, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 135 programs
+    assert block_config(64, 8, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 128 programs past 32 tokens
     assert block_config(17, 32, 8, 128, 4, sms4, pair_axes=True) == (1, 8, 8, 8)  # fp32 keeps the 88 programs
     assert block_config(18, 32, 8, 128, 4, sms4, pair_axes=True) == (1, 8, 8, 4)
     assert block_config(128, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)
@@ -292,10 +294,10 @@ def test_block_config_shapes():
     assert block_config(32, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # the rule is M-RoPE's alone
 
 
-@pytest.mark.parametrize("tokens, interleaved_warps", [(16, "more"), (32, "more"), (36, "fewer")])
+@pytest.mark.parametrize("tokens, interleaved_warps", [(16, "more"), (24, "more"), (32, "fewer")])
 def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch, tokens, interleaved_warps):
     """``kernel_launch`` asks for the interleaved-sections shape for interleaved M-RoPE only: on a 132-SM card,
-    more warps than the contiguous and 1-D calls (which share theirs) at 16 and 32 decode tokens, fewer at 36."""
+    more warps than the contiguous and 1-D calls (which share theirs) at 16 and 24 decode tokens, fewer at 32."""
     from ropekit.triton import launcher
 
     monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)

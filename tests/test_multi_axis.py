@@ -439,9 +439,9 @@ def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, se
 def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch, hq, hk):
     """On a 132-SM card, every interleaved bf16 decode call from 1 to 160 tokens loads positions once per axis
     exactly when its shape is not the two-heads-a-thread one (``PAIR_AXES_BYTES_PER_THREAD``): the two together
-    measured 1.14x the 1-D call. That shape starts at 88 programs of 8 heads, or at 176 for calls of at most 32
+    measured 1.14x the 1-D call. That shape starts at 88 programs of 8 heads, or at 132 for calls of at most 32
     tokens (a constant axis stride). 16/16 heads reach the bounds at 88 programs in the small-grid shape (11 tokens,
-    half the heads), at 88 programs of 8 heads (22 tokens, still below 176) and past 32 tokens (33 tokens, 132
+    half the heads), at 88 programs of 8 heads (22 tokens, still below 132) and past 32 tokens (33 tokens, 132
     programs: two heads a thread). Contiguous sections load once per axis on grids below 88 programs up to 32
     tokens, 1-D positions and fp32 never."""
     from ropekit._spec import validate
@@ -462,7 +462,7 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
         two_heads = decode and per_thread == launcher.PAIR_AXES_BYTES_PER_THREAD
         assert named["POS_PER_AXIS"] == (decode and not two_heads), (tokens, programs, per_thread)
         programs_of_8_heads = tokens * (-(-hq // 8) + -(-hk // 8))  # before the small-grid shape halves them
-        two_heads_from = 4 * 132 // (3 if tokens <= 32 else 6)
+        two_heads_from = 4 * 132 // (4 if tokens <= 32 else 6)
         assert two_heads == (decode and programs_of_8_heads >= two_heads_from), (tokens, programs_of_8_heads)
         seen.add((two_heads, named["POS_PER_AXIS"]))
         contiguous = _launch_constexprs(q, k, positions=positions, sections=(24, 20, 20))

@@ -46,12 +46,13 @@ LATENCY_BOUND_FACTOR = 2
 # (PAIR_AXES_LATENCY_BYTES_PER_THREAD, twice the warps) shorten each thread's path from position load to store,
 # 9-17 tokens 1.007-1.029x -> 0.98-1.00x. On the H200 9-26 tokens went from 1.02-1.05x to 0.98-1.01x
 # (docs/perf-notes.md, "Multi-axis positions"). With the axis stride a compile-time constant (2-byte calls of at
-# most AXIS_STRIDE_CONSTANT_TOKENS tokens) that shape, with per-axis position loads, holds up to min_programs /
-# PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION programs: H100, 88-153 programs (Qwen3-VL-2B/8B/32B heads at 10-32 tokens),
-# 0.968-0.994x against 0.982-1.029x for two heads a thread.
+# most AXIS_STRIDE_CONSTANT_TOKENS tokens) that shape, with per-axis position loads, holds until the grid has a
+# program per SM (min_programs / PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION): H100, 88-130 programs (Qwen3-VL-2B/8B/32B
+# heads at 10-32 tokens) 0.967-0.994x against 1.001-1.029x for two heads a thread; at 140-160 programs the two
+# shapes measured alike (0.988-1.001x), at 162-171 the 8-warp one read 1.012-1.014x.
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 6
-PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION = 3
+PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION = 4
 PAIR_AXES_LATENCY_BYTES_PER_THREAD = 8
 # The smallest decode grids (at most min_programs / SMALL_GRID_SM_FRACTION programs with half the heads per program,
 # about two thirds of the SMs) take half the heads per program at the same warps: half the pairs a thread, so a
