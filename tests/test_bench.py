@@ -577,6 +577,52 @@ def test_graphs_replayed_in_turn_start_on_a_held_gpu_in_alternating_order(monkey
     assert list(out) == ["a", "b"] and out == {"a": 375.0, "b": 375.0}  # 3 ms over 2 replays of 4 calls
 
 
+def test_decode_calls_cycle_over_input_sets(monkeypatch):
+    """A graph mode's captured calls cycle over ``GRAPH_INPUT_SETS`` input sets (fresh tensors at other addresses),
+    the checked set first, for the baselines and the implementations alike, each set equally often in a graph:
+    with one set per process a decode ratio read wherever its few-kB buffers happened to lie."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.modes == ("decode", "host"))
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    made, used = [], []
+    real_make = run.make_inputs
+
+    def make_inputs(case, device, seed=0):
+        made.append(real_make(case, device, seed))
+        return made[-1]
+
+    def recorded(real):
+        def build(name, inp, *args):
+            bench = real(name, inp, *args)
+            call = bench.run
+            which = [id(m) for m in made].index(id(inp))
+            bench.run = lambda: (used.append((name, which)), call())[1]
+            return bench
+        return build
+
+    monkeypatch.setattr(run, "make_inputs", make_inputs)
+    monkeypatch.setattr(run, "build", recorded(run.build))
+    monkeypatch.setattr(run, "build_baseline", recorded(run.build_baseline))
+    timer = run.Timer(torch.device("cpu"))
+    timer.host = lambda fn: 1.0
+    sets = run.GRAPH_INPUT_SETS
+
+    def graphs(fns):
+        for fn in fns.values():
+            for _ in range(2 * sets):
+                fn()
+        return {name: 1.0 for name in fns}
+
+    timer.graphs = graphs
+    run.run_case(case, torch.device("cpu"), timer, None, env, ["ropekit"], lambda s: None)
+    assert sets > 1 and timing.GRAPH_CALLS % sets == 0
+    assert len(made) == sets and len({m.q.data_ptr() for m in made}) == sets
+    for name in ("copy-q", "copy", "ropekit"):
+        assert [s for n, s in used if n == name] == list(range(sets)) * 2, name
+
+
 def test_decode_implementations_are_timed_together_in_turn():
     """A decode case's implementations, baseline included, are timed in one ``Timer.graphs`` call (graphs replayed
     in turn, so clock drift spreads over all of them), after every one is built and checked; one that fails to

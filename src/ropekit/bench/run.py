@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +13,16 @@ from ropekit.testing import max_relative_error
 
 from .cases import GRAD_MODES, Case
 from .impls import BASELINE, EXTRA_BASELINES, MODE_IMPLS, REFERENCE, Bench, Unsupported, build, build_baseline
-from .inputs import bytes_model, make_inputs
+from .inputs import Inputs, bytes_model, make_inputs
 from .peers import Peers
 from .timing import Timer
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
 GRAPH_MODES = ("decode", "kv-decode")  # timed under CUDA-graph replay, a mode's implementations in turn
+# Input sets the captured calls of a graph mode cycle over (GRAPH_CALLS a multiple of it): where a decode call's
+# few-kB buffers lie moves its time by up to 2% (benchmarks/probes/placement_probe.py), so one set per process
+# made a ratio of two implementations read a different placement in every run.
+GRAPH_INPUT_SETS = 5
 
 
 def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: dict[str, Any],
@@ -26,9 +31,12 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
     built, checked against ropekit's output (the mode's :data:`impls.REFERENCE`, else ``ropekit``), timed and freed
     before the next one (memory stays at the inputs, ropekit's reference output and one implementation). The
     :data:`GRAPH_MODES` (decode sizes, small) keep every implementation until all are checked, then time them
-    together, their graphs replayed in turn (:meth:`Timer.graphs`)."""
+    together, their graphs replayed in turn (:meth:`Timer.graphs`), each graph's calls cycling over
+    :data:`GRAPH_INPUT_SETS` input sets (the first is the checked one)."""
     rows: list[dict[str, Any]] = []
     inp = make_inputs(case, device)
+    more_inputs = ([make_inputs(case, device, seed) for seed in range(1, GRAPH_INPUT_SETS)]
+                   if any(mode in GRAPH_MODES for mode in case.modes) else [])
     nbytes = bytes_model(inp)
     for mode in case.modes:
         names = [n for n in MODE_IMPLS[mode] if (case.impls is None or n in case.impls)
@@ -52,8 +60,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                 row = _row(env, case, mode, name, nbytes[mode], BASELINE[mode])
                 row["impl_version"] = _impl_version(name, peers, env)
                 mode_rows.append(row)
-                bench = (_try_build(build_baseline, name, inp, nbytes) if is_baseline
-                         else _try_build(build, name, inp, mode, peers))
+                bench = _build(name, is_baseline, inp, mode, peers, nbytes)
                 if isinstance(bench, str):
                     row["note"] = bench
                     continue
@@ -68,7 +75,9 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                         if not agree:
                             row["note"] = f"MISMATCH vs {reference}; {row['note']}"
                     if mode in GRAPH_MODES:  # timed below, all of the mode's implementations in turn
-                        in_turn[name] = (row, bench.run)
+                        runs = [bench.run] + [_built(_build(name, is_baseline, more, mode, peers, nbytes)).run
+                                              for more in more_inputs]
+                        in_turn[name] = (row, _cycling(runs))
                         continue
                     _record(row, times, name, _time(timer, mode, bench.run))
                 except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the run
@@ -137,6 +146,26 @@ def _try_build(make: Callable[..., Any], *args: Any) -> Any:
         return f"skipped: {exc}"
     except Exception as exc:  # noqa: BLE001
         return f"failed: {_first_line(exc)}"
+
+
+def _build(name: str, is_baseline: bool, inp: Inputs, mode: str, peers: Peers, nbytes: dict[str, int]) -> Any:
+    """The :class:`Bench` of baseline or implementation ``name`` on ``inp``, or a string saying why not."""
+    if is_baseline:
+        return _try_build(build_baseline, name, inp, nbytes)
+    return _try_build(build, name, inp, mode, peers)
+
+
+def _built(bench: Any) -> Bench:
+    """``bench``, which built on the first input set, so a string here (it failed on another set) is an error."""
+    if isinstance(bench, str):
+        raise RuntimeError(f"on another input set: {bench}")
+    return bench
+
+
+def _cycling(runs: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """One call that runs the next of ``runs`` each time: the calls captured in a graph cycle over them."""
+    turn = itertools.cycle(runs)
+    return lambda: next(turn)()
 
 
 def _time(timer: Timer, mode: str, fn: Callable[[], Any]) -> float:
