@@ -17,8 +17,14 @@ from ._triton import triton_testing
 GRAPH_CALLS = 50  # calls captured in one graph: replaying it shrinks the launch gaps between them
 
 
-def capture_graph(fn: Callable[[], Any], calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls`` calls of ``fn``, warmed up on a side stream first (as capture requires)."""
+def capture_graph(fn: Callable[[], Any], calls: int = GRAPH_CALLS, pool: Any = None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, warmed up on a side stream first (as capture requires).
+
+    ``pool`` (``torch.cuda.graph_pool_handle()``) is a memory pool shared with the graphs captured beside it: what a
+    call allocates is dead once it returns, so every graph's calls write their outputs to the same blocks, and two
+    graphs compared by their times do not differ in where their outputs lie (which moves a decode call's time by
+    up to 2%, ``benchmarks/probes/placement_probe.py``). Safe only for graphs none of which reads what another
+    wrote, as here."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -26,7 +32,7 @@ def capture_graph(fn: Callable[[], Any], calls: int = GRAPH_CALLS) -> torch.cuda
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         for _ in range(calls):
             fn()
     return graph
@@ -34,11 +40,13 @@ def capture_graph(fn: Callable[[], Any], calls: int = GRAPH_CALLS) -> torch.cuda
 
 def graph_us_interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 31, replays: int = 10,
                          calls: int = GRAPH_CALLS) -> dict[str, float]:
-    """Median microseconds per call of each ``fns`` entry, each captured ``calls`` times in one graph.
+    """Median microseconds per call of each ``fns`` entry, each captured ``calls`` times in one graph (the graphs
+    share one memory pool, :func:`capture_graph`).
 
     The graphs are replayed in turn, round after round, so that clock or cache drift over the run spreads over
     every entry instead of favouring the ones timed first."""
-    graphs = {name: capture_graph(fn, calls) for name, fn in fns.items()}
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {name: capture_graph(fn, calls, pool) for name, fn in fns.items()}
     return _replay_in_turn(graphs, rounds, replays, calls)
 
 
@@ -94,16 +102,17 @@ class Timer:
         return self._cpu(fn)
 
     def graphs(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float | Exception]:
-        """Microseconds per call of each entry under CUDA-graph replay, the graphs replayed in turn
-        (:func:`graph_us_interleaved`): timed one after another, the same kernel called three ways in one decode
+        """Microseconds per call of each entry under CUDA-graph replay, the graphs (one memory pool) replayed in
+        turn (:func:`graph_us_interleaved`): timed one after another, the same kernel called three ways in one decode
         case read up to 5% apart, more than the differences the decode targets judge. An entry whose capture
         fails gets its exception instead; the others are still timed. CPU: :meth:`_cpu` each."""
         out: dict[str, float | Exception] = {}
         graphs = {}
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for name, fn in fns.items():
             try:
                 if self.device.type == "cuda":
-                    graphs[name] = capture_graph(fn)
+                    graphs[name] = capture_graph(fn, GRAPH_CALLS, pool)
                 else:
                     out[name] = self._cpu(fn)
             except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the others
