@@ -48,7 +48,7 @@ LATENCY_BOUND_FACTOR = 2
 # (docs/perf-notes.md, "Multi-axis positions"). With the axis stride a compile-time constant (2-byte calls of at
 # most AXIS_STRIDE_CONSTANT_TOKENS tokens) that shape, with per-axis position loads, holds until the grid has a
 # program per SM (min_programs / PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION): H100, 88-130 programs (Qwen3-VL-2B/8B/32B
-# heads at 10-32 tokens) 0.967-0.994x against 1.001-1.029x for two heads a thread; at 140-160 programs the two
+# heads at 10-32 tokens) 0.967-0.994x against 0.989-1.029x for two heads a thread; at 140-160 programs the two
 # shapes measured alike (0.988-1.001x), at 162-171 the 8-warp one read 1.012-1.014x.
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 6
@@ -74,7 +74,7 @@ TABLE_MIN_HEADS = 8
 # stride as a compile-time constant (POS_AXIS_STRIDE). H100, interleaved M-RoPE over the 1-D call at 2-8 decode
 # tokens: 1.035-1.044x under graph replay with a runtime stride, 1.012-1.020x with a constant one (at one token
 # Triton specialises the stride of 1 itself); contiguous sections at 17-32 tokens (Qwen2-VL-2B's 12/2 heads,
-# Qwen2.5-VL-3B's 16/2) 1.000-1.028x -> 0.979-1.016x. The constant is the stride of the positions tensor, so a
+# Qwen2.5-VL-3B's 16/2) 0.997-1.032x -> 0.979-1.016x. The constant is the stride of the positions tensor, so a
 # [3, T] tensor compiles one variant per token count up to this bound, and a slice of a persistent buffer one in
 # all (docs/perf-notes.md, "Multi-axis positions").
 AXIS_STRIDE_CONSTANT_TOKENS = 32
@@ -204,9 +204,9 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
     with ``full_table`` (angles from full-width cos/sin tables) ``TABLE_BYTES_PER_THREAD`` and ``TABLE_MIN_HEADS``
     heads or more. With ``pair_axes`` (interleaved M-RoPE sections: a position load per pair) a decode grid of at
     least that bound gives each thread ``PAIR_AXES_BYTES_PER_THREAD``, a smaller one that the small-grid shape
-    does not take ``PAIR_AXES_LATENCY_BYTES_PER_THREAD``. With
-    ``small_grid`` (the call qualifies, see there) a decode grid that stays within ``min_programs /
-    SMALL_GRID_SM_FRACTION`` programs with half the heads per program takes that half at the same warps."""
+    does not take ``PAIR_AXES_LATENCY_BYTES_PER_THREAD``. With ``small_grid`` (the call qualifies, see there) a
+    decode grid that stays within ``min_programs / SMALL_GRID_SM_FRACTION`` programs with half the heads per program
+    takes that half at the same warps."""
     d_pad = _next_pow2(head_dim)
     heads_cap = max(1, head_tile_elems // d_pad)
     block_hq = min(_next_pow2(hq), heads_cap)
