@@ -577,20 +577,23 @@ def test_graphs_replayed_in_turn_start_on_a_held_gpu_in_alternating_order(monkey
     assert list(out) == ["a", "b"] and out == {"a": 375.0, "b": 375.0}  # 3 ms over 2 replays of 4 calls
 
 
-def test_decode_calls_cycle_over_input_sets(monkeypatch):
+@pytest.mark.parametrize("modes, impl, baselines", [(("decode", "host"), "ropekit", ("copy-q", "copy")),
+                                                    (("kv-decode",), "ropekit-kv-write", ("copy-kv",))])
+def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines):
     """A graph mode's captured calls cycle over ``GRAPH_INPUT_SETS`` input sets (fresh tensors at other addresses),
     the checked set first, for the baselines and the implementations alike, each set equally often in a graph:
-    with one set per process a decode ratio read wherever its few-kB buffers happened to lie."""
+    with one set per process a decode ratio read wherever its few-kB buffers happened to lie. Every set writes to
+    the checked set's KV caches (gigabytes each at 256 sequences)."""
     import torch
 
     registry = bench_cases.load_registry(str(REGISTRY))
-    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.modes == ("decode", "host"))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.modes == modes)
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
     made, used = [], []
     real_make = run.make_inputs
 
-    def make_inputs(case, device, seed=0):
-        made.append(real_make(case, device, seed))
+    def make_inputs(case, device, seed=0, caches_of=None):
+        made.append(real_make(case, device, seed, caches_of))
         return made[-1]
 
     def recorded(real):
@@ -616,11 +619,27 @@ def test_decode_calls_cycle_over_input_sets(monkeypatch):
         return {name: 1.0 for name in fns}
 
     timer.graphs = graphs
-    run.run_case(case, torch.device("cpu"), timer, None, env, ["ropekit"], lambda s: None)
+    rows = run.run_case(case, torch.device("cpu"), timer, None, env, [impl], lambda s: None)
+    assert not [r["note"] for r in rows if "failed" in r["note"] or "MISMATCH" in r["note"]]
     assert sets > 1 and timing.GRAPH_CALLS % sets == 0
     assert len(made) == sets and len({m.q.data_ptr() for m in made}) == sets
-    for name in ("copy-q", "copy", "ropekit"):
+    for name in (*baselines, impl):
         assert [s for n, s in used if n == name] == list(range(sets)) * 2, name
+    if modes == ("kv-decode",):
+        assert all(m.k_cache is made[0].k_cache and m.v_cache is made[0].v_cache for m in made)
+        assert len({m.cache_index[1].data_ptr() for m in made}) == sets
+
+
+def test_an_input_set_refuses_caches_too_short_for_its_positions():
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.modes == ("kv-decode",))
+    first = inputs.make_inputs(case, torch.device("cpu"))
+    assert inputs.make_inputs(case, torch.device("cpu"), 1, caches_of=first).k_cache is first.k_cache
+    first.k_cache = first.k_cache[:, :1]
+    with pytest.raises(ValueError, match="caches_of: its caches hold 1 rows"):
+        inputs.make_inputs(case, torch.device("cpu"), 1, caches_of=first)
 
 
 def test_decode_implementations_are_timed_together_in_turn():

@@ -126,8 +126,11 @@ def varlen_lengths(batch: int, seqlen: int) -> list[int]:
     return lengths
 
 
-def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
-    """Random q/k and the case's positions, tables and frequencies (fp32 ``inv_freq`` as ropekit's default)."""
+def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inputs | None = None) -> Inputs:
+    """Random q/k and the case's positions, tables and frequencies (fp32 ``inv_freq`` as ropekit's default).
+
+    ``caches_of``: another input set of the same case whose KV caches (and fp8 scale) this one writes to instead of
+    its own: the caches are only written, and at 256 sequences they take gigabytes per set."""
     gen = torch.Generator().manual_seed(seed)  # positions, on the host
     dtype = DTYPES[case.dtype]
     B, S, D, R = case.batch, case.seqlen, case.head_dim, case.rotary_dim
@@ -182,12 +185,17 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         gen_w = torch.Generator(device=device).manual_seed(seed + 2)
         inp.q_weight, inp.k_weight = (torch.rand(D, generator=gen_w, device=device).add_(0.5).to(dtype)
                                       for _ in range(2))
-    if case.cache is not None:  # bshd caches long enough for every position, at least MAX_CACHE_LEN rows
+    if case.cache is not None and caches_of is not None:
+        inp.k_cache, inp.v_cache, inp.cache_scale = caches_of.k_cache, caches_of.v_cache, caches_of.cache_scale
+        if inp.k_cache.shape[1] < rows:
+            raise ValueError(f"caches_of: its caches hold {inp.k_cache.shape[1]} rows, this set needs {rows}")
+    elif case.cache is not None:  # bshd caches long enough for every position, at least MAX_CACHE_LEN rows
         max_len = max(MAX_CACHE_LEN, -(-rows // MAX_CACHE_LEN) * MAX_CACHE_LEN)
         inp.k_cache = torch.zeros(B, max_len, case.hk, D, device=device, dtype=CACHE_DTYPES[case.cache])
         inp.v_cache = torch.zeros_like(inp.k_cache)
         if case.cache == "fp8":
             inp.cache_scale = torch.tensor(FP8_CACHE_SCALE, device=device, dtype=torch.float32)
+    if case.cache is not None:
         seq = torch.arange(B, dtype=torch.int64).repeat_interleave(S)
         inp.cache_index = (seq.to(device), grid.reshape(-1).to(device))
     return inp

@@ -32,10 +32,10 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
     before the next one (memory stays at the inputs, ropekit's reference output and one implementation). The
     :data:`GRAPH_MODES` (decode sizes, small) keep every implementation until all are checked, then time them
     together, their graphs replayed in turn (:meth:`Timer.graphs`), each graph's calls cycling over
-    :data:`GRAPH_INPUT_SETS` input sets (the first is the checked one)."""
+    :data:`GRAPH_INPUT_SETS` input sets (the first is the checked one; all write to its KV caches)."""
     rows: list[dict[str, Any]] = []
     inp = make_inputs(case, device)
-    more_inputs = ([make_inputs(case, device, seed) for seed in range(1, GRAPH_INPUT_SETS)]
+    more_inputs = ([make_inputs(case, device, seed, caches_of=inp) for seed in range(1, GRAPH_INPUT_SETS)]
                    if any(mode in GRAPH_MODES for mode in case.modes) else [])
     nbytes = bytes_model(inp)
     for mode in case.modes:
