@@ -642,6 +642,28 @@ def test_an_input_set_refuses_caches_too_short_for_its_positions():
         inputs.make_inputs(case, torch.device("cpu"), 1, caches_of=first)
 
 
+def test_one_compile_serves_every_input_set_of_a_case_and_mode(monkeypatch):
+    """The torch.compile peers compile once per case and mode: the input sets of a graph mode rebuild them (closures
+    included) without a reset in between, which would drop the others' compiles and recompile during capture."""
+    import torch
+
+    resets, compiles = [], []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(fn) or ("compiled", len(compiles)))
+    monkeypatch.setattr(impls, "_COMPILED", {})
+
+    def closure():
+        def partial(q):
+            return q
+        return partial
+
+    first = impls.compiled_per_case(closure(), "case-a", "decode")
+    assert all(impls.compiled_per_case(closure(), "case-a", "decode") is first for _ in range(4))
+    assert (len(resets), len(compiles)) == (1, 1)
+    assert impls.compiled_per_case(closure(), "case-a", "fwd") != first
+    assert impls.compiled_per_case(closure(), "case-b", "fwd") != first and (len(resets), len(compiles)) == (3, 3)
+
+
 def test_decode_implementations_are_timed_together_in_turn():
     """A decode case's implementations, baseline included, are timed in one ``Timer.graphs`` call (graphs replayed
     in turn, so clock drift spreads over all of them), after every one is built and checked; one that fails to

@@ -16,7 +16,15 @@ import torch
 from torch import Tensor
 
 from ._triton import tl, triton
-from .impls import PROLOGUE_KV_IMPLS, Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device
+from .impls import (
+    PROLOGUE_KV_IMPLS,
+    Bench,
+    Unsupported,
+    _flat_copy,
+    _grad_outputs,
+    _need_triton_device,
+    compiled_per_case,
+)
 from .inputs import NORM_EPS, Inputs
 from .timing import _sync
 
@@ -192,8 +200,7 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
         fn = unfused_norm_rope
         note = "torch rms_norm x2 + transformers-style rotate_half RoPE, cos/sin [Bc, S, 1, D] in the input dtype"
         if name == "unfused-compile":
-            torch.compiler.reset()  # a fresh, shape-specialised compile per case
-            fn = torch.compile(unfused_norm_rope, dynamic=False, fullgraph=True)
+            fn = compiled_per_case(unfused_norm_rope, c.name, "norm-fwdbwd")
             note = "torch.compile(fullgraph, static shapes) of " + note
         bench = _norm_autograd_bench(inp, lambda q, k, qw, kwt: fn(q, k, qw, kwt, cos, sin), note)
         if name == "unfused-compile":  # compile the forward and the backward outside the timed region
