@@ -581,9 +581,9 @@ def test_graphs_replayed_in_turn_start_on_a_held_gpu_in_alternating_order(monkey
                                                     (("kv-decode",), "ropekit-kv-write", ("copy-kv",))])
 def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines):
     """A graph mode's captured calls cycle over ``GRAPH_INPUT_SETS`` input sets (fresh tensors at other addresses),
-    the checked set first, for the baselines and the implementations alike, each set equally often in a graph:
-    with one set per process a decode ratio read wherever its few-kB buffers happened to lie. Every set writes to
-    the checked set's KV caches (gigabytes each at 256 sequences)."""
+    the checked set first, for the baselines and the implementations alike, each set called once before the
+    capture and equally often in a graph: with one set per process a decode ratio read wherever its few-kB buffers
+    happened to lie. Every set writes to the checked set's KV caches (gigabytes each at 256 sequences)."""
     import torch
 
     registry = bench_cases.load_registry(str(REGISTRY))
@@ -623,8 +623,8 @@ def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines)
     assert not [r["note"] for r in rows if "failed" in r["note"] or "MISMATCH" in r["note"]]
     assert sets > 1 and timing.GRAPH_CALLS % sets == 0
     assert len(made) == sets and len({m.q.data_ptr() for m in made}) == sets
-    for name in (*baselines, impl):
-        assert [s for n, s in used if n == name] == list(range(sets)) * 2, name
+    for name in (*baselines, impl):  # each set once before any capture (lazy set-up), then the graph's calls
+        assert [s for n, s in used if n == name] == list(range(sets)) * 3, name
     if modes == ("kv-decode",):
         assert all(m.k_cache is made[0].k_cache and m.v_cache is made[0].v_cache for m in made)
         assert len({m.cache_index[1].data_ptr() for m in made}) == sets
@@ -652,16 +652,19 @@ def test_one_compile_serves_every_input_set_of_a_case_and_mode(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(fn) or ("compiled", len(compiles)))
     monkeypatch.setattr(impls, "_COMPILED", {})
 
-    def closure():
+    def closure(lo=2):
         def partial(q):
-            return q
+            return q[lo:]
         return partial
 
     first = impls.compiled_per_case(closure(), "case-a", "decode")
     assert all(impls.compiled_per_case(closure(), "case-a", "decode") is first for _ in range(4))
     assert (len(resets), len(compiles)) == (1, 1)
+    assert impls.compiled_per_case(closure(lo=3), "case-a", "decode") != first  # closes over another value
     assert impls.compiled_per_case(closure(), "case-a", "fwd") != first
-    assert impls.compiled_per_case(closure(), "case-b", "fwd") != first and (len(resets), len(compiles)) == (3, 3)
+    assert impls.compiled_per_case(closure(), "case-b", "fwd") != first and (len(resets), len(compiles)) == (4, 4)
+    impls.forget_compiles()  # as each case of a run starts: a rerun of the same case compiles again
+    assert impls.compiled_per_case(closure(), "case-b", "fwd") and (len(resets), len(compiles)) == (5, 5)
 
 
 def test_decode_implementations_are_timed_together_in_turn():

@@ -280,15 +280,18 @@ def test_block_config_shapes():
     assert block_config(8, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 4, 4, 4)  # small grid
     assert block_config(8, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 40 programs, not small_grid
     assert block_config(9, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 8)  # 45 programs
-    assert block_config(18, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 8)  # 90 programs
-    assert block_config(26, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 130 programs
-    assert block_config(27, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 135 programs
-    assert block_config(32, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 160 programs
-    assert block_config(14, 64, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 8)  # 126 programs
-    assert block_config(15, 64, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 135 programs
-    assert block_config(64, 8, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 128 programs past 32 tokens
-    assert block_config(17, 32, 8, 128, 4, sms4, pair_axes=True) == (1, 8, 8, 8)  # fp32 keeps the 88 programs
-    assert block_config(18, 32, 8, 128, 4, sms4, pair_axes=True) == (1, 8, 8, 4)
+    constant = dict(pair_axes=True, axis_stride_constant=True)  # what kernel_launch passes up to 32 tokens
+    assert block_config(18, 32, 8, 128, 2, sms4, small_grid=True, **constant) == (1, 8, 8, 8)  # 90 programs
+    assert block_config(18, 32, 8, 128, 2, sms4, pair_axes=True, small_grid=True) == (1, 8, 8, 2)  # runtime stride
+    assert block_config(26, 32, 8, 128, 2, sms4, **constant) == (1, 8, 8, 8)  # 130 programs
+    assert block_config(27, 32, 8, 128, 2, sms4, **constant) == (1, 8, 8, 2)  # 135 programs
+    assert block_config(32, 32, 8, 128, 2, sms4, **constant) == (1, 8, 8, 2)  # 160 programs
+    assert block_config(14, 64, 8, 128, 2, sms4, **constant) == (1, 8, 8, 8)  # 126 programs
+    assert block_config(15, 64, 8, 128, 2, sms4, **constant) == (1, 8, 8, 2)  # 135 programs
+    assert block_config(64, 8, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)  # 128 programs, runtime stride
+    assert block_config(18, 32, 8, 128, 2, sms4, axis_stride_constant=True) == (1, 8, 8, 4)  # 1-D or contiguous
+    assert block_config(17, 32, 8, 128, 4, sms4, **constant) == (1, 8, 8, 8)  # fp32 keeps the 88 programs
+    assert block_config(18, 32, 8, 128, 4, sms4, **constant) == (1, 8, 8, 4)
     assert block_config(128, 32, 8, 128, 2, sms4, pair_axes=True) == (1, 8, 8, 2)
     assert block_config(256, 32, 8, 128, 2, sms4, pair_axes=True) == block_config(256, 32, 8, 128, 2, sms4)
     assert block_config(32, 32, 8, 128, 2, sms4) == (1, 8, 8, 4)  # the rule is M-RoPE's alone

@@ -1,5 +1,5 @@
 """Where the buffers lie, on a CUDA GPU: one decode call, multi-axis and 1-D, timed under CUDA-graph replay with its
-positions, inputs and outputs at several addresses, and once with its 50 captured calls cycling over all of them.
+positions, inputs and outputs at several addresses, and once with its captured calls cycling over all of them.
 
 A decode program is a few memory round trips long, so the L2 slice a buffer maps to may move its time. If it
 does, a ratio of two calls whose buffers lie in different places measures the placement as well as the kernels,
@@ -40,7 +40,7 @@ import torch
 import triton
 
 from ropekit._spec import validate
-from ropekit.bench.timing import graph_us_interleaved
+from ropekit.bench.timing import GRAPH_CALLS, graph_us_interleaved
 from ropekit.triton.launcher import launch_rope
 
 PAD_UNIT = 512  # the caching allocator's granule: every padding size is a multiple of it
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> None:
             calls[f"1-d {p}"], calls[f"mrope {p}"] = one_d, multi
         calls["1-d cycling"] = _cycling([s[0] for s in sets])
         calls["mrope cycling"] = _cycling([s[1] for s in sets])
-        timed = graph_us_interleaved(calls)
+        timed = graph_us_interleaved(calls, calls=GRAPH_CALLS - GRAPH_CALLS % len(sets))  # each set equally often
         print(f"{'tokens':>6} {'placement':>9} {'1-d us':>8} {'mrope us':>9} {'ratio':>6}")
         ratios = []
         for p in range(len(sets)):

@@ -264,12 +264,20 @@ class _FlashRotaryFn(torch.autograd.Function):
 _COMPILED: dict[str, Any] = {}
 
 
+def forget_compiles() -> None:
+    """Drop the compile :func:`compiled_per_case` keeps (the run loop calls it as each case starts)."""
+    _COMPILED.clear()
+
+
 def compiled_per_case(fn: Callable, case_name: str, mode: str) -> Callable:
     """``torch.compile(fn)`` (fullgraph, static shapes), fresh for each case and mode and kept while they last: a
     graph mode builds every implementation once per input set (``run.GRAPH_INPUT_SETS``), and one compile serves
     them all (a compile per build, each after a ``torch.compiler.reset()``, would drop the others' and recompile
-    inside the CUDA-graph capture)."""
-    key = (fn.__module__, fn.__qualname__, case_name, mode)  # a closure rebuilt per input set is the same function
+    inside the CUDA-graph capture). A closure rebuilt per set is the same function when what it closes over is
+    equal (ints, strings) or the same object."""
+    cells = tuple(c.cell_contents if isinstance(c.cell_contents, (int, float, str, bool, type(None)))
+                  else id(c.cell_contents) for c in fn.__closure__ or ())
+    key = (fn.__module__, fn.__qualname__, cells, case_name, mode)
     if _COMPILED.get("key") != key:
         torch.compiler.reset()
         _COMPILED.update(key=key, fn=torch.compile(fn, dynamic=False, fullgraph=True))

@@ -200,7 +200,7 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
         fn = unfused_norm_rope
         note = "torch rms_norm x2 + transformers-style rotate_half RoPE, cos/sin [Bc, S, 1, D] in the input dtype"
         if name == "unfused-compile":
-            fn = compiled_per_case(unfused_norm_rope, c.name, "norm-fwdbwd")
+            fn = compiled_per_case(unfused_norm_rope, c.name, mode)
             note = "torch.compile(fullgraph, static shapes) of " + note
         bench = _norm_autograd_bench(inp, lambda q, k, qw, kwt: fn(q, k, qw, kwt, cos, sin), note)
         if name == "unfused-compile":  # compile the forward and the backward outside the timed region

@@ -12,7 +12,17 @@ import torch
 from ropekit.testing import max_relative_error
 
 from .cases import GRAD_MODES, Case
-from .impls import BASELINE, EXTRA_BASELINES, MODE_IMPLS, REFERENCE, Bench, Unsupported, build, build_baseline
+from .impls import (
+    BASELINE,
+    EXTRA_BASELINES,
+    MODE_IMPLS,
+    REFERENCE,
+    Bench,
+    Unsupported,
+    build,
+    build_baseline,
+    forget_compiles,
+)
 from .inputs import Inputs, bytes_model, make_inputs
 from .peers import Peers
 from .timing import Timer
@@ -35,9 +45,9 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
     :data:`GRAPH_INPUT_SETS` input sets (the first is the checked one; all write to its KV caches)."""
     rows: list[dict[str, Any]] = []
     inp = make_inputs(case, device)
-    more_inputs = ([make_inputs(case, device, seed, caches_of=inp) for seed in range(1, GRAPH_INPUT_SETS)]
-                   if any(mode in GRAPH_MODES for mode in case.modes) else [])
+    more_inputs: list[Inputs] | None = None  # the graph modes' other input sets, made when first needed
     nbytes = bytes_model(inp)
+    forget_compiles()  # each case compiles its torch.compile peers afresh
     for mode in case.modes:
         names = [n for n in MODE_IMPLS[mode] if (case.impls is None or n in case.impls)
                  and (impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs))]
@@ -75,8 +85,13 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                         if not agree:
                             row["note"] = f"MISMATCH vs {reference}; {row['note']}"
                     if mode in GRAPH_MODES:  # timed below, all of the mode's implementations in turn
+                        if more_inputs is None:
+                            more_inputs = [make_inputs(case, device, seed, caches_of=inp)
+                                           for seed in range(1, GRAPH_INPUT_SETS)]
                         runs = [bench.run] + [_built(_build(name, is_baseline, more, mode, peers, nbytes)).run
                                               for more in more_inputs]
+                        for call in runs:  # each set's first call (lazy set-up) before any graph capture
+                            call()
                         in_turn[name] = (row, _cycling(runs))
                         continue
                     _record(row, times, name, _time(timer, mode, bench.run))

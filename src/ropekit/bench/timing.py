@@ -24,7 +24,8 @@ def capture_graph(fn: Callable[[], Any], calls: int = GRAPH_CALLS, pool: Any = N
     call allocates is dead once it returns, so every graph's calls write their outputs to the same blocks, and two
     graphs compared by their times do not differ in where their outputs lie (which moves a decode call's time by
     up to 2%, ``benchmarks/probes/placement_probe.py``). Safe only for graphs none of which reads what another
-    wrote, as here."""
+    wrote and whose calls keep nothing they allocate during the capture (lazy set-up runs before it: the bench
+    calls every input set once first), as here."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

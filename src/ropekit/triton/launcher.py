@@ -48,8 +48,9 @@ LATENCY_BOUND_FACTOR = 2
 # (docs/perf-notes.md, "Multi-axis positions"). With the axis stride a compile-time constant (2-byte calls of at
 # most AXIS_STRIDE_CONSTANT_TOKENS tokens) that shape, with per-axis position loads, holds until the grid has a
 # program per SM (min_programs / PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION): H100, 88-130 programs (Qwen3-VL-2B/8B/32B
-# heads at 10-32 tokens) 0.967-0.994x against 0.989-1.029x for two heads a thread; at 140-160 programs the two
-# shapes measured alike (0.988-1.001x), at 162-171 the 8-warp one read 1.012-1.014x.
+# heads at 10-32 tokens) 0.967-0.994x against 0.989-1.029x for two heads a thread; at 135-160 programs (32/8,
+# 64/8) the two shapes measured alike (0.974-1.001x), at 162-171 the 8-warp one read 1.012-1.014x. Measured in
+# bf16; fp16 takes the rule as the other 2-byte rules do.
 PAIR_AXES_BYTES_PER_THREAD = 32
 PAIR_AXES_SM_FRACTION = 6
 PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION = 4
@@ -179,23 +180,24 @@ def _num_programs_wanted(device: torch.device) -> int:
 def block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
                  tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
                  head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
-                 small_grid: bool = False) -> tuple[int, int, int, int]:
+                 small_grid: bool = False, axis_stride_constant: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps); see :func:`block_plan`."""
     return block_plan(num_tokens, hq, hk, head_dim, elem_size, min_programs, tile_bytes, stream, full_table,
-                      head_tile_elems, pair_axes, small_grid)[0]
+                      head_tile_elems, pair_axes, small_grid, axis_stride_constant)[0]
 
 
 @functools.lru_cache(maxsize=4096)
 def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
                tile_bytes: int = TILE_BYTES, stream: bool = False, full_table: bool = False,
-               head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False,
-               small_grid: bool = False) -> tuple[tuple[int, int, int, int], bool]:
+               head_tile_elems: int = HEAD_TILE_ELEMS, pair_axes: bool = False, small_grid: bool = False,
+               axis_stride_constant: bool = False) -> tuple[tuple[int, int, int, int], bool]:
     """((BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps), axis_loads): the block shape, and whether the grid is a decode
     grid below ``min_programs / PAIR_AXES_SM_FRACTION`` programs (``PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION`` for
-    2-byte interleaved calls of at most ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens), where multi-axis positions are
-    loaded once per axis (``POS_PER_AXIS``) -- decided here with the shape, so that no interleaved grid takes those
-    loads with two heads a thread. :func:`kernel_launch` narrows it to where the loads measured faster (2-byte
-    dtypes; contiguous sections up to ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens).
+    2-byte interleaved calls whose positions' axis stride is a compile-time constant, ``axis_stride_constant``,
+    which :func:`kernel_launch` decides), where multi-axis positions are loaded once per axis (``POS_PER_AXIS``) --
+    decided here with the shape, so that no interleaved grid takes those loads with two heads a thread.
+    :func:`kernel_launch` narrows it to where the loads measured faster (2-byte dtypes; contiguous sections up to
+    ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens).
 
     A program rotates ``BLOCK_T`` tokens of one head block of at most ``head_tile_elems`` elements per token, about
     ``tile_bytes`` in all; tokens per program shrink until the grid has ``min_programs`` programs. A grid that stays
@@ -223,7 +225,7 @@ def block_plan(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int,
     half_heads = None  # the small-grid shape's (BLOCK_HQ, BLOCK_HK), taken after the warps are set
     axis_loads = False
     if n_programs < LATENCY_BOUND_FACTOR * min_programs:
-        constant_stride = pair_axes and elem_size == 2 and num_tokens <= AXIS_STRIDE_CONSTANT_TOKENS
+        constant_stride = pair_axes and elem_size == 2 and axis_stride_constant
         fraction = PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION if constant_stride else PAIR_AXES_SM_FRACTION
         filled = fraction * n_programs >= min_programs
         axis_loads = not filled
@@ -332,7 +334,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     shape, axis_loads = block_plan(
         num_tokens, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device), tile_bytes, stream,
         freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
-        small_grid=q.element_size() == 2 and freq_mode == "inv_freq")  # measured faster only there
+        small_grid=q.element_size() == 2 and freq_mode == "inv_freq",  # measured faster only there
+        axis_stride_constant=stride_constant)
     block_t, block_hq, block_hk, num_warps = config or shape  # an override changes the shape, not the loads
     # Per-axis position loads (POS_PER_AXIS) only where they measured faster: see the note on them at the top.
     axis_loads = axis_loads and q.element_size() == 2 and (axes[1] or stride_constant)
