@@ -16,7 +16,6 @@ launcher (``launch_rope``), all graphs replayed in turn (``ropekit.bench.timing.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 
 from _options import decode_parser
@@ -40,7 +39,7 @@ import torch
 import triton
 
 from ropekit._spec import validate
-from ropekit.bench.timing import GRAPH_CALLS, graph_us_interleaved
+from ropekit.bench.timing import GRAPH_CALLS, cycling, graph_us_interleaved
 from ropekit.triton.launcher import launch_rope
 
 PAD_UNIT = 512  # the caching allocator's granule: every padding size is a multiple of it
@@ -65,12 +64,6 @@ def _placements(T: int, HQ: int, HK: int, layout: str, sections: tuple, n: int, 
     return out
 
 
-def _cycling(fns: list):
-    """One call that runs the next of ``fns`` each time (captured 50 times, the graph cycles over them)."""
-    turn = itertools.cycle(fns)
-    return lambda: next(turn)()
-
-
 def _spread(values: list[float]) -> str:
     return f"{min(values):.3f}-{max(values):.3f} (max/min {max(values) / min(values):.3f})"
 
@@ -86,8 +79,8 @@ def main(args: argparse.Namespace) -> None:
         calls = {}
         for p, (one_d, multi, _) in enumerate(sets):
             calls[f"1-d {p}"], calls[f"mrope {p}"] = one_d, multi
-        calls["1-d cycling"] = _cycling([s[0] for s in sets])
-        calls["mrope cycling"] = _cycling([s[1] for s in sets])
+        calls["1-d cycling"] = cycling([s[0] for s in sets])
+        calls["mrope cycling"] = cycling([s[1] for s in sets])
         timed = graph_us_interleaved(calls, calls=GRAPH_CALLS - GRAPH_CALLS % len(sets))  # each set equally often
         print(f"{'tokens':>6} {'placement':>9} {'1-d us':>8} {'mrope us':>9} {'ratio':>6}")
         ratios = []

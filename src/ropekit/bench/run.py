@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from .impls import (
 )
 from .inputs import Inputs, bytes_model, make_inputs
 from .peers import Peers
-from .timing import Timer
+from .timing import Timer, cycling
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
 GRAPH_MODES = ("decode", "kv-decode")  # timed under CUDA-graph replay, a mode's implementations in turn
@@ -92,7 +91,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
                                               for more in more_inputs]
                         for call in runs:  # each set's first call (lazy set-up) before any graph capture
                             call()
-                        in_turn[name] = (row, _cycling(runs))
+                        in_turn[name] = (row, cycling(runs))
                         continue
                     _record(row, times, name, _time(timer, mode, bench.run))
                 except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the run
@@ -175,12 +174,6 @@ def _built(bench: Any) -> Bench:
     if isinstance(bench, str):
         raise RuntimeError(f"on another input set: {bench}")
     return bench
-
-
-def _cycling(runs: list[Callable[[], Any]]) -> Callable[[], Any]:
-    """One call that runs the next of ``runs`` each time: the calls captured in a graph cycle over them."""
-    turn = itertools.cycle(runs)
-    return lambda: next(turn)()
 
 
 def _time(timer: Timer, mode: str, fn: Callable[[], Any]) -> float:

@@ -4,6 +4,7 @@ on CUDA; ``timeit`` on CPU."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 import timeit
@@ -37,6 +38,13 @@ def capture_graph(fn: Callable[[], Any], calls: int = GRAPH_CALLS, pool: Any = N
         for _ in range(calls):
             fn()
     return graph
+
+
+def cycling(fns: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """One call that runs the next of ``fns`` each time: the calls captured in a graph cycle over them (input sets
+    at other addresses, so that a time is not that of one placement)."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
 
 
 def graph_us_interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 31, replays: int = 10,
