@@ -245,6 +245,8 @@ def _check_dtensor(rank: int, world: int, device: torch.device) -> None:
     g_full = torch.randn(B, S, HQ, D, generator=gen).to(device)
     ids = torch.randint(0, 10_000, (B, S), generator=gen).to(device)
     table = torch.randn(S + 40, D // 2, generator=gen).to(device)
+    angle = torch.rand(B, S, D // 2, generator=gen).to(device) * 6
+    rows_cos, rows_sin = angle.cos(), angle.sin()  # [B, S, W] rows gathered per token
     cases = [
         ("bshd", [Shard(1)], dict(positions=None)),
         ("bshd", [Shard(1)], dict(positions=17)),
@@ -257,15 +259,23 @@ def _check_dtensor(rank: int, world: int, device: torch.device) -> None:
         ("bshd", [Replicate()], dict(positions=ids, q_scale=0.5)),
         ("bhsd", [Shard(2)], dict(positions=ids)),
         ("sbhd", [Shard(0)], dict(positions=9)),
+        # options that are DTensors themselves: replicated, or per-token rows sharded as q
+        ("bshd", [Shard(1)], dict(positions=distribute_tensor(ids, mesh, [Replicate()]))),
+        ("bshd", [Shard(0)], dict(positions=distribute_tensor(ids, mesh, [Replicate()]))),
+        ("bshd", [Shard(1)], dict(cos=distribute_tensor(rows_cos, mesh, [Shard(1)]),
+                                  sin=distribute_tensor(rows_sin, mesh, [Shard(1)]))),
+        ("bshd", [Shard(1)], dict(cos=distribute_tensor(rows_cos, mesh, [Replicate()]),
+                                  sin=distribute_tensor(rows_sin, mesh, [Replicate()]))),
     ]
     perm = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
-    for layout, placements, kwargs in cases:
-        what = f"{layout} {placements} {sorted(kwargs)}"
+    for i, (layout, placements, kwargs) in enumerate(cases):
+        what = f"case {i}: {layout} {placements} {sorted(kwargs)}"
         qf = q_full.permute(perm[layout]).contiguous()
         kf = k_full.permute(perm[layout]).contiguous()
         gf = g_full.permute(perm[layout]).contiguous()
         leaf = qf.clone().requires_grad_(True)
-        want_q, want_k = ropekit.apply_rope(leaf, kf, layout=layout, **kwargs)
+        plain = {n: v.full_tensor() if type(v).__name__ == "DTensor" else v for n, v in kwargs.items()}
+        want_q, want_k = ropekit.apply_rope(leaf, kf, layout=layout, **plain)
         (want_dq,) = torch.autograd.grad(want_q, leaf, gf)
         qd = distribute_tensor(qf, mesh, placements).requires_grad_(True)
         kd = distribute_tensor(kf, mesh, placements)
@@ -294,6 +304,65 @@ def _check_dtensor(rank: int, world: int, device: torch.device) -> None:
     _close(got_q.full_tensor(), want_q.detach(), "compiled q")
     (dq,) = torch.autograd.grad(got_q, qd, distribute_tensor(g_full, mesh, [Shard(1)]))
     _close(dq.full_tensor(), want_dq, "compiled dq")
+
+
+def _check_dtensor_multi_axis(rank: int, world: int, device: torch.device) -> None:
+    """Multi-axis (M-RoPE) positions [A, B, S] (or [A, 1, S]; thd [A, T]) with DTensor q and k sharded along the
+    sequence or the batch: the axis dimension A is never sharded, and every rank rotates its tokens by their own
+    rows of every axis -- the full tensor equals the unsharded call, forward, backward and in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (world,))
+    gen = torch.Generator().manual_seed(4321)
+    B, S, HQ, HK, D = 2 * world, 5 * world + 1, 2, 1, 16  # a sequence that does not split evenly
+    sections = [2, 3, 3]
+    A = len(sections)
+    q_full = torch.randn(B, S, HQ, D, generator=gen).to(device)
+    k_full = torch.randn(B, S, HK, D, generator=gen).to(device)
+    g_full = torch.randn(B, S, HQ, D, generator=gen).to(device)
+    ids = torch.randint(0, 5_000, (A, B, S), generator=gen).to(device)
+    packed_ids = torch.randint(0, 5_000, (A, S), generator=gen).to(device)
+    cases = [
+        ("bshd", [Shard(1)], dict(positions=ids)),
+        ("bshd", [Shard(1)], dict(positions=ids[:, :1])),
+        ("bshd", [Shard(0)], dict(positions=ids)),
+        ("bshd", [Shard(0)], dict(positions=ids[:, :1], section_layout="interleaved")),
+        ("bhsd", [Shard(2)], dict(positions=ids)),
+        ("bhsd", [Shard(0)], dict(positions=ids)),
+        ("sbhd", [Shard(0)], dict(positions=ids, style="interleaved")),
+        ("sbhd", [Shard(1)], dict(positions=ids)),
+        ("thd", [Shard(0)], dict(positions=packed_ids)),
+    ]
+    perm = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
+    for layout, placements, kwargs in cases:
+        what = f"{layout} {placements} {tuple(kwargs['positions'].shape)} {sorted(kwargs)}"
+        if layout == "thd":
+            qf, kf, gf = q_full[0].contiguous(), k_full[0].contiguous(), g_full[0].contiguous()
+        else:
+            qf, kf, gf = (t.permute(perm[layout]).contiguous() for t in (q_full, k_full, g_full))
+        leaf = qf.clone().requires_grad_(True)
+        want_q, want_k = ropekit.apply_rope(leaf, kf, layout=layout, sections=sections, **kwargs)
+        (want_dq,) = torch.autograd.grad(want_q, leaf, gf)
+        qd = distribute_tensor(qf, mesh, placements).requires_grad_(True)
+        kd = distribute_tensor(kf, mesh, placements)
+        got_q, got_k = ropekit.apply_rope(qd, kd, layout=layout, sections=sections, **kwargs)
+        assert type(got_q).__name__ == "DTensor" and got_q.placements == qd.placements, what
+        _close(got_q.full_tensor(), want_q.detach(), f"q {what}")
+        _close(got_k.full_tensor(), want_k, f"k {what}")
+        (dq,) = torch.autograd.grad(got_q, qd, distribute_tensor(gf, mesh, placements))
+        _close(dq.full_tensor(), want_dq, f"dq {what}")
+        with torch.no_grad():
+            qi, ki = distribute_tensor(qf, mesh, placements), distribute_tensor(kf, mesh, placements)
+            ropekit.apply_rope_(qi, ki, layout=layout, sections=sections, **kwargs)
+            _close(qi.full_tensor(), want_q.detach(), f"in place q {what}")
+            _close(ki.full_tensor(), want_k, f"in place k {what}")
+    # multi-axis positions as a DTensor: their first dimension is the axes, so "sharded as q" would cut the axes
+    qd = distribute_tensor(q_full, mesh, [Shard(1)])
+    with pytest.raises(ValueError, match="positions are multi-axis"):
+        ropekit.apply_rope(qd, positions=distribute_tensor(ids, mesh, [Shard(1)]), sections=sections)
+    got = ropekit.apply_rope(qd, positions=distribute_tensor(ids, mesh, [Replicate()]), sections=sections)
+    _close(got.full_tensor(), ropekit.apply_rope(q_full, positions=ids, sections=sections), "replicated positions")
 
 
 def _check_llama(rank: int, world: int, device: torch.device) -> None:
@@ -387,7 +456,8 @@ class _TinyLlama(torch.nn.Module):
                                                  reduction="sum")
 
 
-CHECKS = {"shards": _check_shards, "dtensor": _check_dtensor, "llama": _check_llama}
+CHECKS = {"shards": _check_shards, "dtensor": _check_dtensor, "dtensor_multi_axis": _check_dtensor_multi_axis,
+          "llama": _check_llama}
 BACKENDS = [
     pytest.param("gloo", id="gloo"),
     pytest.param("nccl", id="nccl", marks=[

@@ -16,7 +16,10 @@ to :func:`ropekit.apply_rope`. :func:`shard` / :func:`shard_packed` cut a full b
 
 :func:`ropekit.apply_rope` also takes ``DTensor`` q and k (``torch.distributed.tensor``) that are replicated or
 sharded along the batch, head or sequence dimension: it rotates each rank's local shard by the global positions of
-its tokens and returns DTensors of the same placements, without communication (:func:`rotate_dtensor`). A
+its tokens and returns DTensors of the same placements, without communication (:func:`rotate_dtensor`). Per-token
+positions ([B, S], multi-axis [A, B, S] or ``thd`` [A, T]) and tables are cut to each rank's tokens (the axis
+dimension A is never sharded); tensor options may be plain tensors, replicated DTensors or, batch and sequence
+first, DTensors sharded as q. A
 ``DTensor`` sequence shard is contiguous (``torch.chunk``); for a zigzag split, shard with :func:`shard` and pass
 :func:`cp_positions` explicitly.
 
@@ -217,11 +220,14 @@ def _shard_ranges(x, logical: tuple) -> dict:
     return ranges
 
 
-def _local_argument(name: str, value, layout: str, ranges: dict, placements):
-    """A tensor option of a DTensor call as the local rotation needs it."""
+def _local_argument(name: str, value, layout: str, ranges: dict, placements, multi_axis: bool = False):
+    """A tensor option of a DTensor call as the local rotation needs it (``multi_axis``: the call has sections)."""
     if is_dtensor(value):
         if all(type(p).__name__ == "Replicate" for p in value.placements):
             return value.to_local()
+        if name == "positions" and multi_axis:
+            raise ValueError(f"positions are multi-axis (sections=) and a DTensor with placements {value.placements}; "
+                             "their axis dimension comes first, so pass them replicated or as a plain tensor")
         if (tuple(value.placements) == tuple(placements) and layout in ("bshd", "thd")
                 and name in ("cos", "sin", "angles", "positions")):
             return value.to_local()  # sharded the way q is, batch and sequence first: its piece lines up with q's
@@ -246,10 +252,15 @@ def rotate_dtensor(q, k, mode: Mode, options: dict):
                          f"{tuple(q.shape)}")
     ranges = _shard_ranges(q, _DIMS[layout])
     local = dict(options)
+    pieces = set()  # the options that arrived as DTensors sharded as q: already this rank's piece
     for name in ("positions", "inv_freq", "cos", "sin", "angles", "cu_seqlens"):
-        local[name] = _local_argument(name, options[name], layout, ranges, q.placements)
+        value = options[name]
+        local[name] = _local_argument(name, value, layout, ranges, q.placements,
+                                      multi_axis=options["sections"] is not None)
+        if is_dtensor(value) and not all(type(p).__name__ == "Replicate" for p in value.placements):
+            pieces.add(name)
     if "seq" in ranges or "batch" in ranges:
-        _localise_positions(local, options, layout, ranges)
+        _localise_positions(local, layout, ranges, pieces)
     q_local = q.to_local()
     k_local = None if k is None else k.to_local()
     outs = _fastpath.rotate(q_local, k_local, mode, local)
@@ -266,33 +277,42 @@ def rotate_dtensor(q, k, mode: Mode, options: dict):
     return wrapped[0] if k is None else tuple(wrapped)
 
 
-def _localise_positions(local: dict, options: dict, layout: str, ranges: dict) -> None:
-    """Turn the call's positions and per-token tables into those of this rank's tokens: a contiguous sequence shard
-    starting at token ``start`` holds positions ``start + s_local`` (plus any offsets)."""
-    if options["cu_seqlens"] is not None and "seq" in ranges:
+def _localise_positions(local: dict, layout: str, ranges: dict, pieces: set) -> None:
+    """Turn the call's positions and per-token tables (in ``local``: plain tensors, or DTensors' local tensors)
+    into those of this rank's tokens: a contiguous sequence shard starting at token ``start`` holds positions
+    ``start + s_local`` (plus any offsets). The options named in ``pieces`` are already this rank's piece."""
+    if local["cu_seqlens"] is not None and "seq" in ranges:
         raise ValueError("apply_rope on a DTensor sharded along packed tokens does not take cu_seqlens: compute the "
                          "tokens' positions with ropekit.distributed.cp_positions_packed and pass positions=")
     start, length = ranges.get("seq", (0, None))
     b0, blen = ranges.get("batch", (0, None))
 
     def per_token(t: Tensor, seq_dim: int, batch: bool) -> Tensor:
-        """The local piece of a per-token argument (a batch dimension first where ``batch``, 1 broadcasts)."""
-        if batch and blen is not None and t.shape[0] != 1:
-            t = t.narrow(0, b0, blen)
+        """The local piece of a per-token argument (a batch dimension just before ``seq_dim`` where ``batch``, 1
+        broadcasts)."""
+        if batch and blen is not None and t.shape[seq_dim - 1] != 1:
+            t = t.narrow(seq_dim - 1, b0, blen)
         return t.narrow(seq_dim, start, length) if length is not None else t
 
     per_token_tables = False
     for name in ("cos", "sin", "angles"):  # [B|1, S, W] tables gathered per token follow the tokens
-        t = options[name]
-        if isinstance(t, Tensor) and not is_dtensor(t) and t.dim() == 3:
-            local[name] = per_token(t, 1, batch=True)
+        t = local[name]
+        if isinstance(t, Tensor) and t.dim() == 3:
             per_token_tables = True
-    positions = options["positions"]
+            if name not in pieces:
+                local[name] = per_token(t, 1, batch=True)
+    positions = local["positions"]
     if positions is None or (isinstance(positions, int) and not isinstance(positions, bool)):
         if "seq" in ranges and not per_token_tables:
             local["positions"] = (positions or 0) + start
-    elif isinstance(positions, Tensor) and not is_dtensor(positions):
-        if positions.dim() == 1 and layout != "thd":  # [B] per-sequence offsets
+    elif isinstance(positions, Tensor) and "positions" not in pieces:
+        if local["sections"] is not None:  # multi-axis: [A, B|1, S] or (thd) [A, T]; the axes are never sharded
+            if positions.dim() == 3 and layout != "thd":
+                local["positions"] = per_token(positions, 2, batch=True)
+            elif positions.dim() == 2 and layout == "thd":
+                local["positions"] = per_token(positions, 1, batch=False)
+            # any other shape: validate names it, against the local shapes
+        elif positions.dim() == 1 and layout != "thd":  # [B] per-sequence offsets
             p = positions.narrow(0, b0, blen) if blen is not None else positions
             local["positions"] = p + start
         elif positions.dim() == 1:  # [T] per-token positions of packed tokens
