@@ -103,6 +103,42 @@ def test_bad_arguments_name_themselves():
         cp.cp_positions_packed(torch.tensor([0, 8, 16]), 2, 0, num_tokens=5)
 
 
+def test_unshard_refuses_what_shard_cannot_produce():
+    """unshard takes a list of per-rank shards of equal length along ``dim`` (even, for zigzag: two equal
+    chunks); anything else would be reassembled in a wrong order without a word."""
+    x = torch.randn(2, 12, 3)
+    shards = [cp.shard(x, 2, r) for r in range(2)]
+    for bad in (x, shards[0]):  # a tensor, not a list of shards
+        with pytest.raises(TypeError, match="shards"):
+            cp.unshard(bad)
+        with pytest.raises(TypeError, match="shards"):
+            cp.unshard_packed(bad, torch.tensor([0, 12]))
+    with pytest.raises(TypeError, match=r"shards\[1\]"):
+        cp.unshard([shards[0], shards[1].numpy()])
+    with pytest.raises(ValueError, match="shards"):
+        cp.unshard([])
+    with pytest.raises(ValueError, match="shards"):
+        cp.unshard_packed([], torch.tensor([0, 12]))
+    with pytest.raises(ValueError, match="even"):  # zigzag shards of 3: not two equal chunks
+        cp.unshard([torch.randn(2, 3, 3), torch.randn(2, 3, 3)])
+    for split in SPLITS:
+        with pytest.raises(ValueError, match=r"shards\[1\] has 6"):
+            cp.unshard([torch.randn(2, 4, 3), torch.randn(2, 6, 3)], split=split)
+        with pytest.raises(ValueError, match=r"shards\[1\] has 6"):
+            cp.unshard([torch.randn(4, 2), torch.randn(6, 2)], split=split, dim=0)
+    # what shard produces still round-trips, a one-rank zigzag of odd length too
+    assert torch.equal(cp.unshard(shards), x)
+    assert torch.equal(cp.unshard(tuple(cp.shard(x, 3, r, split="contiguous") for r in range(3)),
+                                  split="contiguous"), x)
+    odd = torch.randn(2, 5, 3)  # one rank holds the whole sequence, whatever its length (as cp_positions allows)
+    assert torch.equal(cp.shard(odd, 1, 0), odd)
+    assert torch.equal(cp.unshard([cp.shard(odd, 1, 0)]), odd)
+    packed, cu = torch.randn(8, 3), torch.tensor([0, 3, 8])
+    assert torch.equal(cp.shard_packed(packed, cu, 1, 0), packed)
+    assert torch.equal(cp.cp_positions_packed(cu, 1, 0, num_tokens=8), torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]))
+    assert torch.equal(cp.unshard_packed([packed], cu), packed)
+
+
 def test_rotating_a_shard_by_its_positions_equals_the_full_rotation():
     """Single process: the shard of a rotation is the rotation of the shard by cp_positions (the identity the
     distributed tests rely on), bshd and thd, both splits."""

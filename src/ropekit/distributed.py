@@ -19,9 +19,8 @@ sharded along the batch, head or sequence dimension: it rotates each rank's loca
 its tokens and returns DTensors of the same placements, without communication (:func:`rotate_dtensor`). Per-token
 positions ([B, S], multi-axis [A, B, S] or ``thd`` [A, T]) and tables are cut to each rank's tokens (the axis
 dimension A is never sharded); tensor options may be plain tensors, replicated DTensors or, batch and sequence
-first, DTensors sharded as q. A
-``DTensor`` sequence shard is contiguous (``torch.chunk``); for a zigzag split, shard with :func:`shard` and pass
-:func:`cp_positions` explicitly.
+first, DTensors sharded as q. A ``DTensor`` sequence shard is contiguous (``torch.chunk``); for a zigzag split,
+shard with :func:`shard` and pass :func:`cp_positions` explicitly.
 
 ``torch.distributed`` is imported only when a DTensor is rotated.
 """
@@ -55,8 +54,8 @@ def _check_cp(cp_size, cp_rank, split: str) -> None:
 
 
 def _chunks(cp_size: int, split: str) -> int:
-    """How many equal chunks a sequence is cut into."""
-    return cp_size if split == "contiguous" else 2 * cp_size
+    """How many equal chunks a sequence is cut into (one rank holds the whole sequence, whatever the split)."""
+    return cp_size if split == "contiguous" or cp_size == 1 else 2 * cp_size
 
 
 def _global_index(i: Tensor, length, cp_size: int, cp_rank: int, split: str) -> Tensor:
@@ -134,17 +133,43 @@ def shard(x: Tensor, cp_size: int, cp_rank: int, *, split: str = "zigzag", dim: 
         raise ValueError(f"the sequence dimension ({size}) must be a multiple of {unit} for the {split} split over "
                          f"{cp_size} ranks")
     chunk = size // unit
-    if split == "contiguous":
+    if split == "contiguous" or cp_size == 1:
         return x.narrow(dim, cp_rank * chunk, chunk)
     return torch.cat((x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, (unit - 1 - cp_rank) * chunk, chunk)),
                      dim)
 
 
+def _check_shards(shards) -> list[Tensor]:
+    """``shards`` as a list of tensors, one per rank; raises naming the argument otherwise."""
+    if isinstance(shards, Tensor) or not isinstance(shards, Sequence):
+        raise TypeError(f"shards must be a list or tuple of tensors, one per rank in rank order (as all_gather "
+                        f"fills), got {type(shards).__name__}")
+    shards = list(shards)
+    if not shards:
+        raise ValueError("shards must hold one tensor per rank, got none")
+    for r, part in enumerate(shards):
+        if not isinstance(part, Tensor):
+            raise TypeError(f"shards[{r}] must be a tensor, got {type(part).__name__}")
+    return shards
+
+
 def unshard(shards: Sequence[Tensor], *, split: str = "zigzag", dim: int = 1) -> Tensor:
     """The full batch from every rank's shard (in rank order, e.g. from ``all_gather``): the inverse of
-    :func:`shard`. Differentiable."""
+    :func:`shard`. Differentiable. Every shard has the same length along ``dim`` (an even one for ``"zigzag"``
+    over several ranks), as :func:`shard` cuts them."""
+    shards = _check_shards(shards)
     cp_size = len(shards)
     _check_cp(cp_size, 0, split)
+    sizes = [part.shape[dim] if -part.dim() <= dim < part.dim() else None for part in shards]
+    for r, size in enumerate(sizes):
+        if size is None:
+            raise ValueError(f"dim={dim} is out of range for shards[{r}] of shape {tuple(shards[r].shape)}")
+        if size != sizes[0]:
+            raise ValueError(f"every rank's shard has the same length along dim={dim}: shards[0] has {sizes[0]}, "
+                             f"shards[{r}] has {size}")
+    if split == "zigzag" and cp_size > 1 and sizes[0] % 2:
+        raise ValueError(f"a zigzag shard holds two equal chunks: its length along dim={dim} must be even, got "
+                         f"{sizes[0]}")
     if split == "contiguous" or cp_size == 1:
         return torch.cat(list(shards), dim)
     halves = [s.chunk(2, dim) for s in shards]
@@ -170,6 +195,7 @@ def shard_packed(x: Tensor, cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, s
 
 def unshard_packed(shards: Sequence[Tensor], cu_seqlens: Tensor, *, split: str = "zigzag") -> Tensor:
     """The full packed batch from every rank's :func:`shard_packed` shard (in rank order). Differentiable."""
+    shards = _check_shards(shards)
     cp_size = len(shards)
     _check_cp(cp_size, 0, split)
     first = shards[0]
