@@ -123,14 +123,14 @@ def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
     raw = q.is_cuda
     p = q.data_ptr()
     handles = [p if raw else q]
-    q_part = (q.shape, q.stride(), q.dtype, q.get_device(), p & 15)
+    q_part = (q.shape, q.stride(), q.dtype, q.device, p & 15)
     if k is None:
         handles.append(0)
         k_part = None
     else:
         p = k.data_ptr()
         handles.append(p if raw else k)
-        k_part = (k.shape, k.stride(), k.dtype, k.get_device(), p & 15)
+        k_part = (k.shape, k.stride(), k.dtype, k.device, p & 15)
     values = list(options.values())  # in the order of _OPTIONS (the public signature's)
     for i in _TENSOR_SLOTS:
         v = values[i]
@@ -139,7 +139,7 @@ def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
         if type(v) is Tensor:
             p = v.data_ptr()
             handles.append(p if raw else v)
-            values[i] = (v.shape, v.stride(), v.dtype, v.get_device(), p & 15)
+            values[i] = (v.shape, v.stride(), v.dtype, v.device, p & 15)
         elif isinstance(v, Tensor):  # a subclass: the full path
             return None
         elif i == _POSITIONS_SLOT:  # an int position offset is checked per call: its type is the key
@@ -171,7 +171,7 @@ class Plan:
     plan's own constant ``consts[j]`` (the cached default frequencies)."""
 
     __slots__ = ("launch", "slots", "consts", "const_handles", "int_offset", "max_offset", "q_out", "k_out",
-                 "grad", "handle", "q_span", "k_span", "qk_delta")
+                 "grad", "handle", "q_span", "k_span", "qk_delta", "saved")
 
     def __call__(self, q: Tensor, k: Tensor | None, handles: list, options: dict, mode: Mode):
         """Launch and return the outputs as the full path would, or None to send the call down the full path."""
@@ -224,7 +224,9 @@ class PlannedRope(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor | None, plan: Plan, tables: tuple, pos_offset: int, options: dict,
                 mode: Mode):
         ctx.options, ctx.mode = options, mode
-        ctx.save_for_backward(*[options[n] for n in _TENSOR_OPTIONS if isinstance(options[n], Tensor)])  # version check
+        # what the full path saves (its spec's tensors), so that activation checkpointing's recomputation saves the
+        # same whichever route it takes; the backward reads the options, the saved views give the version check
+        ctx.save_for_backward(*spec_views(plan.saved, options))
         ctx.inputs = (q.shape, q.dtype, q.device), (None if k is None else (k.shape, k.dtype))
         return plan.rotate(q, k, tables, pos_offset)
 
@@ -281,12 +283,15 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
             consts.append(t)
     if any(s is None for s in slots):
         return
+    saved = spec_recipe(spec, options)
+    if saved is None:
+        return
     q_out, k_out = outs
     launch = bind_rope(q, k, q_out, k_out, spec)
     if launch is None:
         return
     plan = Plan()
-    plan.launch, plan.slots, plan.grad = launch, tuple(slots), key[1]
+    plan.launch, plan.slots, plan.grad, plan.saved = launch, tuple(slots), key[1], saved
     # What the launch takes for a tensor: its address on CUDA (a C call, no Python frame), the tensor under the
     # interpreter.
     plan.handle = Tensor.data_ptr if q.is_cuda else _same
@@ -308,6 +313,48 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
 
 def _same(t: Tensor) -> Tensor:
     return t
+
+
+def spec_recipe(spec: RopeSpec, options: dict) -> tuple | None:
+    """How a replay rebuilds ``spec.tensors`` -- what the full path saves for its backward -- from a later call's
+    options: per field None (absent), a tensor (a constant of the signature: the cached default frequencies), an
+    option's name (the option itself), or (name, size, stride, storage-offset delta) for a view of it. None where
+    a field is neither (a copy: no plan)."""
+    recipe = []
+    for field, t in zip(TENSOR_FIELDS, spec.tensors):
+        if t is None:
+            recipe.append(None)
+            continue
+        for name in _SOURCES[field]:
+            arg = options[name]
+            if isinstance(arg, Tensor) and arg.dtype == t.dtype and arg.data_ptr() == t.data_ptr():
+                if arg.shape == t.shape and arg.stride() == t.stride():
+                    recipe.append(name)
+                else:
+                    recipe.append((name, t.shape, t.stride(), t.storage_offset() - arg.storage_offset()))
+                break
+        else:
+            if field != "inv_freq" or options["inv_freq"] is not None:
+                return None
+            recipe.append(t)  # base=: the cached default frequencies, the same tensor every call
+    return tuple(recipe)
+
+
+def spec_views(recipe: tuple, options: dict) -> list:
+    """The tensors the full path would save for a call with ``options`` (:func:`spec_recipe`), so that both routes
+    save the same number of tensors with the same metadata: activation checkpointing recomputes a forward by
+    either route and compares what each saved."""
+    views = []
+    for r in recipe:
+        if r is None or type(r) is Tensor:
+            views.append(r)
+        elif type(r) is str:
+            views.append(options[r])
+        else:
+            name, size, stride, delta = r
+            t = options[name]
+            views.append(t.as_strided(size, stride, t.storage_offset() + delta))
+    return views
 
 
 def _offset_bound(spec: RopeSpec, seqlen: int) -> int:
@@ -442,7 +489,7 @@ def _call_signature(options: dict, names: tuple, grad_ok: bool):
             grad = True
         p = t.data_ptr()
         tensors.append(t)
-        parts.append((t.shape, t.stride(), t.dtype, t.get_device(), p & 15))
+        parts.append((t.shape, t.stride(), t.dtype, t.device, p & 15))
         ptrs.append(p)
     aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
     tensor_names = _name_set(names)
@@ -661,8 +708,8 @@ class NormPlan:
     """The forward launch of one qk_norm_rope signature (:class:`_Replay`; sources: the call's tensors in
     ``_NORM_TENSORS`` order, then the fresh q and k outputs) and, per layout of the backward's tensors, the
     backward's (sources: the two gradients, the call's tensors, then the fresh dq and dk; its partial weight-
-    gradient rows allocated per call). ``saved``: the tensor options the forward reads (saved for the backward as
-    the full path saves its spec's tensors); the others are options validation drops."""
+    gradient rows allocated per call). ``saved``: :func:`spec_recipe` of the forward's spec (what the full path
+    saves for the backward besides q, k and the weights)."""
 
     __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "saved", "backwards")
 
@@ -678,7 +725,9 @@ class NormPlan:
             return None
         plan.outs = tuple((o.shape, o.dtype) for o in outs)
         plan.grad = key[3]
-        plan.saved = tuple(sorted({j for _, j in plan.forward.slots if 4 <= j < len(_NORM_TENSORS)}))
+        plan.saved = spec_recipe(spec, options)
+        if plan.saved is None:
+            return None
         positions = options["positions"]
         plan.int_offset = positions is not None and not isinstance(positions, Tensor)
         if plan.int_offset:  # refilled and bounds-checked per call
@@ -729,26 +778,26 @@ class NormPlan:
 
 class PlannedNormRope(torch.autograd.Function):
     """Eager autograd of a qk_norm_rope call replayed from a plan, as :class:`ropekit.autograd.EagerNormRope` is of
-    the full path: the same kernels, and the same tensors saved (q, k, the weights and the tensor options the
-    kernel reads), so in-place changes before the backward raise as there, and saved-tensor hooks (activation
-    checkpointing, offloading) see all of them. Options validation drops stay plain references."""
+    the full path: the same kernels, and the same tensors saved (q, k, the weights and the spec's tensors), so
+    in-place changes before the backward raise as there, and saved-tensor hooks (activation checkpointing,
+    offloading) see the same tensors whichever route a call takes."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, plan: NormPlan, tensors: list, offset: int | None, options: dict):
         ctx.plan, ctx.offset = plan, offset
-        ctx.save_for_backward(q, k, q_weight, k_weight, *[tensors[j] for j in plan.saved])
-        ctx.dropped = {j: tensors[j] for j in range(4, len(_NORM_TENSORS)) if j not in plan.saved}
+        # what EagerNormRope saves (q, k, the weights, the spec's tensors), so that activation checkpointing's
+        # recomputation saves the same whichever route it takes; the tensor options stay plain references
+        ctx.save_for_backward(q, k, q_weight, k_weight, *spec_views(plan.saved, options))
+        ctx.options = {j: tensors[j] for j in range(4, len(_NORM_TENSORS)) if tensors[j] is not None}
         ctx.scalars = {name: v for name, v in options.items() if not isinstance(v, Tensor)}  # an int offset too
         return plan.run(tensors, offset)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         plan = ctx.plan
-        saved = ctx.saved_tensors
+        saved = ctx.saved_tensors  # raises if a saved tensor was modified in place since the forward
         tensors = [*saved[:4], *[None] * (len(_NORM_TENSORS) - 4)]
-        for j, t in zip(plan.saved, saved[4:]):
-            tensors[j] = t
-        for j, t in ctx.dropped.items():
+        for j, t in ctx.options.items():
             tensors[j] = t
         options = dict(ctx.scalars, **{name: t for name, t in zip(_NORM_TENSORS, tensors) if t is not None})
         q, k, q_weight, k_weight = tensors[:4]
