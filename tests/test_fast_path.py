@@ -369,3 +369,15 @@ def test_compiled_calls_never_read_the_plan_dicts(device, monkeypatch):
             torch.testing.assert_close(write(q[:, :1], k[:, :1], v, *caches), eager_q, rtol=0, atol=0)
             for got, same in zip(caches, eager_caches):
                 torch.testing.assert_close(got, same, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_a_plan_is_not_replayed_for_a_tensor_on_another_device_type():
+    """Plans key each tensor's device by type and index: a meta tensor (index -1, as a CPU tensor's) of a signature
+    planned with CPU positions goes to the full path, which names the argument, instead of a replay reading it."""
+    with device_mode("cpu"):
+        q = torch.randn(1, 4, 2, 8)
+        for _ in range(3):  # note, record, replay
+            ropekit.apply_rope(q, positions=torch.arange(4)[None])
+        with pytest.raises(ValueError, match="positions"):
+            ropekit.apply_rope(q, positions=torch.arange(4, device="meta")[None])
