@@ -191,6 +191,33 @@ def test_in_place_with_autograd_on_packed_views(mode, compiled):
             torch.testing.assert_close(leaf.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("mode", MODES[:1] + MODES[2:])
+def test_compiled_in_place_rotation_of_a_packed_qkv_input(mode, dynamic):
+    """flash-attention's ``test_rotary_emb_qkv`` pattern under inductor: a non-leaf packed QKV buffer that requires
+    grad is passed into the compiled function, which rotates its q and k views in place and returns the buffer
+    (an input mutation); static and dynamic shapes (symbolic strides reach the in-place overlap check), called
+    with fresh data and a new sequence length. The gradient is the float64 rotation's."""
+    def f(qkv, positions):
+        ropekit.apply_rope_(qkv[:, :, 0], qkv[:, :, 1], positions=positions)
+        return qkv
+
+    with mode_context(mode) as device:
+        torch._dynamo.reset()
+        fn = torch.compile(f, fullgraph=True, dynamic=dynamic)
+        for S in (4, 4, 6):
+            base = _packed(device, S=S)
+            positions = torch.randint(0, 100, (2, S), device=device)
+            leaf = base.clone().requires_grad_(True)
+            weight = torch.randn_like(base)
+            (fn(leaf * 1.0, positions) * weight).sum().backward()
+            x64 = base.cpu().double().requires_grad_(True)
+            p = positions.cpu()
+            out64 = torch.stack([_rope64(x64[:, :, 0], p), _rope64(x64[:, :, 1], p), x64[:, :, 2]], dim=2)
+            (out64 * weight.cpu().double()).sum().backward()
+            torch.testing.assert_close(leaf.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", MODES[:1] + MODES[2:])
 def test_compiled_in_place_rotation_of_an_input_keeps_its_gradient(mode):
     """A compiled function that rotates its input in place: the backward must include the rotation."""

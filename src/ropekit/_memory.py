@@ -14,7 +14,15 @@ def has_internal_overlap(x: Tensor) -> bool:
     Exact for the layouts views produce (each stride at least the span of the smaller ones); a layout that
     interleaves its dimensions otherwise counts as overlapping."""
     reach = 1  # elements spanned by the dimensions with smaller strides
-    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1):
+    dims = [(st, n) for st, n in zip(x.stride(), x.shape) if n > 1]
+    while dims:
+        # smallest stride first, by comparisons rather than sorted(): under torch.compile(dynamic=True) strides are
+        # symbolic, and each comparison becomes a guard where a sort cannot be traced
+        j = 0
+        for i in range(1, len(dims)):
+            if dims[i][0] < dims[j][0]:
+                j = i
+        stride, size = dims.pop(j)
         if stride < reach:
             return True
         reach = stride * (size - 1) + reach
