@@ -238,6 +238,10 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
         raise ValueError("ropekit's patch covers models with one rotary embedding for all layers; this call asked "
                          f"for layer_type={layer_type!r}")
     rope: RotaryEmbedding = getattr(self, _STATE_ATTR).rope
+    if rope.frequencies.sections is not None:
+        # as the original M-RoPE module: ids [B, S], [1, B, S] or [A, B|1, S] broadcast to the A axes (a view);
+        # other shapes raise here, as there
+        position_ids = position_ids.expand(len(rope.frequencies.sections), -1, -1)
     # (no grad mode to set: nothing here records autograd history, and _eager_tables builds under no_grad)
     # transformers reads max(position_ids) here too; the choice is committed at once (the tables, if ever built,
     # use these frequencies), so threads sharing the model each get the frequencies their call selected
