@@ -8,6 +8,7 @@ Most run three ways: the CPU float64 path, the CUDA dispatch on CPU under the Tr
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -89,6 +90,57 @@ def test_transformers_drop_in_then_eager_attention_for_several_steps(mode):
             q64, k64 = q64.transpose(1, 2), k64.transpose(1, 2)
             torch.softmax(q64 @ k64.transpose(-1, -2) / math.sqrt(D), -1).sum(-1).pow(2).sum().backward()
             torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
+def _norm_rope64(x, weight, positions, eps=1e-6, weight_offset=0.0):
+    """Independent float64 per-head RMSNorm then RoPE, from the definitions."""
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight + weight_offset)
+    return _rope64(xn, positions)
+
+
+def _gradient_penalty(rope, q, k, wq, wk, vq, vk):
+    """Backward of the squared gradients of <rope(q, k), (vq, vk)> w.r.t. q, k and the weights (a double backward)."""
+    q_out, k_out = rope(q, k, wq, wk)
+    loss = (q_out * vq.to(q_out)).sum() + (k_out * vk.to(k_out)).sum()
+    grads = torch.autograd.grad(loss, (q, k, wq, wk), create_graph=True)
+    sum(g.pow(2).sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_qk_norm_rope_double_backward(mode):
+    """Gradient of a gradient (a gradient penalty's pattern, ``create_graph=True``): qk_norm_rope's backward is
+    differentiable in the incoming gradients, the inputs and the weights, as apply_rope's is; compared with the
+    float64 definition, on every route, called three times with fresh data (the fast path records a plan)."""
+    with mode_context(mode) as device:
+        for _call in range(3):
+            B, S, D = 2, 4, 8
+            q64, k64 = torch.randn(B, S, 2, D, dtype=torch.float64), torch.randn(B, S, 1, D, dtype=torch.float64)
+            wq64, wk64 = torch.rand(D, dtype=torch.float64) + 0.5, torch.rand(D, dtype=torch.float64) + 0.5
+            vq, vk = torch.randn_like(q64), torch.randn_like(k64)
+            positions = torch.randint(0, 100, (B, S))
+            want = [t.clone().requires_grad_(True) for t in (q64, k64, wq64, wk64)]
+            _gradient_penalty(functools.partial(_norm_rope_pair64, positions=positions), *want, vq, vk)
+            got = [t.float().to(device).requires_grad_(True) for t in (q64, k64, wq64, wk64)]
+            _gradient_penalty(functools.partial(ropekit.qk_norm_rope, positions=positions.to(device)), *got, vq, vk)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.grad.cpu().double(), w.grad, rtol=1e-4, atol=1e-4)
+
+
+def _norm_rope_pair64(q, k, wq, wk, positions):
+    return _norm_rope64(q, wq, positions), _norm_rope64(k, wk, positions)
+
+
+def test_qk_norm_rope_gradgradcheck_float64():
+    q = torch.randn(1, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 3, 1, 8, dtype=torch.float64, requires_grad=True)
+    wq = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    wk = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[1, 5, 9]])
+
+    def f(q, k, wq, wk):
+        return ropekit.qk_norm_rope(q, k, wq, wk, positions=positions, q_scale=0.5, weight_offset=1.0)
+
+    assert torch.autograd.gradgradcheck(f, (q, k, wq, wk))
 
 
 # ------------------------------------------------------------------------------------------- in place

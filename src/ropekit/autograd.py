@@ -175,6 +175,44 @@ def _norm_rope_backward(ctx, grads):
 torch.library.register_autograd("ropekit::qk_norm_rope", _norm_rope_backward, setup_context=_norm_rope_setup_context)
 
 
+def _norm_rope_grads_setup_context(ctx, inputs, output) -> None:
+    grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, *fields = inputs
+    spec = RopeSpec(*fields)
+    ctx.save_for_backward(grad_q, grad_k, q, k, q_weight, k_weight, *spec.tensors)
+    ctx.norm = (weight_offset, eps)
+    ctx.scalars = spec.scalars
+
+
+def _norm_rope_grads_backward(ctx, out_grads):
+    """Double backward of qk_norm_rope: the gradients of its backward's outputs (dq, dk, dq_weight, dk_weight)
+    w.r.t. that backward's inputs. Rare (gradient penalties, Hessian-vector products), so it re-forms the first
+    backward in differentiable torch math -- the conjugate rotation through ``ropekit::rope`` (linear, with its own
+    autograd) and the norm's backward as written in :func:`ropekit.reference.rms_norm_backward_reference` -- in
+    float32 (float64 for float64 inputs and on CPU), and differentiates it."""
+    from ropekit.reference import rms_norm_backward_reference
+
+    grad_q, grad_k, q, k, q_weight, k_weight, *tensors = ctx.saved_tensors
+    spec = RopeSpec.from_parts(tuple(tensors), ctx.scalars)
+    weight_offset, eps = ctx.norm
+    gg_q, gg_k, gg_q_weight, gg_k_weight = out_grads
+    dtype = torch.float64 if q.dtype == torch.float64 or q.device.type == "cpu" else torch.float32
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(True) for t in (grad_q, grad_k, q, k, q_weight, k_weight)]
+        gq, gk, xq, xk, wq, wk = inputs
+        rq, rk = ops.rope(gq.to(dtype), gk.to(dtype), *spec._replace(conjugate=not spec.conjugate, out_dtype=None))
+        dq, dwq = rms_norm_backward_reference(xq, wq, weight_offset, eps, rq, dtype)
+        dk, dwk = rms_norm_backward_reference(xk, wk, weight_offset, eps, rk, dtype)
+        pairs = [(o, g) for o, g in zip((dq, dk, dwq, dwk), (gg_q, gg_k, gg_q_weight, gg_k_weight)) if g is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g.to(o.dtype) for o, g in pairs],
+                                    allow_unused=True, create_graph=torch.is_grad_enabled())
+    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, (grad_q, grad_k, q, k, q_weight, k_weight))]
+    return (*grads, None, None, *[None] * len(RopeSpec._fields))
+
+
+torch.library.register_autograd("ropekit::qk_norm_rope_backward", _norm_rope_grads_backward,
+                                setup_context=_norm_rope_grads_setup_context)
+
+
 class EagerNormRope(torch.autograd.Function):
     """Eager autograd for norm + RoPE without the dispatcher round trips of ``ropekit::qk_norm_rope`` (as
     :class:`EagerRope`); same kernels and backward as the op's registered formula, which ``torch.compile`` uses."""
