@@ -55,10 +55,13 @@ are refused rather than turned into NaN or zero frequencies.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -453,8 +456,10 @@ def from_hf_config(
 
     Parameters
     ----------
-    config : PretrainedConfig or Mapping
-        A transformers config object, or a plain dict such as a parsed ``config.json``. Both spellings are read:
+    config : PretrainedConfig, Mapping, str or os.PathLike
+        A transformers config object, a plain dict such as a parsed ``config.json``, or the path of a model's
+        ``config.json`` (any JSON file of that form, or a folder holding ``config.json``: what ``ropekit plot
+        --config`` takes; nothing is downloaded). Both spellings are read:
         transformers 5's ``rope_parameters`` (which carries ``rope_theta`` and ``partial_rotary_factor``) and the
         older ``rope_scaling`` with top-level ``rope_theta`` / ``partial_rotary_factor``. Also read:
         ``head_dim`` (or ``qk_rope_head_dim`` for MLA models, else ``hidden_size // num_attention_heads``),
@@ -475,10 +480,15 @@ def from_hf_config(
     ValueError
         Unknown ``rope_type``, missing keys (``factor``, ``short_factor``, ...), a bad value (0, negative, NaN or
         infinite factors, lengths or bases, wrong-typed config entries, factor lists of the wrong length), an odd
-        rotary dimension, or a per-layer config without ``layer_type``; the message names the key.
+        rotary dimension, or a per-layer config without ``layer_type``; the message names the key. For a path: a
+        file that is not a JSON object.
+    OSError
+        For a path: no such file (``FileNotFoundError``; a folder without ``config.json``), or it cannot be read.
     TypeError
-        ``config`` is neither a config object nor a Mapping, or an argument has the wrong type.
+        ``config`` is neither a config object, a Mapping nor a path, or an argument has the wrong type.
     """
+    if isinstance(config, (str, os.PathLike)):
+        config = _read_config_json(config)[1]
     get = _getter(config)
     text_config = get("text_config")
     if text_config is not None and get("hidden_size") is None and get("head_dim") is None:
@@ -591,12 +601,37 @@ def _is_per_layer(rp: Mapping[str, Any]) -> bool:
     return not (set(rp) & _PER_LAYER_SCALARS) and all(v is None or isinstance(v, Mapping) for v in rp.values())
 
 
+def _read_config_json(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """``(the file read, its parsed JSON object)`` for the path of a model's config: a JSON file, or a folder
+    holding ``config.json``. The one reader of config paths (:func:`from_hf_config`, ``ropekit plot --config``).
+
+    Raises ``FileNotFoundError`` (naming the file looked for) or another ``OSError``, ``ValueError`` for a file
+    that is not a JSON object, ``TypeError`` for a ``path`` that is neither a str nor an os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (a config.json or its folder), got {type(path).__name__}")
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        what = "a model's config.json or the folder that holds it; nothing is downloaded"
+        raise FileNotFoundError(2, f"no such config file ({what})", str(p))
+    with open(p, encoding="utf-8") as fh:
+        try:
+            cfg = json.load(fh)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p}: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: expected a JSON object (a model's config), got a {type(cfg).__name__}")
+    return p, cfg
+
+
 def _getter(config: Any):
     if isinstance(config, Mapping):
         return config.get
     if hasattr(config, "to_dict") or hasattr(config, "__dict__"):
         return lambda key: getattr(config, key, None)
-    raise TypeError(f"config must be a transformers PretrainedConfig or a Mapping, got {type(config).__name__}")
+    raise TypeError(f"config must be a transformers PretrainedConfig or a Mapping (or the path of a config.json), "
+                    f"got {type(config).__name__}")
 
 
 def _first_key(get, *keys: str, falsy: bool = False) -> tuple[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ropekit.frequencies import ROPE_TYPES, RopeFrequencies, from_hf_config, rope_frequencies
+from ropekit.frequencies import ROPE_TYPES, RopeFrequencies, _read_config_json, from_hf_config, rope_frequencies
 
 __all__ = ["binned_relative_position_curve", "main", "parse_method", "plot_frequencies", "relative_position_curve"]
 
@@ -275,13 +275,8 @@ def parse_method(spec: str, *, head_dim: int = 128, rotary_dim: int | None = Non
 
 
 def _load_config(path: str) -> tuple[str, dict]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    with open(p, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{p}: expected a JSON object")
+    """(legend label, parsed config) of a ``--config`` path, read as :func:`from_hf_config` reads a path."""
+    p, cfg = _read_config_json(path)
     named = p.stem
     if p.name == "config.json":  # named by its folder; a bare ``config.json`` has none (an empty legend label)
         named = p.parent.name or cfg.get("model_type") or p.stem
