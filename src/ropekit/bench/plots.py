@@ -10,7 +10,7 @@ from .env import PERF_LABEL
 from .impls import BASELINE, EXTRA_BASELINES
 
 
-def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
+def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any], dpi: int = 110) -> list[Path]:
     """One PNG per mode (fwd, fwdbwd, decode and the prologue's kv-decode, kv-prefill, norm-fwdbwd): a panel per
     series, GB/s against tokens, one line per implementation (the baseline dashed)."""
     import matplotlib
@@ -50,7 +50,7 @@ def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
             title = f"{meta['label']}\n{title}"
         fig.suptitle(title, fontsize=9)
         path = Path(f"{stem}-{mode}.png")
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=dpi)
         plt.close(fig)
         paths.append(path)
     return paths

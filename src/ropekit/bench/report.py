@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ ROW_FIELDS = (
     "gbps", "ratio_vs_copy", "baseline", "model", "dtype", "style", "positions", "batch", "seqlen", "hq", "hk",
     "head_dim", "rotary_dim", "rotary_at", "max_rel_diff", "label", "note", "impl_version",
 )
-HISTORY_FIELDS = (*ROW_FIELDS, "source")  # the columns of --history FILE (benchmarks/results/all_runs.csv)
+HISTORY_FIELDS = (*ROW_FIELDS, "source")  # the columns of --history FILE (benchmarks/results/all_runs.csv.gz)
 
 
 def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
@@ -38,21 +41,50 @@ def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
 
 
 def append_history(history: Path, rows: list[dict[str, Any]], source: str) -> Path:
-    """Append ``rows`` to the append-only CSV ``history`` (``benchmarks/results/all_runs.csv``: the results CSV's
-    columns plus ``source``, the file the rows were first written to), writing the header when the file is new."""
+    """Append ``rows`` to the append-only history (``benchmarks/results/all_runs.csv.gz``: the results CSV's columns
+    plus ``source``, the file the rows were first written to). A ``.gz`` history gets one gzip member per run,
+    header included (members read back as one stream, :func:`read_history`); a plain CSV gets its header once."""
     history.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=HISTORY_FIELDS, extrasaction="ignore", lineterminator="\n")
+    gz = history.suffix == ".gz"
     new = not history.is_file() or history.stat().st_size == 0
     if not new:
-        with history.open(newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f), [])
-        if header != list(HISTORY_FIELDS):
+        header = _lines(read_text(history), 1)
+        if header != [",".join(HISTORY_FIELDS)]:
             raise ValueError(f"{history}: its header is not the results columns plus 'source'; not appending")
-    with history.open("a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=HISTORY_FIELDS, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerows(dict(r, source=source) for r in rows)
+    if gz or new:
+        writer.writeheader()
+    writer.writerows(dict(r, source=source) for r in rows)
+    with (gzip.open(history, "at", encoding="utf-8", newline="") if gz
+          else history.open("a", newline="", encoding="utf-8")) as f:
+        f.write(buffer.getvalue())
     return history
+
+
+def read_text(path: Path) -> str:
+    """A CSV's text, gunzipped where the name ends in .gz."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", newline="", encoding="utf-8") as f:
+            return f.read()
+    return path.read_text(encoding="utf-8")
+
+
+def _lines(text: str, n: int) -> list[str]:
+    return [line.rstrip("\r") for line in text.split("\n", n)[:n]]
+
+
+def read_history(history: Path) -> list[dict[str, Any]]:
+    """Every row of the history (a CSV, or a gzip of one whose members were appended run by run, each with its
+    header)."""
+    header = ",".join(HISTORY_FIELDS)
+    parts = re.split(f"^{re.escape(header)}\r?\n", read_text(history), flags=re.MULTILINE)
+    if parts[0].strip():
+        raise ValueError(f"{history}: does not start with the results columns plus 'source'")
+    rows: list[dict[str, Any]] = []
+    for part in parts[1:]:
+        rows += csv.DictReader(io.StringIO(header + "\n" + part))
+    return rows
 
 
 def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list[dict[str, Any]],

@@ -1,0 +1,173 @@
+"""The results the project keeps, and BENCHMARKS.md generated from them.
+
+``benchmarks/results/all_runs.csv.gz`` holds every row of every run (append-only: each run appends a gzip member;
+``--history``). From it, per card, the newest run of every (case, mode) -- all its implementations from that one
+run, so that every ratio and every "versus" comparison is within one run -- goes to
+``benchmarks/results/latest/<card>/results.csv`` (with plots where matplotlib is importable), and BENCHMARKS.md is
+written from those rows: per card, one table per mode, one line per registry target. Analysis lives in
+docs/perf-notes.md, not in the generated file.
+
+    python -m ropekit.bench.summary            # from a checkout: rewrite latest/ and BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cases import RegistryNotFound, load_registry
+from .report import read_history
+from .targets import Target, evaluate_targets, targets_from_registry
+
+# A run's commit as the harness stamps it: a clean commit id. Rows of A/B working trees ("old", "new", "WIP",
+# "<id>+dirty") stay in the history but are not "the newest run" of anything.
+_CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+# The columns of latest/<card>/results.csv: what a row's reader needs (the card, versions and label are in the
+# history and in BENCHMARKS.md's header for the card).
+LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
+                 "max_rel_diff", "note", "commit", "date", "torch", "triton")
+PLOT_DPI = 60  # the kept plots: small files, still legible
+MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd")
+
+
+def card_slug(gpu: str) -> str:
+    """A folder name for a card: the model number where the name has one ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    model = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", gpu)
+    return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
+def newest_runs(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per card (its ``gpu`` string), the rows of the newest clean run of each (case, mode): every implementation
+    of a (case, mode) comes from that one run. Runs are told apart by (source, commit)."""
+    newest: dict[tuple[str, str, str], tuple[str, tuple[str, str]]] = {}
+    for r in rows:
+        if not _CLEAN_COMMIT.match(r["commit"] or "") or not r["median_us"]:
+            continue
+        key, run = (r["gpu"], r["case"], r["mode"]), (r["source"], r["commit"])
+        if key not in newest or r["date"] > newest[key][0]:
+            newest[key] = (r["date"], run)
+    by_card: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        chosen = newest.get((r["gpu"], r["case"], r["mode"]))
+        if chosen is not None and (r["source"], r["commit"]) == chosen[1]:
+            by_card.setdefault(r["gpu"], []).append(r)
+    return by_card
+
+
+def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plot: bool = True) -> list[Path]:
+    """``latest_dir/<card>/results.csv`` per card (the history's columns), and its plots where matplotlib is
+    importable."""
+    written = []
+    for gpu, rows in sorted(by_card.items()):
+        folder = latest_dir / card_slug(gpu)
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob("*"):
+            stale.unlink()
+        path = folder / "results.csv"
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=LATEST_FIELDS, extrasaction="ignore", lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(sorted(rows, key=lambda r: (r["case"], r["mode"], r["impl"])))
+        written.append(path)
+        if plot:
+            try:
+                from .plots import plot_results
+            except ImportError:
+                continue
+            rows = [dict(r, series=r["case"].rsplit("/", 1)[0]) for r in rows]
+            plots = plot_results(folder / "results", rows, _meta(rows), dpi=PLOT_DPI)
+            for path in plots:
+                _to_palette(path)
+            written += plots
+    return written
+
+
+def _to_palette(path: Path) -> None:
+    """Rewrite a kept plot with a 32-colour palette: a quarter of the bytes, the lines as legible (Pillow comes
+    with matplotlib)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=32, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
+
+
+def _meta(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    first = rows[0]
+    return {"gpu": first["gpu"], "torch": _span(rows, "torch"), "triton": _span(rows, "triton"),
+            "ropekit": _span(rows, "ropekit"), "commit": _span(rows, "commit"),
+            "date": max(r["date"] for r in rows)[:10], "preset": "latest", "label": first["label"]}
+
+
+def _span(rows: list[dict[str, Any]], column: str) -> str:
+    values = sorted({r[column] for r in rows if r[column]})
+    if len(values) == 1:
+        return values[0]
+    return f"{len(values)} values ({', '.join(values[:3])}{', ...' if len(values) > 3 else ''})"
+
+
+def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ...], latest_rel: str) -> str:
+    """BENCHMARKS.md: a short preamble, then per card one table per mode with a line per target."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m ropekit.bench.summary` from `benchmarks/results/all_runs.csv.gz`; do not edit by",
+        "hand. For each card, the newest run of every case and mode; each ratio is measured within one run against",
+        "the mode's baseline (a copy of the same bytes, or the implementation the target names). Method and",
+        "columns: [benchmarks/README.md](benchmarks/README.md); analysis of every miss:",
+        "[docs/perf-notes.md](docs/perf-notes.md).",
+        "",
+    ]
+    for gpu, rows in sorted(by_card.items(), key=lambda item: card_slug(item[0])):
+        slug = card_slug(gpu)
+        dates = sorted(r["date"][:10] for r in rows)
+        commits = sorted({r["commit"] for r in rows})
+        lines += [f"## {gpu}", "",
+                  f"{len(rows)} rows, {len({(r['case'], r['mode']) for r in rows})} case-modes; measured "
+                  f"{dates[0]} to {dates[-1]} at {len(commits)} commit(s) (newest: "
+                  f"{max(rows, key=lambda r: r['date'])['commit']}); torch {_span(rows, 'torch')}, triton "
+                  f"{_span(rows, 'triton')}. Rows and plots: [{latest_rel}/{slug}/]({latest_rel}/{slug}/).", ""]
+        results = evaluate_targets(rows, targets)
+        for mode in sorted({t.mode for t in targets}, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 99):
+            mode_results = [(t, res) for t, res in zip(targets, results) if t.mode == mode]
+            lines += [f"### {mode}", "", "| target | limit | worst | at | rows | status |", "|---|---|---|---|---|---|"]
+            for t, res in mode_results:
+                if res["worst"] is None:
+                    lines.append(f"| {t.text} | {t.limit:g} | | | 0 | not measured |")
+                    continue
+                at = next(r for r in rows if r["case"] == res["case"] and r["mode"] == mode and r["impl"] == t.impl)
+                status = "**met**" if res["ok"] else "**missed**"
+                lines.append(f"| {t.text} | {t.limit:g} | {res['worst']:.3f} | {res['case']} ({at['commit']}) | "
+                             f"{res['cases']} | {status} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ropekit.bench.summary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/results", help="the results folder (default: %(default)s)")
+    parser.add_argument("--out", default="BENCHMARKS.md", help="the generated page (default: %(default)s)")
+    parser.add_argument("--registry", default=None, help="the registry (default: the checkout's)")
+    parser.add_argument("--no-plot", dest="plot", action="store_false")
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    try:
+        registry = load_registry(args.registry)
+    except RegistryNotFound as exc:
+        print(f"summary: {exc}", file=sys.stderr)
+        return 2
+    by_card = newest_runs(read_history(results / "all_runs.csv.gz"))
+    written = write_latest(by_card, results / "latest", plot=args.plot)
+    out = Path(args.out)
+    latest_rel = Path(results / "latest").as_posix()
+    out.write_text(markdown(by_card, targets_from_registry(registry), latest_rel), encoding="utf-8")
+    print("wrote " + ", ".join(str(p) for p in [*written, out]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

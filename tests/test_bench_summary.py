@@ -1,0 +1,88 @@
+"""The kept results: the append-only history, the newest run per card, and BENCHMARKS.md generated from them."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+
+from ropekit.bench import cases as bench_cases
+from ropekit.bench import report, summary
+from ropekit.bench.targets import targets_from_registry
+
+ROOT = Path(__file__).resolve().parents[1]
+REGISTRY = ROOT / "benchmarks" / "registry.py"
+HISTORY = ROOT / "benchmarks" / "results" / "all_runs.csv.gz"
+
+
+def _row(case="m/bf16/neox/range/1x4096", mode="fwd", impl="ropekit", commit="abcdef1", date="2026-01-01T00:00",
+         ratio="1.0", gpu="NVIDIA H100 80GB HBM3", **extra):
+    row = {k: "" for k in report.HISTORY_FIELDS}
+    row.update(gpu=gpu, date=date, commit=commit, case=case, mode=mode, impl=impl, median_us="10.0",
+               ratio_vs_copy=ratio, tokens="4096", bytes="200000000", label="performance", **extra)
+    return row
+
+
+@pytest.mark.parametrize("name", ["all_runs.csv", "all_runs.csv.gz"])
+def test_history_appends_runs_and_reads_them_back(tmp_path, name):
+    history = tmp_path / name
+    report.append_history(history, [_row(), _row(impl="copy")], "first.csv")
+    report.append_history(history, [_row(commit="1234567")], "second.csv")
+    got = report.read_history(history)
+    assert [r["source"] for r in got] == ["first.csv", "first.csv", "second.csv"]
+    assert [r["commit"] for r in got] == ["abcdef1", "abcdef1", "1234567"]
+    if name.endswith(".gz"):
+        with gzip.open(history, "rt") as f:  # one member per run, each with its header
+            assert f.read().count(",".join(report.HISTORY_FIELDS)) == 2
+    bad = tmp_path / ("bad" + history.suffix)
+    with gzip.open(bad, "wt") if name.endswith(".gz") else bad.open("w") as f:
+        f.write("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="header"):
+        report.append_history(bad, [_row()], "x.csv")
+
+
+def test_the_kept_history_has_the_harness_columns():
+    rows = report.read_history(HISTORY)
+    assert rows and list(rows[0]) == list(report.HISTORY_FIELDS)
+
+
+def test_newest_runs_take_every_impl_of_a_case_from_one_clean_run():
+    rows = [
+        _row(impl="copy", commit="aaaaaaa", date="2026-01-01", source="a.csv"),
+        _row(impl="ropekit", commit="aaaaaaa", date="2026-01-01", ratio="1.3", source="a.csv"),
+        _row(impl="copy", commit="bbbbbbb", date="2026-01-02", source="b.csv"),
+        _row(impl="ropekit", commit="bbbbbbb", date="2026-01-02", ratio="0.99", source="b.csv"),
+        _row(impl="ropekit", commit="new", date="2026-01-03", ratio="5.0", source="ab.csv"),  # an A/B label
+        _row(impl="ropekit", commit="ccccccc+dirty", date="2026-01-04", ratio="5.0", source="d.csv"),
+        _row(impl="ropekit", gpu="NVIDIA H200", commit="ddddddd", date="2026-01-01", ratio="1.2", source="h.csv"),
+    ]
+    by_card = summary.newest_runs(rows)
+    assert sorted(by_card) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    assert {(r["impl"], r["commit"]) for r in by_card["NVIDIA H100 80GB HBM3"]} == {("copy", "bbbbbbb"),
+                                                                                  ("ropekit", "bbbbbbb")}
+    assert summary.card_slug("NVIDIA H100 80GB HBM3") == "h100" and summary.card_slug("NVIDIA H200") == "h200"
+
+
+def test_markdown_has_a_table_per_card_and_mode_and_a_line_per_target():
+    targets = targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
+    rows = [_row(ratio="1.005", source="a.csv"), _row(case="m/bf16/neox/range/8x4096", ratio="1.2", source="a.csv")]
+    page = summary.markdown(summary.newest_runs(rows), targets, "benchmarks/results/latest")
+    assert "## NVIDIA H100 80GB HBM3" in page and "### fwd" in page and "### decode" in page
+    fwd_large = next(line for line in page.splitlines() if line.startswith("| fwd, >= 100 MB moved, vs copy |"))
+    assert "1.200" in fwd_large and "**missed**" in fwd_large and "m/bf16/neox/range/8x4096" in fwd_large
+    decode = next(line for line in page.splitlines() if line.startswith("| decode 1-64 tokens"))
+    assert "not measured" in decode
+
+
+def test_benchmarks_md_is_generated_from_the_kept_history():
+    """BENCHMARKS.md is what ``python -m ropekit.bench.summary`` writes from the history (never edited by hand),
+    and each card's kept rows are those of the history's newest runs."""
+    targets = targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
+    by_card = summary.newest_runs(report.read_history(HISTORY))
+    assert (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8") == summary.markdown(
+        by_card, targets, "benchmarks/results/latest")
+    for gpu, rows in by_card.items():
+        latest = ROOT / "benchmarks" / "results" / "latest" / summary.card_slug(gpu) / "results.csv"
+        kept = latest.read_text(encoding="utf-8").splitlines()
+        assert kept[0] == ",".join(summary.LATEST_FIELDS) and len(kept) == len(rows) + 1
