@@ -401,18 +401,22 @@ def _check_dtensor_multi_axis(rank: int, world: int, device: torch.device) -> No
     _close(got.full_tensor(), ropekit.apply_rope(q_full, positions=ids, sections=sections), "replicated positions")
 
 
-def _check_llama(rank: int, world: int, device: torch.device) -> None:
+def _check_llama(rank: int, world: int, device: torch.device, kv_heads: int = 2) -> None:
     """A tiny random Llama-style model whose attention all-gathers K and V over the ranks, on a zigzag shard:
-    the same loss and the same (all-reduced) gradients as the whole sequence in one process."""
+    the same loss and the same (all-reduced) gradients as the whole sequence in one process. The gather is the
+    README's (a DTensor's full tensor whose gradient is summed over the ranks), and it warns of nothing."""
+    import warnings
+
     import torch.distributed as dist
-    import torch.distributed.nn.functional as dist_fn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     torch.manual_seed(7)
     # float64 on CPU (the reference path: equal to rounding); float32 on CUDA, where the Triton kernels rotate and the
     # sharded attention sums in another order
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     rtol, atol = (1e-12, 1e-12) if dtype == torch.float64 else (2e-4, 1e-6)
-    vocab, hidden, heads, kv_heads, head_dim, layers = 64, 64, 4, 2, 16, 2
+    vocab, hidden, heads, head_dim, layers = 64, 64, 4, 16, 2
     S = 16 * world
     model = _TinyLlama(vocab, hidden, heads, kv_heads, head_dim, layers).to(device, dtype)
     ids = torch.randint(0, vocab, (2, S + 1), generator=torch.Generator().manual_seed(3)).to(device)
@@ -429,13 +433,19 @@ def _check_llama(rank: int, world: int, device: torch.device) -> None:
     local_targets = cp.shard(targets, world, rank, split=split)
     local_pos = cp.cp_positions(S // world, world, rank, split=split, device=device)[None]
 
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, S_local, ...] -> [B, S, ...] in sequence order
-        return cp.unshard(dist_fn.all_gather(x.contiguous()), split=split, dim=1)
+    mesh = init_device_mesh(device.type, (world,))
 
-    # Each rank's loss is its own tokens' share; K/V gradients reach the rank that owns them through all_gather's
-    # backward, and the parameter gradients are summed over the ranks below.
-    loss_local = model(local_inputs, local_targets, local_pos, gather=gather) / targets.numel()
-    loss_local.backward()
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, S_local, ...] -> [B, S, ...] in sequence order
+        full = DTensor.from_local(x, mesh, [Shard(1)]).full_tensor(grad_placements=[Partial()])
+        return cp.unshard(full.chunk(world, dim=1), split=split, dim=1)
+
+    # Each rank's loss is its own tokens' share; K/V gradients reach the rank that owns them through the gather's
+    # backward (a reduce-scatter), and the parameter gradients are summed over the ranks below.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        loss_local = model(local_inputs, local_targets, local_pos, gather=gather) / targets.numel()
+        loss_local.backward()
     loss = loss_local.detach().clone()
     dist.all_reduce(loss)
     torch.testing.assert_close(loss, loss_full.detach(), rtol=rtol, atol=0)
@@ -480,8 +490,9 @@ class _TinyLlama(torch.nn.Module):
             if gather is not None:
                 k, v = gather(k), gather(v)
             rep = self.heads // self.kv_heads
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
+            if rep > 1:  # (without GQA, the gathered keys meet the einsum directly, as in the README)
+                k = k.repeat_interleave(rep, dim=2)
+                v = v.repeat_interleave(rep, dim=2)
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
             attn = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(B, S, -1)
@@ -493,7 +504,7 @@ class _TinyLlama(torch.nn.Module):
 
 
 CHECKS = {"shards": _check_shards, "dtensor": _check_dtensor, "dtensor_multi_axis": _check_dtensor_multi_axis,
-          "llama": _check_llama}
+          "llama": _check_llama, "llama_mha": lambda rank, world, device: _check_llama(rank, world, device, kv_heads=4)}
 BACKENDS = [
     pytest.param("gloo", id="gloo"),
     pytest.param("nccl", id="nccl", marks=[
