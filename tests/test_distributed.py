@@ -103,6 +103,31 @@ def test_bad_arguments_name_themselves():
         cp.cp_positions_packed(torch.tensor([0, 8, 16]), 2, 0, num_tokens=5)
 
 
+def test_offsets_and_inputs_are_checked_by_name():
+    with pytest.raises(ValueError, match="offset"):
+        cp.cp_positions(4, 2, 0, offset=-3)
+    for bad in (2.5, True, "1"):
+        with pytest.raises(TypeError, match="offset"):
+            cp.cp_positions(4, 2, 0, offset=bad)
+    with pytest.raises(TypeError, match="offset"):
+        cp.cp_positions(4, 2, 0, offset=torch.tensor(1.0))
+    # an integer tensor offset (a KV-cache start kept on the device) is added as it is
+    assert torch.equal(cp.cp_positions(4, 2, 1, offset=torch.tensor(5)), cp.cp_positions(4, 2, 1, offset=5))
+    cu = torch.tensor([0, 8, 16])
+    with pytest.raises(ValueError, match=r"offsets.*\[2\]"):
+        cp.cp_positions_packed(cu, 2, 0, num_tokens=8, offsets=torch.tensor([1]))
+    with pytest.raises(TypeError, match="offsets"):
+        cp.cp_positions_packed(cu, 2, 0, num_tokens=8, offsets=torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="offsets"):
+        cp.cp_positions_packed(cu, 2, 0, num_tokens=8, offsets=[1, 2])
+    with pytest.raises(ValueError, match="dim=2"):
+        cp.shard(torch.zeros(2, 8), 2, 0, dim=2)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        cp.shard([1, 2, 3, 4], 2, 0, dim=0)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        cp.shard_packed([1, 2, 3, 4], cu, 2, 0)
+
+
 def test_unshard_refuses_what_shard_cannot_produce():
     """unshard takes a list of per-rank shards of equal length along ``dim`` (even, for zigzag: two equal
     chunks); anything else would be reassembled in a wrong order without a word."""

@@ -27,6 +27,7 @@ shard with :func:`shard` and pass :func:`cp_positions` explicitly.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +52,27 @@ def _check_cp(cp_size, cp_rank, split: str) -> None:
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
     if not isinstance(split, str) or split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def _check_offset(offset) -> None:
+    """``offset`` (of :func:`cp_positions`): an int >= 0, or an integer tensor (kept on its device, not read)."""
+    if isinstance(offset, Tensor):
+        if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
+            raise TypeError(f"offset must be an int or an integer tensor, got a {offset.dtype} tensor")
+    elif isinstance(offset, torch.SymInt):  # traced with symbolic shapes: not read
+        return
+    elif not isinstance(offset, numbers.Integral) or isinstance(offset, bool):
+        raise TypeError(f"offset must be an int (a KV-cache start), got {type(offset).__name__}")
+    elif offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+
+
+def _check_tensor_dim(x, dim) -> None:
+    """``x`` is a tensor with a dimension ``dim`` (the sequence dimension of :func:`shard`)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is not a dimension of x (shape {tuple(x.shape)})")
 
 
 def _chunks(cp_size: int, split: str) -> int:
@@ -79,6 +101,7 @@ def cp_positions(seqlen: int, cp_size: int, cp_rank: int, *, split: str = "zigza
         raise ValueError(f"seqlen (the local sequence length) must be an int >= 0, got {seqlen!r}")
     if split == "zigzag" and cp_size > 1 and seqlen % 2:
         raise ValueError(f"a zigzag shard holds two equal chunks: seqlen (local) must be even, got {seqlen}")
+    _check_offset(offset)
     i = torch.arange(seqlen, dtype=torch.int64, device=device)
     return _global_index(i, seqlen, cp_size, cp_rank, split) + offset
 
@@ -119,6 +142,12 @@ def cp_positions_packed(cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, num_t
     _check_cp(cp_size, cp_rank, split)
     seq, pos = _packed_layout(cu_seqlens, cp_size, cp_rank, split, num_tokens)
     if offsets is not None:
+        if not isinstance(offsets, Tensor) or offsets.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"offsets must be an int32 or int64 tensor [num_seqs], one per sequence, got "
+                            f"{offsets.dtype if isinstance(offsets, Tensor) else type(offsets).__name__}")
+        if tuple(offsets.shape) != (cu_seqlens.numel() - 1,):
+            raise ValueError(f"offsets must be [{cu_seqlens.numel() - 1}] (one per sequence of cu_seqlens), got "
+                             f"shape {tuple(offsets.shape)}")
         pos = pos + offsets.to(torch.int64)[seq]
     return pos
 
@@ -127,6 +156,7 @@ def shard(x: Tensor, cp_size: int, cp_rank: int, *, split: str = "zigzag", dim: 
     """Rank ``cp_rank``'s shard of a full batch ``x`` along its sequence dimension ``dim`` (1 for ``[B, S, ...]``,
     0 for ``[S, B, ...]``): a view for ``"contiguous"``, two chunks concatenated for ``"zigzag"``."""
     _check_cp(cp_size, cp_rank, split)
+    _check_tensor_dim(x, dim)
     size = x.shape[dim]
     unit = _chunks(cp_size, split)
     if size % unit:
@@ -187,6 +217,7 @@ def shard_packed(x: Tensor, cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, s
     ``cu_seqlens``: every sequence split as :func:`shard` splits one, the rank's pieces packed in sequence
     order (TransformerEngine's ``thd`` context-parallel layout). Computed on the device (no host sync)."""
     _check_cp(cp_size, cp_rank, split)
+    _check_tensor_dim(x, 0)
     if x.shape[0] % cp_size:
         raise ValueError(f"the packed token count ({x.shape[0]}) must be a multiple of cp_size={cp_size}")
     index = _packed_index(cu_seqlens.to(x.device), cp_size, cp_rank, split, x.shape[0] // cp_size)
