@@ -89,3 +89,15 @@ def test_unequal_halves_follow_transformers_exactly():
     cos, sin = torch.randn(1, 3, 8, dtype=torch.float64), torch.randn(1, 3, 8, dtype=torch.float64)
     for got, want in zip(apply_rotary_pos_emb(q, k, cos, sin), hf_apply(q, k, cos, sin)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_multimodal_drop_in_names_a_bad_mrope_section():
+    from ropekit.integrations.transformers import apply_multimodal_rotary_pos_emb
+
+    q, k = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 3, 16)
+    cos, sin = torch.randn(3, 1, 3, 16), torch.randn(3, 1, 3, 16)
+    with pytest.raises(ValueError, match=r"mrope_section \[2, 3, 4\] .* sum to 8 \(half the table width 16\), got 9"):
+        apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 4])
+    for bad in (None, 3, [2.0, 3, 3], [2, True, 5], "233"):
+        with pytest.raises(TypeError, match="mrope_section"):
+            apply_multimodal_rotary_pos_emb(q, k, cos, sin, bad)

@@ -125,9 +125,13 @@ def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tens
     if not isinstance(cos, Tensor) or not isinstance(sin, Tensor) or cos.dim() != 4 or cos.shape != sin.shape:
         raise ValueError("cos and sin must be [A, B, S, D] tensors of one shape (one table per position axis), got "
                          f"{getattr(cos, 'shape', type(cos).__name__)} and {getattr(sin, 'shape', type(sin).__name__)}")
+    if (isinstance(mrope_section, (str, bytes)) or not isinstance(mrope_section, (list, tuple))
+            or any(not isinstance(n, int) or isinstance(n, bool) for n in mrope_section)):
+        raise TypeError(f"mrope_section must be a list of ints (pairs per position axis), got {mrope_section!r}")
     sections = list(mrope_section) * 2  # the same split for both halves of the duplicated table
     if sum(sections) != cos.shape[-1]:
-        raise ValueError(f"mrope_section {list(mrope_section)} must sum to half the table width {cos.shape[-1]} // 2")
+        raise ValueError(f"mrope_section {list(mrope_section)} (pairs per axis) must sum to {cos.shape[-1] // 2} (half "
+                         f"the table width {cos.shape[-1]}), got {sum(mrope_section)}")
     axes = cos.shape[0]
 
     def merge(table: Tensor) -> Tensor:
