@@ -8,9 +8,10 @@ whole row, so with a norm every column (the pass-through span included) is loade
 Cache rows: ``CACHE_ROWS`` writes token (b, pos) at ``cache[cb, pos]`` of a [B, max_seq, H, D] view (any strides:
 the head-major [B, H, max_seq, D] cache is a permuted view), where ``cb`` is the token's canonical batch index or,
 for packed varlen tokens, ``cache_batch[t]``; ``CACHE_PAGED`` writes token t at slot ``slot_mapping[t]`` of a
-[num_blocks, block_size, H, D] cache. A token whose row or slot lies outside the cache (slot -1 included), or
-whose position is invalid, writes nothing: never an out-of-bounds write. float8_e4m3fn caches store
-``value / scale`` saturated to +-448.
+[num_blocks, block_size, H, D] cache. The k and v caches share that grid of rows, not their strides: each turns a
+row into an address with its own (a padded view, a head-major view, two halves of one buffer). A token whose row
+or slot lies outside the cache (slot -1 included), or whose position is invalid, writes nothing: never an
+out-of-bounds write. float8_e4m3fn caches store ``value / scale`` saturated to +-448.
 """
 
 from __future__ import annotations
@@ -80,24 +81,26 @@ def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexp
 
 
 @triton.jit
-def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, c_sb, c_ss,
+def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size,
                 CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr):
-    """(row offset [BLOCK_T] of each token's cache row, tokens that write): ``CACHE_ROWS`` at (batch, position)
-    with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of ``cache_rows`` slots."""
+    """(first index, second index, tokens that write) [BLOCK_T] of each token's row in the [B | num_blocks,
+    rows | block_size] grid the two caches share -- each cache turns them into an offset with its own strides:
+    ``CACHE_ROWS`` at (batch, position) with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of
+    ``cache_rows`` slots."""
     if CACHE_MODE == 1:
         if CACHE_BATCH_PER_TOKEN:
-            cb = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
+            r0 = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
         else:
-            cb = b
+            r0 = b
         ok = valid & (pos < cache_rows)
-        off = cb * c_sb + tl.where(ok, pos, 0) * c_ss
+        r1 = tl.where(ok, pos, 0)
     else:
         slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
         ok = valid & (slot >= 0) & (slot < cache_rows)  # valid: within mask_t, and a valid position
         slot = tl.where(ok, slot, 0)
-        blk = slot // block_size
-        off = blk * c_sb + (slot - blk * block_size) * c_ss
-    return off, ok
+        r0 = slot // block_size
+        r1 = slot - r0 * block_size
+    return r0, r1, ok
 
 
 @triton.jit
@@ -166,7 +169,7 @@ def prologue_kernel(
     freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
     q_scale, k_scale, rotary_scale, pos_sa,
     qw_ptr, kw_ptr, w_offset, eps,
-    cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, c_sb, c_ss, ks_ptr, vs_ptr, v_scale,
+    cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, kc_sb, kc_ss, vc_sb, vc_ss, ks_ptr, vs_ptr, v_scale,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
@@ -178,9 +181,10 @@ def prologue_kernel(
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
     """A program normalises (``NORM``) and rotates one block of heads of q or of k for ``BLOCK_T`` tokens, q into
-    ``qo`` and k into ``ko`` (a cache when ``CACHE_MODE`` > 0, whose row strides are ``c_sb``/``c_ss``), or copies
-    a block of v's heads into the v cache ``vo``. With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's scale is read
-    from a device scalar (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided in)."""
+    ``qo`` and k into ``ko`` (a cache when ``CACHE_MODE`` > 0, whose row strides are ``kc_sb``/``kc_ss``), or copies
+    a block of v's heads into the v cache ``vo`` (row strides ``vc_sb``/``vc_ss``, head stride ``vo_sh``: the two
+    caches' strides may differ). With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's scale is read from a device scalar
+    (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided in)."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -190,7 +194,8 @@ def prologue_kernel(
                                   n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     valid = valid & mask_t
     if CACHE_MODE == 0:
-        k_row = b * ko_sb + s * ko_ss
+        r0 = b
+        r1 = s
         k_ok = mask_t
     else:
         # Tokens whose rotation is NaN write no cache row: past a position-indexed table, or (multi-axis) invalid
@@ -201,8 +206,8 @@ def prologue_kernel(
                 row_valid = row_valid & (pos < table_rows)
         for a in tl.static_range(1, NUM_AXES):
             row_valid = row_valid & _axis_valid(a, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
-        k_row, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
-                                  block_size, c_sb, c_ss, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
+        r0, r1, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
+                                   block_size, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
     if hb < n_qb:
         _norm_rope_block(
             q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, q_scale,
@@ -215,6 +220,10 @@ def prologue_kernel(
         scale = k_scale
         if K_SCALE_PTR:
             scale = scale / tl.load(ks_ptr).to(tl.float32)
+        if CACHE_MODE == 0:
+            k_row = r0 * ko_sb + r1 * ko_ss
+        else:
+            k_row = r0 * kc_sb + r1 * kc_ss
         _norm_rope_block(
             k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
             b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
@@ -226,8 +235,8 @@ def prologue_kernel(
         scale = v_scale
         if V_SCALE_PTR:
             scale = 1.0 / tl.load(vs_ptr).to(tl.float32)
-        _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, k_row, k_ok, vo_sh, b, s, mask_t, (hb - n_qb - n_kb) * BLOCK_HK,
-                    HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
+        _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, r0 * vc_sb + r1 * vc_ss, k_ok, vo_sh, b, s, mask_t,
+                    (hb - n_qb - n_kb) * BLOCK_HK, HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
 
 
 
@@ -505,7 +514,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     k_div = v_div = 1.0
     if cache is None:
         mode, k_target, ko_sh, v_target, vo_sh, v_strides = CACHE_NONE, k_out, named["ko_sh"], dummy, 0, (0, 0, 0)
-        c_args = (dummy, dummy, 0, 0, 0, 1, 0, 0)
+        c_args = (dummy, dummy, 0, 0, 0, 1, 0, 0, 0, 0)
         k_fp8 = v_fp8 = False
     else:
         mode = CACHE_PAGED if cache.paged else CACHE_ROWS
@@ -516,7 +525,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
         c_args = (cache.cache_batch if cache.cache_batch is not None else dummy,
                   slots if slots is not None else dummy,
                   slots.stride(0) if slots is not None else 0, slots.stride(1) if slots is not None else 0,
-                  cache.rows, cache.block_size, k_target.stride(0), k_target.stride(1))
+                  cache.rows, cache.block_size, k_target.stride(0), k_target.stride(1), v_target.stride(0),
+                  v_target.stride(1))
         k_fp8 = k_target.dtype == torch.float8_e4m3fn
         v_fp8 = v_target.dtype == torch.float8_e4m3fn
         k_ptr_scale = isinstance(cache.k_scale, torch.Tensor)
