@@ -11,7 +11,7 @@ for packed varlen tokens, ``cache_batch[t]``; ``CACHE_PAGED`` writes token t at 
 [num_blocks, block_size, H, D] cache. The k and v caches share that grid of rows, not their strides: each turns a
 row into an address with its own (a padded view, a head-major view, two halves of one buffer). A token whose row
 or slot lies outside the cache (slot -1 included), or whose position is invalid, writes nothing: never an
-out-of-bounds write. float8_e4m3fn caches store ``value / scale`` saturated to +-448.
+out-of-bounds write. float8_e4m3fn caches store ``value / scale`` saturated to +-448 (NaN stays NaN).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ import triton.language as tl
 from ropekit._spec import CacheSpec, RopeSpec, to_canonical
 from ropekit.triton import launcher
 from ropekit.triton.kernel import (
+    FP8_E4M3_MAX,
     _axis_valid,
     _head_tile,
     _load_heads,
     _pass_columns,
     _rotation,
+    _round_to_e4m3,
     _store_pairs,
     _table_columns,
     _to_store,
@@ -103,6 +105,23 @@ def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, ca
     return r0, r1, ok
 
 
+# float8_e4m3fn's NaN bits, S.1111.111, as the fp32 value 1.875 * 2**8 whose conversion yields them
+FP8_E4M3_NAN_BITS_VALUE = tl.constexpr(480.0)
+
+
+@triton.jit
+def _fp8_for_interpreter(y, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """Under the interpreter (``ROUND_FP8``), ``y`` (fp32) as a float8_e4m3fn cache stores it, for a store that
+    converts without saturating or rounding (``FP8`` off): saturated to +-448, rounded to nearest even, and NaN as
+    a value the interpreter's conversion turns into NaN (it turns NaN itself into 384). Compiled kernels convert
+    NaN to NaN themselves: ``y`` unchanged."""
+    if FP8 and ROUND_FP8:
+        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
+        y = _round_to_e4m3(y)
+        y = tl.where(y != y, FP8_E4M3_NAN_BITS_VALUE, y)
+    return y
+
+
 @triton.jit
 def _norm_rope_block(
     x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, w_ptr, w_offset, eps, scale,
@@ -135,8 +154,10 @@ def _norm_rope_block(
     h = h0 + tl.arange(0, BLOCK_H)
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
-    _store_pairs(o_ptr, o_base, om, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
-                PASS_BLOCK, HAS_PASS, FP8, ROUND_FP8)
+    STORE_FP8: tl.constexpr = FP8 and not ROUND_FP8  # the interpreter's values come ready (_fp8_for_interpreter)
+    _store_pairs(o_ptr, o_base, om, _fp8_for_interpreter(y_lo, FP8, ROUND_FP8),
+                 _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(x_p * scale, FP8, ROUND_FP8),
+                 HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, STORE_FP8, False)
 
 
 @triton.jit
@@ -152,7 +173,8 @@ def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t,
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = _within((o_ok[:, None] & (h < H)[None, :])[:, :, None], d, HEAD_DIM, D_BLOCK)
     if FP8:
-        y = _to_store(x.to(tl.float32) * scale, o_ptr, FP8, ROUND_FP8)
+        STORE_FP8: tl.constexpr = not ROUND_FP8  # the interpreter's values come ready (_fp8_for_interpreter)
+        y = _to_store(_fp8_for_interpreter(x.to(tl.float32) * scale, FP8, ROUND_FP8), o_ptr, STORE_FP8, False)
     else:
         y = x.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + o_base + d, y, mask=om)
