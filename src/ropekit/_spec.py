@@ -152,10 +152,26 @@ BACKWARD = Mode(False, True, ("dq_rot", "dk_rot"))
 # --- validation ----------------------------------------------------------------------------------------------
 
 
+_SYMBOLIC = (torch.SymFloat, torch.SymInt)
+
+
 def _is_real(value) -> bool:
-    """A real Python number (not a bool); the exact-type test first because ABC checks cost microseconds."""
+    """A real Python number (not a bool), or a symbolic one (:func:`_is_symbolic`); the exact-type test first
+    because ABC checks cost microseconds."""
     t = type(value)
-    return t is float or t is int or (isinstance(value, numbers.Real) and t is not bool)
+    return t is float or t is int or (isinstance(value, (numbers.Real, *_SYMBOLIC)) and t is not bool)
+
+
+def _is_symbolic(value) -> bool:
+    """A ``torch.SymFloat``/``torch.SymInt`` (symbolic tracing): a number whose value is not known here, so only its
+    type is checked. (torch.compile hands the float and int arguments of a ``dynamic=True`` graph to validation as
+    numbers whose comparisons it can trace, specialising the graph on them; ``math.isfinite`` it cannot trace.)"""
+    return isinstance(value, _SYMBOLIC)
+
+
+def _finite(value) -> bool:
+    """``value`` is finite (by comparisons, which torch.compile traces), or symbolic."""
+    return _is_symbolic(value) or -math.inf < value < math.inf
 
 
 def _host_readable(t: Tensor) -> bool:
@@ -241,7 +257,7 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
     if not isinstance(rotary_at, str) or rotary_at not in ROTARY_AT:
         raise ValueError(f"rotary_at must be 'front' or 'back', got {rotary_at!r}")
     for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("rotary_scale", rotary_scale)):
-        if not _is_real(value) or not math.isfinite(value):
+        if not _is_real(value) or not _finite(value):
             raise TypeError(f"{name} must be a finite real number, got {value!r}")
     if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool)):
         raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
@@ -588,9 +604,9 @@ def validate_norm_weights(q: Tensor, k: Tensor | None, q_weight, k_weight, eps, 
         _check_tensor(name, w, q, FLOAT_DTYPES, "a floating tensor")
         if tuple(w.shape) != (D,):
             raise ValueError(f"{name} must have shape [head_dim] = [{D}], got {tuple(w.shape)}")
-    if not _is_real(eps) or not math.isfinite(eps) or eps <= 0:
+    if not _is_real(eps) or not _finite(eps) or (not _is_symbolic(eps) and eps <= 0):
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-    if not _is_real(weight_offset) or not math.isfinite(weight_offset):
+    if not _is_real(weight_offset) or not _finite(weight_offset):
         raise ValueError(f"weight_offset must be a finite float, got {weight_offset!r}")
     return True
 
@@ -605,9 +621,9 @@ def _cache_scale(name: str, scale, cache: Tensor, cache_name: str):
             raise ValueError(f"{name} must be a Python float or a 0-d floating tensor on {cache_name}'s device "
                              f"{cache.device}, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}")
         return scale if scale.dtype == torch.float32 else scale.float()
-    if not _is_real(scale) or not math.isfinite(scale) or scale <= 0:
+    if not _is_real(scale) or not _finite(scale) or (not _is_symbolic(scale) and scale <= 0):
         raise ValueError(f"{name} must be a finite float > 0, got {scale!r}")
-    return float(scale)
+    return scale if _is_symbolic(scale) else float(scale)
 
 
 def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions,
