@@ -174,6 +174,11 @@ def _finite(value) -> bool:
     return _is_symbolic(value) or -math.inf < value < math.inf
 
 
+def _is_int(value) -> bool:
+    """An integer (Python, numpy or symbolic), not a bool."""
+    return type(value) is int or (isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool))
+
+
 def _host_readable(t: Tensor) -> bool:
     """Whether the values of ``t`` can be checked on the host without a device sync. CPU tensors that run the
     kernels (:func:`ropekit.testing.kernels_on_cpu`) stand in for device tensors, so they are not read either."""
@@ -335,7 +340,7 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
         raise ValueError("section_layout applies to multi-axis positions: give sections= too")
     if sections is not None or positions is None:
         pass
-    elif type(positions) is int or (isinstance(positions, numbers.Integral) and not isinstance(positions, bool)):
+    elif _is_int(positions):
         pos_offset = int(positions)
         if pos_offset < 0:
             raise ValueError(f"positions (an offset) must be >= 0, got {pos_offset}")
@@ -457,6 +462,18 @@ def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str
     return pos, sections
 
 
+def _last_position(offsets: Tensor, lens: Tensor) -> int | None:
+    """The largest position ``offsets[i] + lens[i] - 1`` among the non-empty sequences (int64 tensors on the host),
+    or None where every sequence is empty. A Python int: an offset near 2**63 does not wrap around (of offsets
+    past 2**62, the position returned is one the call reaches, not necessarily the largest)."""
+    used = lens > 0
+    if not bool(used.any()):
+        return None
+    offsets, lens = offsets[used], lens[used]
+    i = int((offsets.clamp(max=2**62) + lens).argmax())
+    return int(offsets[i]) + int(lens[i]) - 1
+
+
 def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, table_by_token, check_positions,
                            cu_seqlens) -> None:
     """Raise for a position < 0, past a position-indexed table or past ``MAX_POSITION``, wherever the values are
@@ -481,11 +498,10 @@ def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, t
             return
         offsets = seq_offsets.to("cpu", torch.int64)
         lens = lengths if cu_seqlens is not None else torch.full_like(offsets, S)
-        used = lens > 0
-        if not bool(used.any()):
+        hi = _last_position(offsets, lens)
+        if hi is None:
             return
-        name = "positions (per-sequence offsets)"
-        lo, hi = int(offsets[used].min()), int((offsets + lens - 1)[used].max())
+        name, lo = "positions (per-sequence offsets)", int(offsets[lens > 0].min())
     else:
         if cu_seqlens is None:
             longest = S
@@ -611,7 +627,9 @@ def validate_norm_weights(q: Tensor, k: Tensor | None, q_weight, k_weight, eps, 
     return True
 
 
-def _cache_scale(name: str, scale, cache: Tensor, cache_name: str):
+def _cache_scale(name: str, scale, cache: Tensor, cache_name: str, check_values: bool):
+    """A float8 cache's scale as the kernels take it; a 0-d tensor's value is checked where it is on the host (or
+    ``check_values``: one sync)."""
     if scale is None:
         return 1.0
     if cache.dtype not in FP8_CACHE_DTYPES:
@@ -620,10 +638,59 @@ def _cache_scale(name: str, scale, cache: Tensor, cache_name: str):
         if scale.dim() != 0 or not scale.dtype.is_floating_point or scale.device != cache.device:
             raise ValueError(f"{name} must be a Python float or a 0-d floating tensor on {cache_name}'s device "
                              f"{cache.device}, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}")
+        if (check_values or _host_readable(scale)) and not torch.compiler.is_compiling():
+            value = float(scale)
+            if not -math.inf < value < math.inf or value <= 0:
+                raise ValueError(f"{name} must be a finite float > 0, got a 0-d tensor holding {value!r}")
         return scale if scale.dtype == torch.float32 else scale.float()
     if not _is_real(scale) or not _finite(scale) or (not _is_symbolic(scale) and scale <= 0):
         raise ValueError(f"{name} must be a finite float > 0, got {scale!r}")
     return scale if _is_symbolic(scale) else float(scale)
+
+
+def _cache_rows_reached(positions, S: int, n_seqs: int, layout: str, cu_seqlens: Tensor | None,
+                        check_positions: bool) -> tuple[str, int] | None:
+    """(what, the largest position) of a write into a "bshd"/"bhsd" cache -- the last row it reaches in a sequence:
+    the largest per-token position, or a sequence's offset plus its length - 1 -- where the values are on the host
+    (ints, CPU tensors, or ``check_positions``: one sync); None elsewhere, where no token is written, or where
+    ``positions``/``cu_seqlens`` are malformed (validation names them)."""
+    if torch.compiler.is_compiling():
+        return None
+
+    def readable(t: Tensor) -> bool:
+        return check_positions or _host_readable(t)
+
+    lengths = None  # [n_seqs] on the host, for packed sequences whose boundaries can be read
+    if cu_seqlens is not None:
+        if cu_seqlens.dtype not in INT_DTYPES or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+                or not readable(cu_seqlens):
+            return None
+        cu = cu_seqlens.to("cpu", torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        if cu[0] != 0 or cu[-1] != S or bool((lengths < 0).any()):
+            return None
+    if isinstance(positions, Tensor):
+        if positions.dtype not in INT_DTYPES or not readable(positions) or positions.numel() == 0:
+            return None
+        per_sequence = positions.dim() == 0 or (positions.dim() == 1 and positions.shape[0] == n_seqs
+                                                and (cu_seqlens is not None or layout != "thd"))
+        if not per_sequence:
+            return "positions", int(positions.max())
+        if cu_seqlens is not None and lengths is None:
+            return None
+        offsets = positions.reshape(-1).to("cpu", torch.int64).expand(n_seqs)
+        lens = lengths if cu_seqlens is not None else torch.full((n_seqs,), S, dtype=torch.int64)
+        hi = _last_position(offsets, lens)
+        return None if hi is None else ("positions (per-sequence offsets)", hi)
+    if not _is_int(positions) or _is_symbolic(positions):
+        return None
+    if cu_seqlens is None:
+        longest = S
+    elif lengths is None:
+        return None
+    else:
+        longest = int(lengths.max()) if lengths.numel() else 0
+    return ("positions", int(positions) + longest - 1) if longest else None
 
 
 def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions,
@@ -642,6 +709,8 @@ def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
             raise ValueError(f"{name} must have q's {q.dim()} dims, got shape {tuple(x.shape)}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if v.stride(-1) != 1:
@@ -726,16 +795,11 @@ def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
             n_seqs = B
         if kcv.shape[0] < n_seqs:
             raise ValueError(f"k_cache holds {kcv.shape[0]} sequences, fewer than the {n_seqs} written")
-        if isinstance(positions, Tensor):
-            if (_host_readable(positions) or check_positions) and positions.numel() \
-                    and not torch.compiler.is_compiling():
-                hi = int(positions.max())
-                if hi >= rows:
-                    raise IndexError(f"positions reach {hi} but the caches hold {rows} rows per sequence "
-                                     f"(cache_layout={cache_layout!r})")
-        elif _is_real(positions) and layout != "thd" and S and int(positions) + S - 1 >= rows:
-            raise IndexError(f"positions reach {int(positions) + S - 1} but the caches hold {rows} rows per sequence")
-    k_scale = _cache_scale("k_cache_scale", k_cache_scale, k_cache, "k_cache")
-    v_scale = _cache_scale("v_cache_scale", v_cache_scale, v_cache, "v_cache")
+        reach = _cache_rows_reached(positions, S, n_seqs, layout, cu_seqlens if tokens else None, check_positions)
+        if reach is not None and reach[1] >= rows:
+            raise IndexError(f"{reach[0]} reach {reach[1]} but the caches hold {rows} rows per sequence "
+                             f"(cache_layout={cache_layout!r})")
+    k_scale = _cache_scale("k_cache_scale", k_cache_scale, k_cache, "k_cache", check_positions)
+    v_scale = _cache_scale("v_cache_scale", v_cache_scale, v_cache, "v_cache", check_positions)
     spec = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slot_mapping if paged else None, k_scale, v_scale)
     return q, k, v, positions, layout, spec

@@ -1,0 +1,185 @@
+"""rope_kv_write refuses what it cannot write, before anything is written: positions past the caches' rows however
+they are given (per-token, per-sequence offsets, an int offset, with or without packed sequences), v on another
+device, float8 cache scales that are not finite and positive -- wherever the values are on the host (ints, CPU
+tensors, or ``check_positions=True``).
+
+Routes: "cpu" (the float64 path; CPU tensors are host values) and "cpu-kernels" (the kernels under the Triton
+interpreter, with the semantics of device tensors: their values are read only with ``check_positions=True``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ropekit
+from helpers import ROUTES, route_context, route_device
+
+FP8 = torch.float8_e4m3fn
+HQ, HK, D, ROWS = 2, 1, 8, 8
+
+
+def _poisoned(shape, dtype=torch.float32, device="cpu"):
+    if dtype == FP8:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(FP8)
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    sizes = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return x.detach().cpu().contiguous().view(sizes[x.element_size()])
+
+
+def _assert_refused(exc, match, args: list, kw: dict) -> None:
+    """``rope_kv_write(*args, **kw)`` raises ``exc`` matching ``match``, and no tensor it was given changed."""
+    tensors = [t for t in (*args, *kw.values()) if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    before = [_bits(t).clone() for t in tensors]
+    with torch.no_grad(), pytest.raises(exc, match=match):
+        ropekit.rope_kv_write(*args, **kw)
+    for t, b in zip(tensors, before):
+        assert torch.equal(_bits(t), b), "a tensor changed although the call raised"
+
+
+def _inputs4(B, S, device, dtype=torch.float32):
+    return [torch.randn(B, S, h, D, dtype=dtype, device=device) for h in (HQ, HK, HK)]
+
+
+def _inputs3(T, device, dtype=torch.float32):
+    return [torch.randn(T, h, D, dtype=dtype, device=device) for h in (HQ, HK, HK)]
+
+
+def _rows_caches(n, device, dtype=torch.float32, layout="bshd"):
+    shape = (n, HK, ROWS, D) if layout == "bhsd" else (n, ROWS, HK, D)
+    return [_poisoned(shape, dtype, device) for _ in range(2)]
+
+
+def _check_kw(route: str) -> dict:
+    """On the kernel route, device semantics: values are read only when asked (check_positions=True)."""
+    return dict(check_positions=True) if route == "cpu-kernels" else {}
+
+
+# (id, inputs: 4-D [B, S] or packed 3-D with cu_seqlens, positions, cu_seqlens)
+PAST_THE_ROWS = [
+    ("per-sequence offsets [B]", (2, 3), [0, 6], None),
+    ("per-sequence offsets [B], one past", (2, 3), [6, 5], None),
+    ("int offset", (2, 3), 6, None),
+    ("per-token positions", (2, 3), [[0, 1, 2], [5, 6, 8]], None),
+    ("packed, per-sequence offsets", 5, [0, 6], [0, 2, 5]),
+    ("packed, int offset", 5, 6, [0, 2, 5]),
+    ("packed, int offset, empty sequence", 5, 6, [0, 0, 2, 5]),
+    ("packed, per-token positions", 5, [0, 1, 6, 7, 8], [0, 2, 5]),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("shape, positions, cu_seqlens", [c[1:] for c in PAST_THE_ROWS],
+                         ids=[c[0] for c in PAST_THE_ROWS])
+def test_positions_past_the_rows_raise_before_writing(route, layout, shape, positions, cu_seqlens):
+    """Every token whose position is a row past the caches' ``max_seq`` raises IndexError naming positions -- also
+    for per-sequence offsets (the last token of a sequence is at offset + length - 1) and for packed sequences."""
+    device = route_device(route)
+    with route_context(route):
+        if cu_seqlens is None:
+            B, S = shape
+            q, k, v = _inputs4(B, S, device)
+            if layout == "bhsd":
+                q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            n = B
+        else:
+            q, k, v = _inputs3(shape, device)
+            n = len(cu_seqlens) - 1
+        kw = dict(positions=torch.tensor(positions, device=device) if isinstance(positions, list) else positions,
+                  cache_layout=layout, **_check_kw(route))
+        if layout == "bhsd" and cu_seqlens is None:
+            kw["layout"] = "bhsd"
+        if cu_seqlens is not None:
+            kw["cu_seqlens"] = torch.tensor(cu_seqlens, device=device)
+        _assert_refused(IndexError, "positions", [q, k, v, *_rows_caches(n, device, layout=layout)], kw)
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+def test_packed_sequences_that_fit_are_written(route):
+    """Packed sequences whose tokens together outnumber the rows but each fit (int offset and per-sequence
+    offsets): written, not refused."""
+    device = route_device(route)
+    with route_context(route), torch.no_grad():
+        q, k, v = _inputs3(10, device)
+        cu = torch.tensor([0, 5, 10], device=device)
+        for positions in (3, torch.tensor([3, 0], device=device)):
+            k_cache, v_cache = _rows_caches(2, device)
+            ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=positions, cu_seqlens=cu,
+                                  **_check_kw(route))
+            first = 3 if isinstance(positions, int) else 0
+            assert torch.equal(v_cache[0, 3:8], v[:5]) and torch.equal(v_cache[1, first:first + 5], v[5:])
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+def test_int_offset_replays_refuse_offsets_past_the_rows(route):
+    """Calls of one signature with an int offset (the third replays a plan on the kernel route): an offset whose
+    last token passes the rows raises on every call, with nothing written."""
+    device = route_device(route)
+    with route_context(route), torch.no_grad():
+        q, k, v = _inputs4(2, 3, device)
+        caches = _rows_caches(2, device)
+        for offset in (0, 4, 5):
+            ropekit.rope_kv_write(q, k, v, *caches, positions=offset)
+        for _ in range(2):
+            _assert_refused(IndexError, "positions", [q, k, v, *caches], dict(positions=6))
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("cache_layout", ["bshd", "paged"])
+def test_v_on_another_device_is_refused(route, cache_layout):
+    """v on another device than q raises ValueError naming v before k is written (a meta tensor stands for another
+    device on a CPU-only machine)."""
+    device = route_device(route)
+    with route_context(route):
+        q, k, _ = _inputs3(2, device)
+        v = torch.empty(2, HK, D, device="meta")
+        kw = dict(positions=torch.tensor([1, 2], device=device), cache_layout=cache_layout)
+        caches = _rows_caches(2, device)
+        if cache_layout == "paged":
+            kw["slot_mapping"] = torch.tensor([3, 9], device=device)
+        _assert_refused(ValueError, r"\bv\b.*device", [q, k, v, *caches], kw)
+        # and k likewise
+        _assert_refused(ValueError, r"\bk\b.*device", [q, torch.empty(2, HK, D, device="meta"), q[:, :HK], *caches],
+                        kw)
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("which", ["k_cache_scale", "v_cache_scale"])
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")], ids=["zero", "negative", "nan", "inf"])
+def test_host_tensor_cache_scales_must_be_finite_and_positive(route, which, value):
+    """A 0-d tensor scale whose value is on the host (a CPU tensor, or check_positions=True) is checked like a
+    float: 0, negative, NaN or inf raises ValueError naming it, before anything is written."""
+    device = route_device(route)
+    with route_context(route):
+        q, k, v = _inputs3(2, device)
+        caches = [_poisoned((2, ROWS, HK, D), FP8, device) for _ in range(2)]
+        kw = {"positions": torch.tensor([1, 2], device=device), which: torch.tensor(value, device=device),
+              **_check_kw(route)}
+        _assert_refused(ValueError, which, [q, k, v, *caches], kw)
+
+
+def test_device_tensor_cache_scales_are_not_read_without_check_positions():
+    """On the kernel route a 0-d tensor scale is a device value: not read (no sync) unless check_positions=True."""
+    with route_context("cpu-kernels"), torch.no_grad():
+        q, k, v = _inputs3(2, "cpu")
+        caches = [_poisoned((2, ROWS, HK, D), FP8) for _ in range(2)]
+        ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([1, 2]), v_cache_scale=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("cache_layout", ["bshd", "paged"])
+def test_offsets_near_int64_max_raise(route, cache_layout):
+    """Per-sequence offsets whose offset + S - 1 wraps around in int64 still raise naming positions (IndexError past
+    the rows of a "bshd" cache, ValueError past the largest position for "paged" slots)."""
+    device = route_device(route)
+    with route_context(route):
+        q, k, v = _inputs4(2, 3, device)
+        kw = dict(positions=torch.tensor([0, 2**63 - 2], device=device), cache_layout=cache_layout,
+                  **_check_kw(route))
+        caches = _rows_caches(2, device)
+        if cache_layout == "paged":
+            kw["slot_mapping"] = torch.tensor([[0, 1, 2], [3, 4, 5]], device=device)
+        _assert_refused(IndexError if cache_layout == "bshd" else ValueError, "positions", [q, k, v, *caches], kw)
