@@ -183,3 +183,32 @@ def test_offsets_near_int64_max_raise(route, cache_layout):
         if cache_layout == "paged":
             kw["slot_mapping"] = torch.tensor([[0, 1, 2], [3, 4, 5]], device=device)
         _assert_refused(IndexError if cache_layout == "bshd" else ValueError, "positions", [q, k, v, *caches], kw)
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+def test_zero_dim_positions_are_one_offset_for_every_sequence(route):
+    """A 0-d integer tensor is an offset, as an int is: on the host it is read; on the kernel route (a device
+    scalar) the kernel reads it for every sequence. Same rows, same values."""
+    device = route_device(route)
+    with route_context(route), torch.no_grad():
+        q, k, v = _inputs4(2, 3, device)
+        want_caches, got_caches = _rows_caches(2, device), _rows_caches(2, device)
+        want = ropekit.rope_kv_write(q, k, v, *want_caches, positions=4)
+        for _ in range(3):
+            got = ropekit.rope_kv_write(q, k, v, *got_caches, positions=torch.tensor(4, device=device))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            for g, w in zip(got_caches, want_caches):
+                assert torch.equal(_bits(g), _bits(w))
+        _assert_refused(IndexError, "positions", [q, k, v, *got_caches],
+                        dict(positions=torch.tensor(6, device=device), **_check_kw(route)))
+
+
+@pytest.mark.parametrize("route", ROUTES[:2])
+def test_multi_axis_token_positions_without_sections_say_so(route):
+    """[A, T] positions for 3-D tokens without sections: the error names positions and says sections are needed."""
+    device = route_device(route)
+    with route_context(route):
+        q, k, v = _inputs3(4, device)
+        kw = dict(positions=torch.randint(0, 8, (3, 4), device=device), cache_layout="paged",
+                  slot_mapping=torch.arange(4, device=device))
+        _assert_refused(ValueError, "positions.*sections", [q, k, v, *_rows_caches(2, device)], kw)

@@ -179,6 +179,21 @@ def _is_int(value) -> bool:
     return type(value) is int or (isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool))
 
 
+def _dense(t: Tensor) -> Tensor:
+    """``t`` (1-D) with unit stride: the kernels index per-sequence offsets and cu_seqlens densely (a copy only for
+    a strided or expanded view)."""
+    return t if t.numel() <= 1 or t.stride(0) == 1 else t.contiguous()
+
+
+def _check_offset_tensor(positions: Tensor, q: Tensor) -> None:
+    """A 0-d ``positions`` tensor (one offset for every sequence): an integer tensor on q's device."""
+    if positions.dtype not in INT_DTYPES:
+        raise TypeError(f"positions must be an int32 or int64 tensor, got {positions.dtype}")
+    if positions.device != q.device:
+        raise ValueError(f"positions (a 0-d offset tensor) must be on q's device {q.device}, got {positions.device}; "
+                         "pass int(positions) for an offset held on the host")
+
+
 def _host_readable(t: Tensor) -> bool:
     """Whether the values of ``t`` can be checked on the host without a device sync. CPU tensors that run the
     kernels (:func:`ropekit.testing.kernels_on_cpu`) stand in for device tensors, so they are not read either."""
@@ -211,6 +226,10 @@ def _resolve_table(name: str, table, q: Tensor, batch: int, seqlen: int, rotary_
     width = table3.shape[-1]
     if rotary_dim is None:
         rotary_dim = width if width == head_dim else 2 * width
+        if not 2 <= rotary_dim <= head_dim:
+            raise ValueError(f"{name} last dim must be in [1, head_dim/2 = {head_dim // 2}] (one value per pair of "
+                             f"the rotary_dim = 2 * W rotated columns) or head_dim = {head_dim} (one per column), "
+                             f"got {width}")
     if width not in (rotary_dim // 2, rotary_dim):
         raise ValueError(f"{name} last dim must be rotary_dim/2 = {rotary_dim // 2} (one value per pair) or "
                          f"rotary_dim = {rotary_dim} (one per column), got {width}")
@@ -287,7 +306,11 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
         _check_tensor("inv_freq", inv_freq, q, (torch.float32, torch.float64), "a float32 or float64 tensor")
         if inv_freq.dim() != 1:
             raise ValueError(f"inv_freq must be 1-D [rotary_dim/2], got shape {tuple(inv_freq.shape)}")
-        rotary_dim = 2 * inv_freq.shape[0] if rotary_dim is None else rotary_dim
+        if rotary_dim is None:
+            rotary_dim = 2 * inv_freq.shape[0]
+            if not 2 <= rotary_dim <= D:
+                raise ValueError(f"inv_freq must have rotary_dim/2 entries, one per rotated pair: 1 to head_dim/2 = "
+                                 f"{D // 2}; got {inv_freq.shape[0]}")
         if inv_freq.shape[0] != rotary_dim // 2:
             raise ValueError(f"inv_freq must have rotary_dim/2 = {rotary_dim // 2} entries, got "
                              f"{inv_freq.shape[0]}")
@@ -331,6 +354,7 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
             if cu[0] != 0 or cu[-1] != S or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
                                  f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+        cu_seqlens = _dense(cu_seqlens)
     num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     if sections is not None:
         pos_tensor, sections = _multi_axis(q, positions, sections, section_layout, layout, B, S, rotary_dim,
@@ -347,13 +371,24 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
         if table_by_token:
             raise ValueError("positions cannot be combined with per-token cos/sin/angles rows (3-D tables are already "
                              "gathered per token); pass [P, W] tables to index them by position")
+    elif isinstance(positions, Tensor) and positions.dim() == 0:  # one offset for every sequence
+        _check_offset_tensor(positions, q)
+        if table_by_token:
+            raise ValueError("positions cannot be combined with per-token cos/sin/angles rows (3-D tables are already "
+                             "gathered per token); pass [P, W] tables to index them by position")
+        if _host_readable(positions) and not torch.compiler.is_compiling():
+            pos_offset = int(positions)  # a host scalar: the int offset
+            if pos_offset < 0:
+                raise ValueError(f"positions (an offset) must be >= 0, got {pos_offset}")
+        else:  # a device scalar: the kernel reads it as every sequence's offset, without a host sync
+            seq_offsets = _dense(positions.reshape(1).expand(num_seqs))
     elif isinstance(positions, Tensor):
         _check_tensor("positions", positions, q, INT_DTYPES, "an int32 or int64 tensor")
         if table_by_token:
             raise ValueError("positions cannot be combined with per-token cos/sin rows (3-D tables are already "
                              "gathered per token); pass [P, W] tables to index them by position")
         if positions.dim() == 1 and positions.shape[0] == num_seqs and (cu_seqlens is not None or layout != "thd"):
-            seq_offsets = positions
+            seq_offsets = _dense(positions)
         elif layout == "thd" and positions.dim() == 1 and positions.shape[0] == S:
             pos_tensor = positions.unsqueeze(0)
         elif layout != "thd" and positions.dim() == 2 and positions.shape[1] == S and positions.shape[0] in (1, B):
@@ -361,7 +396,11 @@ def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_fr
         else:
             want = (f"[{num_seqs}] per-sequence offsets or [T={S}] per-token positions" if layout == "thd"
                     else f"[B={B}] per-sequence offsets or [B, S] = [{B}, {S}] (or [1, {S}]) per-token positions")
-            raise ValueError(f"positions must be {want}, got shape {tuple(positions.shape)}")
+            hint = ""
+            if positions.dim() == (2 if layout == "thd" else 3):
+                hint = (f"; a {positions.dim()}-D positions tensor holds multi-axis positions (one row of ids per "
+                        f"axis, M-RoPE): pass sections= too (rotary pairs per axis)")
+            raise ValueError(f"positions must be {want}, got shape {tuple(positions.shape)}{hint}")
         if pos_tensor is not None and cu_seqlens is not None:
             cu_seqlens = None  # per-token positions already say everything
     else:
@@ -715,7 +754,16 @@ def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if v.stride(-1) != 1:
         raise ValueError("v must have a contiguous last dim (stride 1)")
+    if isinstance(positions, Tensor) and positions.dim() == 0:  # one offset for every sequence
+        _check_offset_tensor(positions, q)
+        if _host_readable(positions) and not torch.compiler.is_compiling():
+            positions = int(positions)  # a host scalar: the int offset (a device one stays a tensor: no sync)
     tokens = q.dim() == 3
+    if tokens and cu_seqlens is None and sections is None and isinstance(positions, Tensor) \
+            and positions.dim() == 2 and positions.shape[0] != q.shape[0] and positions.shape[1] == q.shape[0]:
+        raise ValueError(f"positions for [T, H, D] tokens must be [T] = [{q.shape[0]}] (one per token), got shape "
+                         f"{tuple(positions.shape)}; a 2-D [A, T] positions tensor holds multi-axis positions (one "
+                         "row of ids per axis, M-RoPE): pass sections= too (rotary pairs per axis)")
     if tokens and cu_seqlens is None:  # one token per sequence: [T, 1, H, D]
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
         layout = "bshd"

@@ -63,8 +63,11 @@ def apply_rope(
     positions : None, int or Tensor
         ``None``: 0..S-1. ``int``: offset added to 0..S-1 (KV-cache continuation). Tensor [B] (int32/int64):
         per-sequence offsets (with ``cu_seqlens``: one per packed sequence). Tensor [B, S] or [1, S] (``thd``:
-        [T]): per-token position ids, any order. Every position lies in [0, 2**31 - 1]; see ``check_positions``
-        for what happens outside.
+        [T]): per-token position ids, any order. A 0-d integer tensor on q's device is an offset like an int: a CPU
+        tensor is read as one; a device tensor is not read on the host (no sync) but by the kernel, as every
+        sequence's offset, and its value is checked only with ``check_positions``. Strided views are accepted
+        ([B] offsets are then read as a dense copy). Every position lies in [0, 2**31 - 1]; see
+        ``check_positions`` for what happens outside.
     inv_freq : Tensor, optional
         fp32 (or fp64) [R/2] inverse frequencies; the angle ``pos * inv_freq[i]`` is formed in float64 and reduced
         modulo 2*pi before fp32 sin/cos (error about 1e-7 at any position below 2**24).
