@@ -583,9 +583,15 @@ def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines)
     """A graph mode's captured calls cycle over ``GRAPH_INPUT_SETS`` input sets (fresh tensors at other addresses),
     the checked set first, for the baselines and the implementations alike, each set called once before the
     capture and equally often in a graph: with one set per process a decode ratio read wherever its few-kB buffers
-    happened to lie. Every set writes to the checked set's KV caches (gigabytes each at 256 sequences)."""
+    happened to lie. Every set writes to the checked set's KV caches (gigabytes each at 256 sequences).
+
+    Runs on the device where every implementation launches: CUDA where there is one, else the CPU, where
+    tests/conftest.py runs the Triton kernels (``copy-kv``'s included) under the interpreter. CPU tensors on a
+    CUDA machine would not do: Triton kernels are compiled for the GPU there, so ``copy-kv`` was skipped and never
+    called at all."""
     import torch
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     registry = bench_cases.load_registry(str(REGISTRY))
     case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.modes == modes)
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
@@ -608,7 +614,7 @@ def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines)
     monkeypatch.setattr(run, "make_inputs", make_inputs)
     monkeypatch.setattr(run, "build", recorded(run.build))
     monkeypatch.setattr(run, "build_baseline", recorded(run.build_baseline))
-    timer = run.Timer(torch.device("cpu"))
+    timer = run.Timer(device)
     timer.host = lambda fn: 1.0
     sets = run.GRAPH_INPUT_SETS
 
@@ -619,10 +625,15 @@ def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines)
         return {name: 1.0 for name in fns}
 
     timer.graphs = graphs
-    rows = run.run_case(case, torch.device("cpu"), timer, None, env, [impl], lambda s: None)
+    rows = run.run_case(case, device, timer, None, env, [impl], lambda s: None)
     assert not [r["note"] for r in rows if "failed" in r["note"] or "MISMATCH" in r["note"]]
+    # every baseline and implementation of the graph mode was built and timed (a skipped one is never called)
+    graph_rows = [r for r in rows if r["mode"] in run.GRAPH_MODES]
+    assert {r["impl"] for r in graph_rows} == {*baselines, impl}
+    assert all(r["median_us"] for r in graph_rows), [(r["impl"], r["note"]) for r in graph_rows]
     assert sets > 1 and timing.GRAPH_CALLS % sets == 0
     assert len(made) == sets and len({m.q.data_ptr() for m in made}) == sets
+    assert all(m.q.device.type == device.type for m in made)
     for name in (*baselines, impl):  # each set once before any capture (lazy set-up), then the graph's calls
         assert [s for n, s in used if n == name] == list(range(sets)) * 3, name
     if modes == ("kv-decode",):
