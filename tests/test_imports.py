@@ -3,7 +3,8 @@ triton.
 
 Each check runs in a fresh Python process with a ``sys.meta_path`` finder installed first that refuses the
 modules the imported one must not depend on. The process fails if the import fails or if anything tried to
-import a refused module (even where the importer caught the ImportError), and names what did.
+import a refused module (even where the importer caught the ImportError), and names what did. torch is imported
+first (under the finder, so that it sees the refused modules as missing); what it looks up itself is not counted.
 """
 
 from __future__ import annotations
@@ -77,8 +78,19 @@ sys.meta_path.insert(0, refuse)
 """
 
 
+# torch is imported under the finder, so that it sees the refused modules as missing, but what it looks up is
+# torch's business, not ropekit's: CUDA builds of torch 2.14 ask importlib.util.find_spec("triton") during
+# ``import torch`` (to register optional Triton implementations of some operators; nothing is imported), which
+# the finder cannot tell from an import. What ropekit tries to import is recorded from here on.
+_TORCH_FIRST = """
+import torch
+refuse.refused.clear()
+"""
+
+
 def _run(blocked: tuple[str, ...], body: str, allowed: tuple[str, ...] = ()) -> None:
-    code = (f"BLOCKED, ALLOWED = {tuple(blocked)!r}, {tuple(allowed)!r}\n" + _FINDER + textwrap.dedent(body)
+    code = (f"BLOCKED, ALLOWED = {tuple(blocked)!r}, {tuple(allowed)!r}\n" + _FINDER + _TORCH_FIRST
+            + textwrap.dedent(body)
             + 'if refuse.refused:\n    sys.exit(f"tried to import refused modules: {sorted(set(refuse.refused))}")\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
