@@ -1,5 +1,11 @@
-"""Frequencies: every rope type against transformers' own functions over real model configs (bit for bit), plus
-ggml's knobs, tables, exactness at long positions and the errors for bad configs.
+"""Frequencies: every rope type against transformers over real model configs (bit for bit), plus ggml's knobs,
+tables, exactness at long positions and the errors for bad configs.
+
+transformers is read through its public surface only, so that a new release cannot break these tests by renaming
+a helper: a model's rotary-embedding module (built from a config; its ``inv_freq``, ``attention_scaling`` and the
+cos/sin its ``forward`` returns, which recomputes the frequencies of the length-dependent types), the table of rope
+type functions it exports at the top level (``transformers.ROPE_INIT_FUNCTIONS``, called as its rotary modules call
+them) and an attention module's softmax ``scaling``.
 
 The model configs below are the RoPE-relevant fields of the published ``config.json`` files (no downloads).
 """
@@ -181,6 +187,23 @@ def hf_rotary(config):
     return classes[0](config)
 
 
+def hf_init_functions() -> dict:
+    """transformers' public table of rope type -> function (``transformers.ROPE_INIT_FUNCTIONS``). "default" is not
+    in it: each model's rotary module computes that type itself."""
+    return pytest.importorskip("transformers").ROPE_INIT_FUNCTIONS
+
+
+def hf_parameters(config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """transformers' ``(inv_freq, attention_scaling)`` for ``config``: the model's rotary module as built, or, at an
+    int length ``seq_len``, the rope type's function called as transformers' rotary modules call it
+    (``fn(config, device, seq_len=...)``). The default type does not depend on the length."""
+    rope_type = config.rope_parameters["rope_type"]
+    if seq_len is None or rope_type == "default":
+        rotary = hf_rotary(config)
+        return rotary.inv_freq, rotary.attention_scaling
+    return hf_init_functions()[rope_type](config, None, seq_len=seq_len)
+
+
 # ---- parsing -----------------------------------------------------------------------------------------------------
 
 
@@ -265,18 +288,14 @@ def test_dynamic_ntk_recomputed_like_transformers(seq_len):
 
 
 def test_dynamic_ntk_matches_init_function_with_partial_rotary():
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     d = {**MODEL_CONFIGS["pythia-1.4b"], "rope_scaling": {"rope_type": "dynamic", "factor": 3.0}}
     config = hf_config(d)
     for seq_len in (100, 2048, 3000, 12345):
-        inv, scaling = ROPE_INIT_FUNCTIONS["dynamic"](config, None, seq_len=seq_len)
+        inv, scaling = hf_parameters(config, seq_len)
         g = from_hf_config(d).for_seq_len(seq_len)
         assert g.rotary_dim == 32
         assert_equal_bits(g.inv_freq, inv)
         assert g.attention_scaling == scaling == 1.0
-    del transformers
 
 
 @pytest.mark.parametrize("seq_len", [4096, 4097, 100000])
@@ -296,21 +315,17 @@ def test_longrope_switches_factors_like_transformers(seq_len):
 
 
 def test_longrope_explicit_attention_factor_and_factor():
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     base = MODEL_CONFIGS["phi-3.5-mini-instruct"]
     for extra in ({"attention_factor": 1.25}, {"factor": 16.0}, {"factor": 1.0}):
         d = copy.deepcopy(base)
         d["rope_scaling"].update(extra)
         config = hf_config(d)
         for seq_len in (None, 5000):
-            inv, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=seq_len)
+            inv, scaling = hf_parameters(config, seq_len)
             f = from_hf_config(d)
             g = f if seq_len is None else f.for_seq_len(seq_len)
             assert_equal_bits(g.inv_freq, inv)
             assert g.attention_scaling == scaling
-    del transformers
 
 
 @pytest.mark.parametrize("extra", [
@@ -326,22 +341,16 @@ def test_longrope_explicit_attention_factor_and_factor():
     {"beta_fast": 4000.0, "beta_slow": 4000.0},  # an empty ramp (low == high)
 ])
 def test_yarn_edge_cases_match_transformers(extra):
-    pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     d = copy.deepcopy(MODEL_CONFIGS["qwen3-8b-yarn"])
     d["rope_parameters"].update(extra)
     config = hf_config(d)
-    inv, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    inv, scaling = hf_parameters(config)
     f = from_hf_config(d)
     assert_equal_bits(f.inv_freq, inv)
     assert f.attention_scaling == scaling
 
 
 def test_yarn_deepseek_attention_and_softmax_scale():
-    pytest.importorskip("transformers")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
-
     d = copy.deepcopy(MODEL_CONFIGS["deepseek-v3"])
     d["rope_scaling"]["mscale"] = 0.707  # DeepSeek-V2-Lite's values: attention factor != 1
     config = hf_config(d)
@@ -350,7 +359,14 @@ def test_yarn_deepseek_attention_and_softmax_scale():
     assert_equal_bits(f.inv_freq, rotary.inv_freq)
     assert f.attention_scaling == rotary.attention_scaling
     assert f.attention_scaling != pytest.approx(1.0)
-    assert f.softmax_scale == pytest.approx(ds.yarn_apply_mscale(config.rope_parameters, 1.0), rel=1e-12)
+    # the softmax scale DeepSeek's attention module uses, over the plain 1/sqrt(qk_head_dim) (weights on the meta
+    # device: only the scale is read)
+    attention_class = type(rotary).__name__.replace("RotaryEmbedding", "Attention")
+    with torch.device("meta"):
+        attention = getattr(sys.modules[type(rotary).__module__], attention_class)(config, layer_idx=0)
+    plain = (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]) ** -0.5
+    assert f.softmax_scale != pytest.approx(1.0)
+    assert f.softmax_scale == pytest.approx(attention.scaling / plain, rel=1e-12)
     assert from_hf_config(MODEL_CONFIGS["qwen3-8b"]).softmax_scale == 1.0
     # the vLLM name of the same method parses the same way
     d["rope_scaling"]["type"] = "deepseek_yarn"
@@ -373,29 +389,24 @@ def test_llama3_bands():
 
 
 def test_proportional_matches_transformers():
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
+    if "proportional" not in hf_init_functions():
+        pytest.skip("this transformers has no 'proportional' rope type")
     for prf, factor in ((0.25, 1.0), (0.5, 8.0), (1.0, 2.0)):
         d = {"model_type": "llama", "hidden_size": 1024, "num_attention_heads": 4, "head_dim": 256,
              "max_position_embeddings": 8192,
              "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": prf,
                                  "factor": factor}}
-        inv, scaling = ROPE_INIT_FUNCTIONS["proportional"](hf_config(d), None)
+        inv, scaling = hf_parameters(hf_config(d))
         f = from_hf_config(d)
         assert f.rotary_dim == f.head_dim == 256
         nonzero = inv != 0
         assert torch.equal(f.inv_freq != 0, nonzero)
         assert_equal_bits(f.inv_freq, inv)
         assert f.attention_scaling == scaling
-    del transformers
 
 
 def test_every_type_transformers_has_is_supported():
-    pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    assert set(ROPE_INIT_FUNCTIONS) <= set(ROPE_TYPES)
+    assert set(hf_init_functions()) <= set(ROPE_TYPES)
 
 
 def test_per_layer_type_configs():
@@ -477,31 +488,21 @@ if "proportional" in ROPE_TYPES:
         "rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "factor": 8.0}}
 
 
-def _init_function(config):
-    """transformers' function for the config's rope type (the model's own for "default")."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = config.rope_parameters["rope_type"]
-    if rope_type == "default":
-        return hf_rotary(config).compute_default_rope_parameters
-    return ROPE_INIT_FUNCTIONS[rope_type]
-
-
 @pytest.mark.parametrize("name", sorted(EXACT_CONFIGS))
 def test_bit_exact_with_transformers_init_functions(name):
-    pytest.importorskip("transformers")
     d = EXACT_CONFIGS[name]
     config = hf_config(d)
-    init = _init_function(config)
-    inv, scaling = init(config, None)
+    if config.rope_parameters["rope_type"] not in ("default", *hf_init_functions()):
+        pytest.skip(f"this transformers has no {config.rope_parameters['rope_type']!r} rope type")
+    inv, scaling = hf_parameters(config)
     for source in (d, config):
         f = from_hf_config(source)
         assert_equal_bits(f.inv_freq, inv)
         assert f.attention_scaling == scaling and type(f.attention_scaling) is float
-    # dynamic / longrope at other lengths: transformers' init function with an int length
+    # dynamic / longrope at other lengths: transformers' function of the type with an int length
     M = f.max_position_embeddings
     for seq_len in (1, M - 1, M, M + 1, 3 * M + 17, 40 * M + 1, f.original_max_position_embeddings or 2):
-        inv, scaling = init(config, None, seq_len=seq_len)
+        inv, scaling = hf_parameters(config, seq_len)
         g = f.for_seq_len(seq_len)
         assert_equal_bits(g.inv_freq, inv)
         assert g.attention_scaling == scaling
@@ -511,7 +512,6 @@ def test_bit_exact_with_transformers_init_functions(name):
 def test_dynamic_tensor_length_matches_transformers_module_update(name):
     # the rotary module passes position_ids.max() + 1, a tensor: transformers then forms the new base in float32,
     # which differs from the int-length value for some lengths
-    pytest.importorskip("transformers")
     d = EXACT_CONFIGS[name]
     config = hf_config(d)
     f = from_hf_config(d)
@@ -522,8 +522,6 @@ def test_dynamic_tensor_length_matches_transformers_module_update(name):
         rotary(torch.randn(1, 1, 4), torch.tensor([[seq_len - 1]]))
         g = f.for_seq_len(torch.tensor(seq_len))
         assert_equal_bits(g.inv_freq, rotary.inv_freq)
-        inv, _ = _init_function(config)(config, None, seq_len=torch.tensor(seq_len))
-        assert_equal_bits(g.inv_freq, inv)
         differ += not torch.equal(g.inv_freq, f.for_seq_len(seq_len).inv_freq)
     assert differ  # the two paths really are different arithmetic (12345 is one such length)
 
@@ -531,13 +529,12 @@ def test_dynamic_tensor_length_matches_transformers_module_update(name):
 def test_llama3_keeps_transformers_bounds_exactly():
     # transformers' own llama3 test: default / factor <= llama3 <= default, where the pairs beyond the
     # low-frequency wavelength are exactly default / factor (all in transformers' float32)
-    pytest.importorskip("transformers")
     for theta, factor in ((500000.0, 8.0), (500000.0, 32.0), (10000.0, 4.0)):
         params = {**_LLAMA31, "rope_theta": theta, "factor": factor}
         d = {**_L, "max_position_embeddings": 131072, "rope_parameters": params}
-        config = hf_config(d)
-        default_inv, _ = hf_rotary(config).compute_default_rope_parameters(config, None)
-        own_default = from_hf_config({**_L, "rope_parameters": {"rope_type": "default", "rope_theta": theta}})
+        default = {**d, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        default_inv, _ = hf_parameters(hf_config(default))
+        own_default = from_hf_config(default)
         assert_equal_bits(own_default.inv_freq, default_inv)
         inv = from_hf_config(d).inv_freq
         assert ((default_inv / factor <= inv) & (inv <= default_inv)).all()
