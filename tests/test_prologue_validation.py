@@ -3,8 +3,9 @@ they are given (per-token, per-sequence offsets, an int offset, with or without 
 device, float8 cache scales that are not finite and positive -- wherever the values are on the host (ints, CPU
 tensors, or ``check_positions=True``).
 
-Routes: "cpu" (the float64 path; CPU tensors are host values) and "cpu-kernels" (the kernels under the Triton
-interpreter, with the semantics of device tensors: their values are read only with ``check_positions=True``)."""
+Routes: "cpu" (the float64 path; CPU tensors are host values), "cpu-kernels" (the kernels under the Triton
+interpreter, with the semantics of device tensors: their values are read only with ``check_positions=True``) and
+"cuda"."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ def _rows_caches(n, device, dtype=torch.float32, layout="bshd"):
 
 
 def _check_kw(route: str) -> dict:
-    """On the kernel route, device semantics: values are read only when asked (check_positions=True)."""
-    return dict(check_positions=True) if route == "cpu-kernels" else {}
+    """On the kernel routes, device semantics: values are read only when asked (check_positions=True)."""
+    return dict(check_positions=True) if route != "cpu" else {}
 
 
 # (id, inputs: 4-D [B, S] or packed 3-D with cu_seqlens, positions, cu_seqlens)
@@ -70,7 +71,7 @@ PAST_THE_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 @pytest.mark.parametrize("shape, positions, cu_seqlens", [c[1:] for c in PAST_THE_ROWS],
                          ids=[c[0] for c in PAST_THE_ROWS])
@@ -97,7 +98,7 @@ def test_positions_past_the_rows_raise_before_writing(route, layout, shape, posi
         _assert_refused(IndexError, "positions", [q, k, v, *_rows_caches(n, device, layout=layout)], kw)
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 def test_packed_sequences_that_fit_are_written(route):
     """Packed sequences whose tokens together outnumber the rows but each fit (int offset and per-sequence
     offsets): written, not refused."""
@@ -113,7 +114,7 @@ def test_packed_sequences_that_fit_are_written(route):
             assert torch.equal(v_cache[0, 3:8], v[:5]) and torch.equal(v_cache[1, first:first + 5], v[5:])
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 def test_int_offset_replays_refuse_offsets_past_the_rows(route):
     """Calls of one signature with an int offset (the third replays a plan on the kernel route): an offset whose
     last token passes the rows raises on every call, with nothing written."""
@@ -127,7 +128,7 @@ def test_int_offset_replays_refuse_offsets_past_the_rows(route):
             _assert_refused(IndexError, "positions", [q, k, v, *caches], dict(positions=6))
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("cache_layout", ["bshd", "paged"])
 def test_v_on_another_device_is_refused(route, cache_layout):
     """v on another device than q raises ValueError naming v before k is written (a meta tensor stands for another
@@ -146,7 +147,7 @@ def test_v_on_another_device_is_refused(route, cache_layout):
                         kw)
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("which", ["k_cache_scale", "v_cache_scale"])
 @pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")], ids=["zero", "negative", "nan", "inf"])
 def test_host_tensor_cache_scales_must_be_finite_and_positive(route, which, value):
@@ -169,7 +170,7 @@ def test_device_tensor_cache_scales_are_not_read_without_check_positions():
         ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([1, 2]), v_cache_scale=torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("cache_layout", ["bshd", "paged"])
 def test_offsets_near_int64_max_raise(route, cache_layout):
     """Per-sequence offsets whose offset + S - 1 wraps around in int64 still raise naming positions (IndexError past
@@ -185,7 +186,7 @@ def test_offsets_near_int64_max_raise(route, cache_layout):
         _assert_refused(IndexError if cache_layout == "bshd" else ValueError, "positions", [q, k, v, *caches], kw)
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 def test_zero_dim_positions_are_one_offset_for_every_sequence(route):
     """A 0-d integer tensor is an offset, as an int is: on the host it is read; on the kernel route (a device
     scalar) the kernel reads it for every sequence. Same rows, same values."""
@@ -203,7 +204,7 @@ def test_zero_dim_positions_are_one_offset_for_every_sequence(route):
                         dict(positions=torch.tensor(6, device=device), **_check_kw(route)))
 
 
-@pytest.mark.parametrize("route", ROUTES[:2])
+@pytest.mark.parametrize("route", ROUTES)
 def test_multi_axis_token_positions_without_sections_say_so(route):
     """[A, T] positions for 3-D tokens without sections: the error names positions and says sections are needed."""
     device = route_device(route)

@@ -2,8 +2,8 @@
 expected, 0-d integer tensors as position offsets, per-sequence offsets and cu_seqlens given as strided views, and
 position checks that cannot be fooled by int64 wrap-around.
 
-Routes: "cpu" (the float64 path; CPU tensors are host values) and "cpu-kernels" (the kernels under the Triton
-interpreter, launch plans included, with the semantics of device tensors)."""
+Routes: "cpu" (the float64 path; CPU tensors are host values), "cpu-kernels" (the kernels under the Triton
+interpreter, launch plans included, with the semantics of device tensors) and "cuda"."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import torch
 import ropekit
 from helpers import ROUTES, route_context, route_device
 from ropekit.testing import assert_close_to_ref, kernel_backend
-
-ROUTES2 = ROUTES[:2]  # cpu, cpu-kernels (CUDA: see ROUTES)
 
 
 def _backend(route: str) -> str:
@@ -61,7 +59,7 @@ def test_multi_axis_positions_without_sections_say_sections_are_needed(layout, s
 
 # --- 0-d integer tensors ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("route", ROUTES2)
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("case", ["bshd-B2", "bshd-B1", "thd-cu_seqlens", "thd"])
 def test_zero_dim_positions_are_an_offset(route, case):
     """``positions=torch.tensor(p)`` rotates as ``positions=p``: on the host it is read as the int; a device scalar
@@ -84,7 +82,7 @@ def test_zero_dim_positions_are_an_offset(route, case):
                 assert_close_to_ref(g, w, torch.float32, _backend(route))
 
 
-@pytest.mark.parametrize("route", ROUTES2)
+@pytest.mark.parametrize("route", ROUTES)
 def test_zero_dim_positions_are_checked_like_an_offset(route):
     device = route_device(route)
     q = torch.randn(2, 3, 2, 16, device=device)
@@ -93,7 +91,7 @@ def test_zero_dim_positions_are_checked_like_an_offset(route):
             ropekit.apply_rope(q, positions=torch.tensor(5.0, device=device))
         with pytest.raises(ValueError, match="positions.*int\\(positions\\)"):
             ropekit.apply_rope(q, positions=torch.empty((), dtype=torch.int64, device="meta"))
-        check = dict(check_positions=True) if route == "cpu-kernels" else {}
+        check = dict(check_positions=True) if route != "cpu" else {}
         with pytest.raises((ValueError, IndexError), match="positions"):
             ropekit.apply_rope(q, positions=torch.tensor(-1, device=device), **check)
         table = dict(cos=torch.rand(8, 8, device=device), sin=torch.rand(8, 8, device=device))
@@ -103,7 +101,7 @@ def test_zero_dim_positions_are_checked_like_an_offset(route):
 
 # --- strided per-sequence offsets and cu_seqlens ----------------------------------------------------------------
 
-@pytest.mark.parametrize("route", ROUTES2)
+@pytest.mark.parametrize("route", ROUTES)
 def test_strided_per_sequence_offsets_and_cu_seqlens(route):
     """Per-sequence offsets and cu_seqlens given as strided or expanded views mean what their values say (the
     kernels index both densely, so they read dense copies)."""
@@ -129,14 +127,14 @@ def test_strided_per_sequence_offsets_and_cu_seqlens(route):
 
 # --- wrap-around ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("route", ROUTES2)
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("offset", [2**63 - 2, 2**63 - 1, 2**62 + 5])
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd-cu_seqlens"])
 def test_offsets_near_int64_max_raise(route, offset, packed):
     """Per-sequence offsets whose offset + S - 1 passes 2**63 - 1 (and wraps around in int64) raise ValueError
-    naming positions where the values are read (CPU tensors; check_positions=True on the kernel route)."""
+    naming positions where the values are read (CPU tensors; check_positions=True on the kernel routes)."""
     device = route_device(route)
-    check = dict(check_positions=True) if route == "cpu-kernels" else {}
+    check = dict(check_positions=True) if route != "cpu" else {}
     if packed:
         q = torch.randn(7, 2, 16, device=device)
         kw = dict(layout="thd", cu_seqlens=torch.tensor([0, 3, 7], device=device))
