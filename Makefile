@@ -25,5 +25,5 @@ bench:  ## the quick benchmark preset (needs CUDA)
 check:  ## every capability against the float64 reference, on CUDA if present, else CPU
 	$(PYTHON) -m ropekit.cli check
 
-ci:  ## what CI does: the README commands in fresh virtual environments, then lint
+ci:  ## what CI does: lint, then the README commands in fresh virtual environments, newest and oldest versions
 	bash .ci/run
