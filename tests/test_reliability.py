@@ -337,13 +337,21 @@ def test_unhashable_argument_gets_the_validation_error_on_every_call(mode):
 
 # ------------------------------------------------------------------------------------------- caches
 
-def test_frequency_cache_is_bounded():
-    from ropekit import frequencies
+def test_device_caches_are_bounded():
+    """The default frequencies of base= and the pair-to-axis maps of multi-axis positions: one bounded cache each,
+    a repeated key served from it."""
+    from ropekit._spec import pair_axis_tensor
+    from ropekit.frequencies import default_inv_freq
 
     q = torch.randn(1, 2, 1, 8)
     for i in range(200):
         ropekit.apply_rope(q, base=1000.0 + i)
-    assert len(frequencies._INV_FREQ_CACHE) <= frequencies._INV_FREQ_CACHE_SIZE
+    assert 0 < default_inv_freq.cache_len() <= default_inv_freq.maxsize
+    assert default_inv_freq(1000.0, 8, q.device) is default_inv_freq(1000.0, 8, q.device)
+    for i in range(1, 100):
+        pair_axis_tensor((i, 1), "contiguous", q.device)
+    assert 0 < pair_axis_tensor.cache_len() <= pair_axis_tensor.maxsize
+    assert pair_axis_tensor((2, 2), "interleaved", q.device) is pair_axis_tensor((2, 2), "interleaved", q.device)
 
 
 @pytest.mark.parametrize("mode", MODES[1:])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import numbers
 import typing
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _config
+from ropekit._device_cache import device_cache
 from ropekit._memory import has_internal_overlap, overlap
 from ropekit.frequencies import STYLES, default_inv_freq
 
@@ -425,7 +425,6 @@ SECTION_LAYOUTS = ("contiguous", "interleaved")
 MAX_AXES = 4
 """The most position axes (sections) the kernel takes: it forms each pair's axis from one compile-time bound per
 axis past the first (``ropekit.triton.launcher.axis_constexprs``)."""
-_PAIR_AXIS_CACHE: OrderedDict = OrderedDict()
 
 
 def pair_axis_map(sections: tuple[int, ...], section_layout: str) -> list[int]:
@@ -446,20 +445,11 @@ def pair_axis_map(sections: tuple[int, ...], section_layout: str) -> list[int]:
     return axes
 
 
+@device_cache(maxsize=64)
 def pair_axis_tensor(sections: tuple[int, ...], section_layout: str, device: torch.device) -> Tensor:
     """:func:`pair_axis_map` as an int32 tensor on ``device``, cached (the 64 most recently used) in eager mode so
     that repeated calls allocate nothing."""
-    key = (sections, section_layout, device)
-    cached = _PAIR_AXIS_CACHE.get(key)
-    if cached is not None:
-        _PAIR_AXIS_CACHE.move_to_end(key)
-        return cached
-    table = torch.tensor(pair_axis_map(sections, section_layout), dtype=torch.int32).to(device)
-    if not torch.compiler.is_compiling():
-        _PAIR_AXIS_CACHE[key] = table
-        if len(_PAIR_AXIS_CACHE) > 64:
-            _PAIR_AXIS_CACHE.popitem(last=False)
-    return table
+    return torch.tensor(pair_axis_map(sections, section_layout), dtype=torch.int32).to(device)
 
 
 def _multi_axis(q: Tensor, positions, sections, section_layout: str, layout: str, B: int, S: int, rotary_dim: int,

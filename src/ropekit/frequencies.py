@@ -59,12 +59,13 @@ import json
 import math
 import numbers
 import os
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ropekit._device_cache import device_cache
 
 __all__ = [
     "ROPE_TYPES",
@@ -105,10 +106,7 @@ _MROPE_DEFAULTS = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24), "qwen3_
 _PARTIAL_DEFAULTS = {"gpt_neox": 0.25, "glm": 0.5, "glm4": 0.5}
 STYLES = ("neox", "interleaved")
 
-_INV_FREQ_CACHE: OrderedDict = OrderedDict()
-_INV_FREQ_CACHE_SIZE = 64
-
-
+@device_cache(maxsize=64)
 def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
     """``base ** (-2i / R)`` for i < R/2, formed in float64 and rounded once to fp32 [R/2]: the frequencies of
     ``apply_rope(..., base=...)``.
@@ -117,18 +115,8 @@ def default_inv_freq(base: float, rotary_dim: int, device: torch.device) -> torc
     with transformers' fp32 formula except where that formula is itself an ulp off; :func:`from_hf_config`
     reproduces transformers bit for bit). Cached per (base, R, device) in eager mode (the 64 most recently used),
     so calls stay free of host work and allocations."""
-    key = (base, rotary_dim, device)
-    cached = _INV_FREQ_CACHE.get(key)
-    if cached is not None:
-        _INV_FREQ_CACHE.move_to_end(key)
-        return cached
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    inv_freq = torch.pow(base, -exponent).to(torch.float32).to(device)
-    if not torch.compiler.is_compiling():
-        _INV_FREQ_CACHE[key] = inv_freq
-        if len(_INV_FREQ_CACHE) > _INV_FREQ_CACHE_SIZE:
-            _INV_FREQ_CACHE.popitem(last=False)
-    return inv_freq
+    return torch.pow(base, -exponent).to(torch.float32).to(device)
 
 
 # --------------------------------------------------------------------------------------------------------------

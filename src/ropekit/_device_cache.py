@@ -1,0 +1,42 @@
+"""One cache for the small constant tensors validation hands the kernels (the default frequencies of ``base=``,
+the pair-to-axis map of multi-axis positions): built once per key and device, the most recently used kept, so
+repeated eager calls allocate nothing. Traced calls build afresh and keep nothing (a graph must not hold a tensor
+made outside it)."""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def device_cache(maxsize: int = 64) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Decorate ``make(*key) -> Tensor`` (hashable arguments, the device among them) with an LRU cache of
+    ``maxsize`` entries that is bypassed while torch.compile traces. ``fn.cache_clear()`` empties it,
+    ``fn.cache_len()`` counts its entries, ``fn.maxsize`` is the bound."""
+
+    def decorate(make: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        cache: OrderedDict = OrderedDict()
+
+        @functools.wraps(make)
+        def cached(*key) -> Tensor:
+            hit = cache.get(key)
+            if hit is not None:
+                cache.move_to_end(key)
+                return hit
+            value = make(*key)
+            if not torch.compiler.is_compiling():
+                cache[key] = value
+                if len(cache) > maxsize:
+                    cache.popitem(last=False)
+            return value
+
+        cached.cache_clear = cache.clear
+        cached.cache_len = cache.__len__
+        cached.maxsize = maxsize
+        return cached
+
+    return decorate
