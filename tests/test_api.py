@@ -247,12 +247,11 @@ def test_eager_plans_only_for_plain_cuda_tensors():
     """The fast path of repeated eager calls (ropekit._fastpath) never engages on CPU, for tensor subclasses, or
     under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_gpu_eager_plans.)"""
     from ropekit import _fastpath
-    from ropekit._spec import FORWARD
+    from ropekit._spec import FORWARD, RopeArgs
 
     q, k = make_qk(1, 3, 2, 2, 8)
-    options = dict(positions=None, check_positions=False, backend="auto")
-    assert _fastpath.signature(q, k, FORWARD, options) is None
-    assert _fastpath.signature(torch.nn.Parameter(q), None, FORWARD, options) is None
+    assert _fastpath.signature(q, k, FORWARD, RopeArgs()) is None
+    assert _fastpath.signature(torch.nn.Parameter(q), None, FORWARD, RopeArgs()) is None
     before = len(_fastpath._PLANS)
     ropekit.apply_rope(q, k, positions=3)
     assert len(_fastpath._PLANS) == before
@@ -260,36 +259,49 @@ def test_eager_plans_only_for_plain_cuda_tensors():
 
 @pytest.mark.parametrize("name", ["apply_rope", "apply_rope_", "rope_backward"])
 def test_public_functions_forward_every_option(name, monkeypatch):
-    """Each public function hands every keyword, as given, to the layer below (a forgotten one would silently
-    take validate's default)."""
+    """Each public function's keywords are RopeArgs' fields, in order and with its defaults, and it hands every
+    keyword, as given, to the layer below (a forgotten one would silently take the default)."""
     import inspect
 
     from ropekit import _fastpath
+    from ropekit._spec import RopeArgs
 
     fn = getattr(ropekit, name)
     options = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert [(p.name, p.default) for p in options] == list(RopeArgs._field_defaults.items())
     sentinels = {p.name: object() for p in options}
     seen = {}
-    monkeypatch.setattr(_fastpath, "rotate", lambda q, k, mode, opts: seen.update(opts))
+    monkeypatch.setattr(_fastpath, "rotate", lambda q, k, mode, args: seen.update(args._asdict()))
     fn(torch.zeros(1, 1, 1, 2), None, **dict(sentinels, backend="auto"))
     assert seen == dict(sentinels, backend="auto")
 
 
-def test_qk_norm_rope_forwards_every_option(monkeypatch):
-    """qk_norm_rope hands every argument, as given, to the fast path, and its rope keywords are the ones the fast
-    path passes on to validate (NORM_ROPE_OPTIONS)."""
+def test_prologue_functions_forward_every_option(monkeypatch):
+    """qk_norm_rope and rope_kv_write hand every argument, as given, to the fast path in their bundles (RopeArgs,
+    NormSpec, CacheArgs); their rotation keywords are RopeArgs' fields but the output dtype and the backend, with
+    RopeArgs' defaults, and the bundles' defaults are the public ones."""
     import inspect
 
     from ropekit import _fastpath
+    from ropekit._spec import CacheArgs, NormSpec, RopeArgs
 
-    params = inspect.signature(ropekit.qk_norm_rope).parameters
-    sentinels = {name: object() for name in params}
-    seen = {}
-    monkeypatch.setattr(_fastpath, "norm_rotate", lambda opts: seen.update(opts))
-    ropekit.qk_norm_rope(**sentinels)
-    assert seen == sentinels
-    rope = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("eps", "weight_offset")]
-    assert tuple(rope) == _fastpath.NORM_ROPE_OPTIONS
+    rope_fields = [f for f in RopeArgs._fields if f not in ("out_dtype", "backend")]
+    for fn, bundled, name in ((ropekit.qk_norm_rope, ("q", "k", "norm", "args"), "norm_rotate"),
+                              (ropekit.rope_kv_write, ("q", "k", "cache", "norm", "args"), "write_kv")):
+        params = inspect.signature(fn).parameters
+        sentinels = {p: object() for p in params}
+        seen = {}
+        monkeypatch.setattr(_fastpath, name, lambda *call: seen.update(zip(bundled, call)))  # noqa: B023
+        fn(**sentinels)
+        got = {"q": seen["q"], "k": seen["k"], **seen["norm"]._asdict(), **seen["args"]._asdict()}
+        if "cache" in seen:
+            got.update(seen["cache"]._asdict())
+        assert {n: v for n, v in got.items() if n in sentinels} == sentinels
+        assert {n for n in params if n in RopeArgs._fields} == set(rope_fields)
+        for n, p in params.items():
+            for bundle in (RopeArgs, NormSpec, CacheArgs):
+                if n in bundle._field_defaults and p.default is not inspect.Parameter.empty:
+                    assert p.default == bundle._field_defaults[n], (fn.__name__, n)
 
 
 def test_out_dtype_rounds_once_and_in_place_refuses_another_dtype():

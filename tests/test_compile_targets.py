@@ -87,7 +87,7 @@ def _compile_prologue(target: str, case: str):
     """Compile the attention prologue's forward (norm + RoPE + paged fp8 cache write, or bshd bf16) or its
     backward for ``target``, with the launch its launcher builds for small CPU tensors; ``*-large``: qk_norm_rope's
     forward and backward at the block shapes their launchers pick for large grids on a GPU."""
-    from ropekit._spec import validate_kv_write
+    from ropekit._spec import CacheArgs, RopeArgs, validate_args, validate_kv_write
     from ropekit.triton import prologue as P
 
     seen = {}
@@ -120,10 +120,12 @@ def _compile_prologue(target: str, case: str):
             dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
             caches = [torch.zeros((4, 16, 2, 128) if fp8 else (4, 64, 2, 128), dtype=dtype) for _ in range(2)]
             slots = torch.tensor([3, -1, 9, 60]) if fp8 else None
-            q4, k4, v4, pos4, layout, cache = validate_kv_write(
-                q, k, v, *caches, torch.tensor([1, 2, 3, 4]), slots, "paged" if fp8 else "bshd",
-                torch.tensor(0.5) if fp8 else None, 2.0 if fp8 else None, None, "bshd", None, False)
-            spec = validate(q4, k4, positions=pos4, layout=layout)
+            q4, k4, v4, rope_args, cache = validate_kv_write(
+                q, k, CacheArgs(v, *caches, slot_mapping=slots, cache_layout="paged" if fp8 else "bshd",
+                                k_cache_scale=torch.tensor(0.5) if fp8 else None,
+                                v_cache_scale=2.0 if fp8 else None),
+                RopeArgs(positions=torch.tensor([1, 2, 3, 4])))
+            spec = validate_args(q4, k4, rope_args)
             P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, q_weight=w, k_weight=w)
     finally:
         L._launch = original

@@ -10,7 +10,7 @@ from torch.library import opcheck
 import ropekit
 from helpers import KERNEL_ROUTES, ROUTES, route_context, route_device
 from ropekit import autograd, ops
-from ropekit._spec import validate, validate_kv_write
+from ropekit._spec import CacheArgs, RopeArgs, validate, validate_args, validate_kv_write
 
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 DEVICES = ROUTES
@@ -50,9 +50,10 @@ def test_opcheck_rope_kv_write(device):
         q, k, v = (torch.randn(3, h, 16, device=dev) for h in (4, 2, 2))
         k_cache, v_cache = torch.zeros(2, 4, 2, 16, device=dev), torch.zeros(2, 4, 2, 16, device=dev)
         slots = torch.tensor([5, -1, 0], device=dev)
-        q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, k_cache, v_cache, torch.tensor([1, 2, 3]).to(dev),
-                                                           slots, "paged", None, None, None, "bshd", None, False)
-        spec = validate(q4, k4, positions=pos4, layout=layout)
+        q4, k4, v4, rope_args, cache = validate_kv_write(
+            q, k, CacheArgs(v, k_cache, v_cache, slot_mapping=slots, cache_layout="paged"),
+            RopeArgs(positions=torch.tensor([1, 2, 3]).to(dev)))
+        spec = validate_args(q4, k4, rope_args)
         tests = ("test_schema", "test_faketensor") if device == "cpu-kernels" else None
         opcheck(torch.ops.ropekit.rope_kv_write.default,
                 (q4, k4, v4, k_cache, v_cache, None, None, 0.0, 1e-6, *ops.cache_op_args(cache), *spec),
@@ -210,10 +211,9 @@ def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config, r
         torch.testing.assert_close(k_out.cpu().double(), ref_k.detach(), rtol=1e-5, atol=1e-5)
 
         caches = [torch.full((B, 64, HK, D), float("nan"), device=dev) for _ in range(2)]
-        q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, *caches, pos, None, "bshd", None, None, None,
-                                                           "bshd", None, False)
+        q4, k4, v4, rope_args, cache = validate_kv_write(q, k, CacheArgs(v, *caches), RopeArgs(positions=pos))
         q_out.fill_(float("nan"))
-        prologue.launch_prologue(q4, k4, q_out, None, validate(q4, k4, positions=pos4, layout=layout, **rotary),
+        prologue.launch_prologue(q4, k4, q_out, None, validate_args(q4, k4, rope_args._replace(**rotary)),
                                  v=v4, cache=cache, q_weight=qw, k_weight=kw, config=config)
         rows = caches[0][torch.arange(B, device=dev)[:, None], pos]  # [B, S, HK, D]
         torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)

@@ -325,7 +325,7 @@ def _host_us(fn, calls: int = 200, wait: bool = True) -> float:
 
 def sweep(batch: int) -> None:
     """Device time per kernel, host time per call, and block shapes of the raw launchers."""
-    from ropekit._spec import validate, validate_kv_write
+    from ropekit._spec import CacheArgs, RopeArgs, validate_args, validate_kv_write
     from ropekit.triton.prologue import launch_prologue
 
     decode_shapes = [(1, bh, min(bh, 8), nw) for bh in (2, 4, 8) for nw in (1, 2, 4)]
@@ -336,9 +336,9 @@ def sweep(batch: int) -> None:
             if B == 1 and T > 1:  # prefill: one sequence of T tokens
                 q, k, v, pos = q.view(1, T, -1, D), k.view(1, T, -1, D), v.view(1, T, -1, D), pos.view(1, T)
             norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
-            q4, k4, v4, pos4, layout, cache = validate_kv_write(q, k, v, k_cache, v_cache, pos, None, "bshd", None,
-                                                               None, None, "bshd", None, False)
-            spec = validate(q4, k4, positions=pos4, layout=layout, base=m["base"])
+            q4, k4, v4, rope_args, cache = validate_kv_write(q, k, CacheArgs(v, k_cache, v_cache),
+                                                             RopeArgs(positions=pos, base=m["base"]))
+            spec = validate_args(q4, k4, rope_args)
             q_out = torch.empty(q4.shape, device="cuda", dtype=q.dtype)
             raw = {cfg: (lambda c=cfg: launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=c,
                                                        **norm))
@@ -348,8 +348,9 @@ def sweep(batch: int) -> None:
                 return ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=pos, base=m["base"], **norm)
 
             def checks():
-                validate_kv_write(q, k, v, k_cache, v_cache, pos, None, "bshd", None, None, None, "bshd", None, False)
-                return validate(q4, k4, positions=pos4, base=m["base"])
+                _, _, _, checked, _ = validate_kv_write(q, k, CacheArgs(v, k_cache, v_cache),
+                                                        RopeArgs(positions=pos, base=m["base"]))
+                return validate_args(q4, k4, checked)
 
             print(f"{name} rope_kv_write T={T}: kernels {kernel_us(public)}  host us/call: public "
                   f"{_host_us(public):.1f}, validation {_host_us(checks):.1f}, raw launch {_host_us(raw[None]):.1f}",
@@ -357,8 +358,8 @@ def sweep(batch: int) -> None:
             # the same launch with angles from a cos/sin table (no in-kernel angle math), and the bytes' copy
             inv = default_inv_freq(m["base"], D, torch.device("cuda"))
             angles = torch.outer(torch.arange(k_cache.shape[1], device="cuda", dtype=torch.float64), inv.double())
-            spec_table = validate(q4, k4, positions=pos4, layout=layout, cos=angles.cos().float(),
-                                  sin=angles.sin().float())
+            spec_table = validate_args(q4, k4, rope_args._replace(cos=angles.cos().float(),
+                                                                  sin=angles.sin().float(), base=10000.0))
             reference = {"table": lambda: launch_prologue(q4, k4, q_out, None, spec_table, v=v4, cache=cache,
                                                           **norm)}
             if T == B:
@@ -440,7 +441,7 @@ def decode_gap(tokens: list[int]) -> None:
     kernel's argument count; the copy on the prologue's decode grid (``copy-grid``: 4 heads per program, as many
     programs, none of the arithmetic). Plain RoPE of q and k: the default, cos/sin tables, and Liger (where
     installed), each also with per-token tables as Liger is given them (no position load in the call)."""
-    from ropekit._spec import validate, validate_kv_write
+    from ropekit._spec import CacheArgs, RopeArgs, validate, validate_args, validate_kv_write
     from ropekit.triton.launcher import launch_rope
     from ropekit.triton.prologue import launch_prologue
 
@@ -460,10 +461,11 @@ def decode_gap(tokens: list[int]) -> None:
                 fns = {}
                 for label, positions, rope in (("default", pos, {}), ("rotary2", pos, dict(rotary_dim=2)),
                                                ("offset", 1000, {}), ("table", pos, dict(cos=cos, sin=sin))):
-                    q4, k4, v4, pos4, layout, cache = validate_kv_write(
-                        q, k, v, k_cache, v_cache, positions, None, "bshd", scale, scale, None, "bshd", None, False)
+                    q4, k4, v4, rope_args, cache = validate_kv_write(
+                        q, k, CacheArgs(v, k_cache, v_cache, k_cache_scale=scale, v_cache_scale=scale),
+                        RopeArgs(positions=positions))
                     rope = rope if "cos" in rope else dict(rope, base=m["base"])
-                    spec = validate(q4, k4, positions=pos4, layout=layout, **rope)
+                    spec = validate_args(q4, k4, rope_args._replace(**rope))
                     fns[label] = (lambda a=(q4, k4, q_out4), s=spec, v4=v4, c=cache:
                                   launch_prologue(*a, None, s, v=v4, cache=c, **norm))
                 fns["copy"] = lambda: copy_rows(q, k, v, q_out, k_cache, v_cache, pos, S)
@@ -505,7 +507,7 @@ def decode_gap(tokens: list[int]) -> None:
 
 def prefill_sweep(T: int = 8192) -> None:
     """rope_kv_write prefill (one sequence of T tokens at offset 1000) by block shape, raw launcher, cold L2."""
-    from ropekit._spec import validate, validate_kv_write
+    from ropekit._spec import CacheArgs, RopeArgs, validate_args, validate_kv_write
     from ropekit.triton.prologue import launch_prologue
 
     shapes = [None, (1, 8, 8, 1), (1, 8, 8, 4), (2, 8, 8, 2), (1, 16, 8, 2), (2, 16, 8, 4), (4, 8, 8, 4)]
@@ -516,9 +518,10 @@ def prefill_sweep(T: int = 8192) -> None:
             scale = torch.tensor(0.05, device="cuda") if cache_dtype == FP8 else None
             norm = dict(q_weight=qw, k_weight=kw) if m["norm"] else {}
             for label, positions in (("int offset", 1000), ("per-token", pos.view(1, T))):
-                q4, k4, v4, pos4, layout, cache = validate_kv_write(
-                    q, k, v, k_cache, v_cache, positions, None, "bshd", scale, scale, None, "bshd", None, False)
-                spec = validate(q4, k4, positions=pos4, layout=layout, base=m["base"])
+                q4, k4, v4, rope_args, cache = validate_kv_write(
+                    q, k, CacheArgs(v, k_cache, v_cache, k_cache_scale=scale, v_cache_scale=scale),
+                    RopeArgs(positions=positions, base=m["base"]))
+                spec = validate_args(q4, k4, rope_args)
                 q_out = torch.empty(q4.shape, device="cuda", dtype=q.dtype)
                 fns = {cfg: (lambda c=cfg: launch_prologue(q4, k4, q_out, None, spec, v=v4, cache=cache, config=c,
                                                            **norm)) for cfg in shapes}

@@ -27,9 +27,8 @@ against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fas
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,14 +37,18 @@ from ropekit import _config
 from ropekit._memory import span_bytes
 from ropekit._spec import (
     MAX_POSITION,
+    TENSOR_ARGS,
     TENSOR_FIELDS,
+    CacheArgs,
     Mode,
+    NormSpec,
+    RopeArgs,
     RopeSpec,
     needs_grad,
     to_canonical,
-    validate,
+    validate_args,
     validate_kv_write,
-    validate_norm_weights,
+    validate_norm,
 )
 from ropekit.autograd import norm_rotate as norm_rotate_spec
 from ropekit.autograd import rotate as rotate_spec
@@ -56,33 +59,30 @@ _PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 1024
 _SEEN: OrderedDict = OrderedDict()  # signatures seen once, not yet worth a plan
 _MAX_SEEN = 1024
-# The public options, in the order of the public signature (and of validate's keywords, which a test holds the
-# public functions to); the ones that may be tensors, and where they sit.
-_OPTIONS = tuple(name for name in inspect.signature(validate).parameters if name not in ("q", "k", "mode"))
-_TENSOR_OPTIONS = ("positions", "inv_freq", "cos", "sin", "angles", "cu_seqlens")
-_TENSOR_SLOTS = tuple(sorted(_OPTIONS.index(name) for name in _TENSOR_OPTIONS))
-_POSITIONS_SLOT = _OPTIONS.index("positions")
+# Where RopeArgs' tensor fields sit in it (a call's key is built from its values in field order).
+_TENSOR_SLOTS = tuple(sorted(RopeArgs._fields.index(name) for name in TENSOR_ARGS))
+_POSITIONS_SLOT = RopeArgs._fields.index("positions")
 # The public options each of the spec's tensors can be a view of.
 _SOURCES = {"positions": ("positions",), "seq_offsets": ("positions",), "cu_seqlens": ("cu_seqlens",),
             "inv_freq": ("inv_freq",), "cos": ("cos", "angles"), "sin": ("sin",)}
 
 
-def rotate(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
-    """A public call (``options``: its keywords, see :func:`ropekit.apply_rope`) on the ``"auto"`` backend:
+def rotate(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
+    """A public call (``args``: its keywords, see :func:`ropekit.apply_rope`) on the ``"auto"`` backend:
     replay the plan of its signature, or validate, run and note the signature. Returns what the public function
     returns."""
     sig = None
-    if _plans_apply() and not options["check_positions"]:
-        plan, sig = _planned(_PLANS, signature(q, k, mode, options))
+    if _plans_apply() and not args.check_positions:
+        plan, sig = _planned(_PLANS, signature(q, k, mode, args))
         if plan is not None:
-            outs = plan(q, k, sig[1], options, mode)
+            outs = plan(q, k, sig[1], args, mode)
             if outs is not None:
                 return outs
             sig = None  # the plan exists; this call's offset or memory needed the full path
-    spec = validate(q, k, mode=mode, **options)
+    spec = validate_args(q, k, args, mode)
     outs = rotate_spec(q, k, spec, mode.inplace)
     if sig is not None:
-        _sighted(sig[0], q, k, options, spec, outs, mode)
+        _sighted(sig[0], q, k, args, spec, outs, mode)
     return outs[0] if k is None else outs
 
 
@@ -107,7 +107,7 @@ def _planned(plans: OrderedDict, sig):
     return plan, sig
 
 
-def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
+def signature(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
     """(key, handles) of a call, or None when the fast path does not apply: not a kernel call (CUDA, or CPU under
     ``kernels_on_cpu``; float64 runs the reference), tensor subclasses, in-place calls that need autograd. Never
     called while torch.compile traces (:func:`_plans_apply`).
@@ -131,7 +131,7 @@ def signature(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
         p = k.data_ptr()
         handles.append(p if raw else k)
         k_part = (k.shape, k.stride(), k.dtype, k.device, p & 15)
-    values = list(options.values())  # in the order of _OPTIONS (the public signature's)
+    values = list(args)  # in RopeArgs' field order
     for i in _TENSOR_SLOTS:
         v = values[i]
         if v is None:
@@ -160,9 +160,9 @@ def clear() -> None:
     _NORM_SEEN.clear()
 
 
-def _sighted(key, q, k, options, spec, outs, mode) -> None:
+def _sighted(key, q, k, args, spec, outs, mode) -> None:
     """Note a signature's full-path call; on its second call, record its plan."""
-    _note(_SEEN, key, lambda: _remember(key, q, k, options, spec, outs, mode))
+    _note(_SEEN, key, lambda: _remember(key, q, k, args, spec, outs, mode))
 
 
 class Plan:
@@ -173,15 +173,15 @@ class Plan:
     __slots__ = ("launch", "slots", "consts", "const_handles", "int_offset", "max_offset", "q_out", "k_out",
                  "grad", "handle", "q_span", "k_span", "qk_delta", "saved")
 
-    def __call__(self, q: Tensor, k: Tensor | None, handles: list, options: dict, mode: Mode):
+    def __call__(self, q: Tensor, k: Tensor | None, handles: list, args: RopeArgs, mode: Mode):
         """Launch and return the outputs as the full path would, or None to send the call down the full path."""
-        pos_offset = _checked_offset(options["positions"], self.max_offset) if self.int_offset else 0
+        pos_offset = _checked_offset(args.positions, self.max_offset) if self.int_offset else 0
         if pos_offset == -1:
             return None
         const = self.const_handles
         tables = tuple(handles[i] if i >= 0 else const[~i] for i in self.slots)
         if self.grad:
-            return PlannedRope.apply(q, k, self, tables, pos_offset, options, mode)
+            return PlannedRope.apply(q, k, self, tables, pos_offset, args, mode)
         if mode.inplace:
             q_h, k_h = handles[0], handles[1]
             if k is None:  # the launcher passes q's pointers in k's slots
@@ -221,12 +221,12 @@ class PlannedRope(torch.autograd.Function):
     gradient whose last dimension is not contiguous is copied, exactly as for the full path."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor | None, plan: Plan, tables: tuple, pos_offset: int, options: dict,
+    def forward(ctx, q: Tensor, k: Tensor | None, plan: Plan, tables: tuple, pos_offset: int, args: RopeArgs,
                 mode: Mode):
-        ctx.options, ctx.mode = options, mode
+        ctx.args, ctx.mode = args, mode
         # what the full path saves (its spec's tensors), so that activation checkpointing's recomputation saves the
-        # same whichever route it takes; the backward reads the options, the saved views give the version check
-        ctx.save_for_backward(*spec_views(plan.saved, options))
+        # same whichever route it takes; the backward reads the args, the saved views give the version check
+        ctx.save_for_backward(*spec_views(plan.saved, args))
         ctx.inputs = (q.shape, q.dtype, q.device), (None if k is None else (k.shape, k.dtype))
         return plan.rotate(q, k, tables, pos_offset)
 
@@ -243,7 +243,7 @@ class PlannedRope(torch.autograd.Function):
         gq = gq if gq.stride(-1) == 1 else gq.contiguous()
         if gk is not None and gk.stride(-1) != 1:
             gk = gk.contiguous()
-        outs = rotate(gq, gk, ctx.mode.gradient(), dict(ctx.options, out_dtype=None))
+        outs = rotate(gq, gk, ctx.mode.gradient(), ctx.args._replace(out_dtype=None))
         dq, dk = (outs, None) if k_info is None else outs
         dq = dq if dq.dtype == q_dtype else dq.to(q_dtype)
         if dk is not None and dk.dtype != k_info[1]:
@@ -251,15 +251,15 @@ class PlannedRope(torch.autograd.Function):
         return dq, dk, None, None, None, None, None
 
 
-def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, outs: tuple, mode: Mode) -> None:
+def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, outs: tuple, mode: Mode) -> None:
     """Keep a plan for ``key`` after a call of it ran the full path successfully with ``spec`` and produced
     ``outs``; skip signatures a plan cannot replay (a spec tensor that is a copy of the user's, not a view)."""
     from ropekit.triton.bound import bind_rope
 
     # The call's handle index of each tensor option, as signature() lays them out.
     handle_index = {}
-    for name in _TENSOR_OPTIONS:
-        if isinstance(options[name], Tensor):
+    for name in TENSOR_ARGS:
+        if isinstance(getattr(args, name), Tensor):
             handle_index[name] = 2 + len(handle_index)
 
     def source(field: str, t: Tensor | None) -> int | None:
@@ -268,7 +268,7 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
         if t is None:
             return 0
         for name in _SOURCES[field]:
-            arg = options[name]
+            arg = getattr(args, name)
             if isinstance(arg, Tensor) and arg.data_ptr() == t.data_ptr():
                 return handle_index[name]
         return None
@@ -278,12 +278,12 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
     for j, (field, t) in enumerate(zip(TENSOR_FIELDS, spec.tensors)):
         # Tensors validation takes from its caches, the same for every call of the signature: the default
         # frequencies of base=. The plan keeps them alive.
-        if slots[j] is None and field == "inv_freq" and options["inv_freq"] is None:
+        if slots[j] is None and field == "inv_freq" and args.inv_freq is None:
             slots[j] = ~len(consts)
             consts.append(t)
     if any(s is None for s in slots):
         return
-    saved = spec_recipe(spec, options)
+    saved = spec_recipe(spec, args)
     if saved is None:
         return
     q_out, k_out = outs
@@ -297,8 +297,7 @@ def _remember(key, q: Tensor, k: Tensor | None, options: dict, spec: RopeSpec, o
     plan.handle = Tensor.data_ptr if q.is_cuda else _same
     plan.consts = tuple(consts)
     plan.const_handles = tuple(plan.handle(t) for t in consts)
-    positions = options["positions"]
-    plan.int_offset = positions is not None and not isinstance(positions, Tensor)
+    plan.int_offset = args.positions is not None and not isinstance(args.positions, Tensor)
     # The full path refuses offsets whose positions run past MAX_POSITION or a position-indexed table: replay
     # those bounds (with packed sequences, conservatively: S is at least the longest sequence).
     plan.max_offset = _offset_bound(spec, to_canonical(q, spec.layout).shape[1])
@@ -315,18 +314,18 @@ def _same(t: Tensor) -> Tensor:
     return t
 
 
-def spec_recipe(spec: RopeSpec, options: dict) -> tuple | None:
+def spec_recipe(spec: RopeSpec, args: RopeArgs) -> tuple | None:
     """How a replay rebuilds ``spec.tensors`` -- what the full path saves for its backward -- from a later call's
-    options: per field None (absent), a tensor (a constant of the signature: the cached default frequencies), an
-    option's name (the option itself), or (name, size, stride, storage-offset delta) for a view of it. None where
-    a field is neither (a copy: no plan)."""
+    args: per field None (absent), a tensor (a constant of the signature: the cached default frequencies), an
+    argument's name (the argument itself), or (name, size, stride, storage-offset delta) for a view of it. None
+    where a field is neither (a copy: no plan)."""
     recipe = []
     for field, t in zip(TENSOR_FIELDS, spec.tensors):
         if t is None:
             recipe.append(None)
             continue
         for name in _SOURCES[field]:
-            arg = options[name]
+            arg = getattr(args, name)
             if isinstance(arg, Tensor) and arg.dtype == t.dtype and arg.data_ptr() == t.data_ptr():
                 if arg.shape == t.shape and arg.stride() == t.stride():
                     recipe.append(name)
@@ -334,14 +333,14 @@ def spec_recipe(spec: RopeSpec, options: dict) -> tuple | None:
                     recipe.append((name, t.shape, t.stride(), t.storage_offset() - arg.storage_offset()))
                 break
         else:
-            if field != "inv_freq" or options["inv_freq"] is not None:
+            if field != "inv_freq" or args.inv_freq is not None:
                 return None
             recipe.append(t)  # base=: the cached default frequencies, the same tensor every call
     return tuple(recipe)
 
 
-def spec_views(recipe: tuple, options: dict) -> list:
-    """The tensors the full path would save for a call with ``options`` (:func:`spec_recipe`), so that both routes
+def spec_views(recipe: tuple, args: RopeArgs) -> list:
+    """The tensors the full path would save for a call with ``args`` (:func:`spec_recipe`), so that both routes
     save the same number of tensors with the same metadata: activation checkpointing recomputes a forward by
     either route and compares what each saved."""
     views = []
@@ -349,10 +348,10 @@ def spec_views(recipe: tuple, options: dict) -> list:
         if r is None or type(r) is Tensor:
             views.append(r)
         elif type(r) is str:
-            views.append(options[r])
+            views.append(getattr(args, r))
         else:
             name, size, stride, delta = r
-            t = options[name]
+            t = getattr(args, name)
             views.append(t.as_strided(size, stride, t.storage_offset() + delta))
     return views
 
@@ -400,17 +399,40 @@ def _keep(plans: OrderedDict, key, plan, limit: int = _MAX_PLANS) -> None:
 
 _KV_PLANS: OrderedDict = OrderedDict()
 _KV_SEEN: OrderedDict = OrderedDict()
-# rope_kv_write's options that may be tensors, in the order a plan's sources index them (q_out comes last).
+# rope_kv_write's arguments that may be tensors, in the order a plan's sources index them (q_out comes last).
 _KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping", "q_weight", "k_weight",
                "k_cache_scale", "v_cache_scale", "inv_freq", "cos", "sin", "angles")
 
 
-def write_kv(options: dict) -> Tensor:
-    """:func:`ropekit.rope_kv_write` (``options``: its arguments by name): replay the plan of the call's signature,
-    or validate, run and note the signature."""
-    if not (_plans_apply() and not options["check_positions"] and options["cu_seqlens"] is None):
-        return _write_kv_full(options, None, None)
-    return _prologue_call(_KV_PLANS, _kv_signature(options), options, _write_kv_full)
+class KvCall(NamedTuple):
+    """One rope_kv_write call, as the public function bundles it."""
+
+    q: Tensor
+    k: Tensor
+    cache: CacheArgs
+    norm: NormSpec
+    args: RopeArgs
+
+    def values(self) -> tuple:
+        """The call's possible tensors in ``_KV_TENSORS`` order, and its other arguments."""
+        c, n, a = self.cache, self.norm, self.args
+        tensors = (self.q, self.k, c.v, c.k_cache, c.v_cache, a.positions, c.slot_mapping, n.q_weight, n.k_weight,
+                   c.k_cache_scale, c.v_cache_scale, a.inv_freq, a.cos, a.sin, a.angles)
+        return tensors, (c.cache_layout, n.weight_offset, n.eps, *_rope_scalars(a))
+
+
+def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs) -> Tensor:
+    """:func:`ropekit.rope_kv_write` (its arguments bundled): replay the plan of the call's signature, or validate,
+    run and note the signature."""
+    call = KvCall(q, k, cache, norm, args)
+    if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None):
+        return _write_kv_full(call, None, None)
+    return _prologue_call(_KV_PLANS, _kv_signature(call), call, _write_kv_full)
+
+
+def _rope_scalars(args: RopeArgs) -> tuple:
+    """``args``' fields that are never tensors, as a hashable part of a key (``sections`` as a tuple)."""
+    return tuple(tuple(v) if type(v) is list else v for n, v in zip(RopeArgs._fields, args) if n not in TENSOR_ARGS)
 
 
 @contextlib.contextmanager
@@ -427,56 +449,47 @@ def _recording():
         prologue.RECORDER.launches = None
 
 
-def _prologue_call(plans: OrderedDict, sig, options: dict, full):
+def _prologue_call(plans: OrderedDict, sig, call, full):
     """A prologue call (rope_kv_write, qk_norm_rope): replay the plan of ``sig`` (the call's signature, or None
-    where plans do not apply), else ``full(options, sig)``, recording its launch while ``sig`` may get a plan."""
+    where plans do not apply), else ``full(call, sig)``, recording its launch while ``sig`` may get a plan."""
     plan, sig = _planned(plans, sig)
     if plan is not None:
-        out = plan(sig[1], options)
+        out = plan(sig[1], call)
         if out is not None:
             return out
         sig = None  # this call's position offset or memory placement needs the full path's checks
     if sig is None:
-        return full(options, None, None)
+        return full(call, None, None)
     with _recording() as launches:
-        return full(options, sig, launches)
+        return full(call, sig, launches)
 
 
-def _write_kv_full(options: dict, sig, launches: list | None) -> Tensor:
+def _write_kv_full(call: KvCall, sig, launches: list | None) -> Tensor:
     """The full path of :func:`write_kv`: validate, run, and note ``sig`` (None: not planned) with the launches
     it made (``launches``)."""
-    o = options
-    q4, k4, v4, pos4, layout, cache = validate_kv_write(
-        o["q"], o["k"], o["v"], o["k_cache"], o["v_cache"], o["positions"], o["slot_mapping"], o["cache_layout"],
-        o["k_cache_scale"], o["v_cache_scale"], o["cu_seqlens"], o["layout"], o["sections"], o["check_positions"])
-    spec = validate(q4, k4, positions=pos4, inv_freq=o["inv_freq"], base=o["base"], cos=o["cos"], sin=o["sin"],
-                    angles=o["angles"], style=o["style"], layout=layout, rotary_dim=o["rotary_dim"],
-                    rotary_at=o["rotary_at"], q_scale=o["q_scale"], k_scale=o["k_scale"],
-                    rotary_scale=o["rotary_scale"], cu_seqlens=o["cu_seqlens"] if layout == "thd" else None,
-                    sections=o["sections"], section_layout=o["section_layout"], check_positions=o["check_positions"])
-    validate_norm_weights(o["q"], o["k"], o["q_weight"], o["k_weight"], o["eps"], o["weight_offset"], required=False)
-    q_out = write_kv_spec(q4, k4, v4, o["q_weight"], o["k_weight"], float(o["weight_offset"]), float(o["eps"]), spec,
-                          cache)
-    out = q_out.view(o["q"].shape) if o["q"].dim() == 3 else q_out
+    q4, k4, v4, rope_args, cache = validate_kv_write(call.q, call.k, call.cache, call.args)
+    spec = validate_args(q4, k4, rope_args)
+    norm = validate_norm(call.q, call.k, call.norm, required=False) or NormSpec(None, None)
+    q_out = write_kv_spec(q4, k4, v4, norm, spec, cache)
+    out = q_out.view(call.q.shape) if call.q.dim() == 3 else q_out
     if sig is not None:
-        _kv_sighted(sig, options, q_out, out, to_canonical(q4, layout).shape[1], cache, launches)
+        _kv_sighted(sig, call, q_out, out, to_canonical(q4, rope_args.layout).shape[1], cache, launches)
     return out
 
 
-def _call_signature(options: dict, names: tuple, grad_ok: bool):
-    """(key, tensors) of a call whose options are ``options``, or None where plans do not apply (not a kernel
-    call, tensor subclasses, or -- unless ``grad_ok`` -- autograd; never called while tracing, see
-    :func:`_plans_apply`). ``tensors``: the options named in ``names``, in that order (None where absent or not a
-    tensor). The key holds every tensor's shape, strides, dtype, device and alignment, which of them share a data
-    pointer, whether autograd records the call, and every other option's value (an int position offset by its
-    type)."""
-    q = options["q"]
+def _call_signature(values: tuple, names: tuple, scalars: tuple, grad_ok: bool):
+    """(key, tensors) of a call whose possible tensors are ``values`` (named ``names``, in that order) and whose
+    other arguments are ``scalars``, or None where plans do not apply (not a kernel call, tensor subclasses, or --
+    unless ``grad_ok`` -- autograd; never called while tracing, see :func:`_plans_apply`). ``tensors``: ``values``
+    with None where absent or not a tensor. The key holds every tensor's shape, strides, dtype, device and
+    alignment, which of them share a data pointer, whether autograd records the call, and every other argument's
+    value (an int position offset by its type)."""
+    q = values[0]
     if type(q) is not Tensor or not uses_kernels(q):
         return None
     tensors, parts, ptrs = [], [], []
     grad = False
-    for name in names:
-        t = options[name]
+    for name, t in zip(names, values):
         if not isinstance(t, Tensor):
             tensors.append(None)
             parts.append(type(t) if name == "positions" else t)  # absent, a float scale, or an int offset's type
@@ -492,21 +505,14 @@ def _call_signature(options: dict, names: tuple, grad_ok: bool):
         parts.append((t.shape, t.stride(), t.dtype, t.device, p & 15))
         ptrs.append(p)
     aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
-    tensor_names = _name_set(names)
-    scalars = tuple(tuple(v) if type(v) is list else v  # a list: sections
-                    for n, v in options.items() if n not in tensor_names)
     return (tuple(parts), aliasing, scalars, grad), tensors
 
 
-@functools.cache
-def _name_set(names: tuple) -> frozenset:
-    return frozenset(names)
-
-
-def _kv_signature(options: dict):
+def _kv_signature(call: KvCall):
     """:func:`_call_signature` of a rope_kv_write call (``_KV_TENSORS``; no autograd), with whether its caches are
     inference tensors, whose writes the full path refuses outside inference mode."""
-    sig = _call_signature(options, _KV_TENSORS, grad_ok=False)
+    values, scalars = call.values()
+    sig = _call_signature(values, _KV_TENSORS, scalars, grad_ok=False)
     if sig is None:
         return None
     key, tensors = sig
@@ -514,9 +520,9 @@ def _kv_signature(options: dict):
     return (key, inference), tensors
 
 
-def _kv_sighted(sig, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launches: list) -> None:
+def _kv_sighted(sig, call: KvCall, q_out: Tensor, out: Tensor, seqlen: int, cache, launches: list) -> None:
     def record():
-        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], options, q_out, out, seqlen, cache, launches))
+        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], call, q_out, out, seqlen, cache, launches))
 
     _note(_KV_SEEN, sig[0], record)
 
@@ -602,19 +608,19 @@ class KvPlan:
     __slots__ = ("replay", "q_out", "out_shape", "int_offset", "max_offset", "kv_spans", "input_spans")
 
     @classmethod
-    def record(cls, tensors: list, options: dict, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
+    def record(cls, tensors: list, call: KvCall, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
         """A plan from the full path's launch (``launch``: what ``launch_prologue`` recorded), or None where a
         kernel argument is a copy of a call's tensor rather than a view of it."""
         if len(launch) != 1:
             return None
         plan = cls()
-        plan.replay = _Replay.record(launch[0], [*tensors, q_out], options["inv_freq"] is None)
+        plan.replay = _Replay.record(launch[0], [*tensors, q_out], call.args.inv_freq is None)
         if plan.replay is None:
             return None
         roles, constexprs, args = plan.replay.roles, plan.replay.constexprs, launch[0][1]
         plan.q_out = (q_out.shape, q_out.dtype)
         plan.out_shape = out.shape
-        plan.int_offset = not isinstance(options["positions"], Tensor)
+        plan.int_offset = not isinstance(call.args.positions, Tensor)
         if plan.int_offset:  # refilled and bounds-checked per call
             rows = cache.rows if not cache.paged else MAX_POSITION + 1
             plan.max_offset = min(MAX_POSITION, rows - 1) - max(seqlen, 1) + 1
@@ -623,9 +629,9 @@ class KvPlan:
                 plan.max_offset = min(plan.max_offset, args[roles.index["table_rows"]] - max(seqlen, 1))
         # the full path proved the caches disjoint at this relative offset (or as disjoint address ranges), and
         # each cache disjoint from q, k and v
-        kc, vc = options["k_cache"], options["v_cache"]
+        kc, vc = call.cache.k_cache, call.cache.v_cache
         plan.kv_spans = (span_bytes(kc), span_bytes(vc), vc.data_ptr() - kc.data_ptr())
-        plan.input_spans = tuple(span_bytes(options[n]) for n in ("q", "k", "v"))
+        plan.input_spans = tuple(span_bytes(x) for x in (call.q, call.k, call.cache.v))
         return plan
 
     def _inputs_outside_caches(self, tensors: list) -> bool:
@@ -644,8 +650,8 @@ class KvPlan:
         kp, vp = kc.data_ptr(), vc.data_ptr()
         return vp >= kp + k_span or kp >= vp + v_span or vp - kp == delta
 
-    def __call__(self, tensors: list, options: dict):
-        offset = _checked_offset(options["positions"], self.max_offset) if self.int_offset else None
+    def __call__(self, tensors: list, call: KvCall):
+        offset = _checked_offset(call.args.positions, self.max_offset) if self.int_offset else None
         if offset == -1:
             return None
         if not self._caches_disjoint(tensors[3], tensors[4]) or not self._inputs_outside_caches(tensors):
@@ -664,38 +670,48 @@ class KvPlan:
 
 _NORM_PLANS: OrderedDict = OrderedDict()
 _NORM_SEEN: OrderedDict = OrderedDict()
-# qk_norm_rope's tensors, in the order a plan's sources index them (then the fresh outputs).
-_NORM_TENSORS = ("q", "k", "q_weight", "k_weight", *_TENSOR_OPTIONS)
-# its rope options: validate's keywords but the output dtype and the backend (a test holds the public signature to
-# them)
-NORM_ROPE_OPTIONS = tuple(name for name in _OPTIONS if name not in ("out_dtype", "backend"))
+# qk_norm_rope's arguments that may be tensors, in the order a plan's sources index them (then the fresh outputs).
+_NORM_TENSORS = ("q", "k", "q_weight", "k_weight", *TENSOR_ARGS)
 _MAX_BACKWARDS = 8  # gradient layouts kept per plan
 
 
-def norm_rotate(options: dict) -> tuple:
-    """:func:`ropekit.qk_norm_rope` (``options``: its arguments by name): replay the plan of the call's signature,
-    or validate, run and note the signature."""
-    if not (_plans_apply() and not options["check_positions"]):
-        return _norm_full(options, None, None)
-    return _prologue_call(_NORM_PLANS, _call_signature(options, _NORM_TENSORS, grad_ok=True), options, _norm_full)
+class NormCall(NamedTuple):
+    """One qk_norm_rope call, as the public function bundles it."""
+
+    q: Tensor
+    k: Tensor
+    norm: NormSpec
+    args: RopeArgs
+
+    def values(self) -> tuple:
+        """The call's possible tensors in ``_NORM_TENSORS`` order, and its other arguments."""
+        n, a = self.norm, self.args
+        tensors = (self.q, self.k, n.q_weight, n.k_weight, *(getattr(a, name) for name in TENSOR_ARGS))
+        return tensors, (n.weight_offset, n.eps, *_rope_scalars(a))
 
 
-def _norm_spec(options: dict) -> RopeSpec:
-    return validate(options["q"], options["k"], **{name: options[name] for name in NORM_ROPE_OPTIONS})
+def norm_rotate(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs) -> tuple:
+    """:func:`ropekit.qk_norm_rope` (its arguments bundled): replay the plan of the call's signature, or validate,
+    run and note the signature."""
+    call = NormCall(q, k, norm, args)
+    if not (_plans_apply() and not args.check_positions):
+        return _norm_full(call, None, None)
+    values, scalars = call.values()
+    return _prologue_call(_NORM_PLANS, _call_signature(values, _NORM_TENSORS, scalars, grad_ok=True), call,
+                          _norm_full)
 
 
-def _norm_full(options: dict, sig, launches: list | None) -> tuple:
+def _norm_full(call: NormCall, sig, launches: list | None) -> tuple:
     """The full path of :func:`norm_rotate`: validate, run, and note ``sig`` (None: not planned) with the launches
     it made (``launches``)."""
-    o = options
-    q, k = o["q"], o["k"]
-    spec = _norm_spec(o)
+    q, k = call.q, call.k
+    spec = validate_args(q, k, call.args)
     if k is None:
         raise TypeError("qk_norm_rope needs k (use apply_rope on a normalised q alone)")
-    validate_norm_weights(q, k, o["q_weight"], o["k_weight"], o["eps"], o["weight_offset"], required=True)
-    outs = norm_rotate_spec(q, k, o["q_weight"], o["k_weight"], float(o["weight_offset"]), float(o["eps"]), spec)
+    norm = validate_norm(q, k, call.norm, required=True)
+    outs = norm_rotate_spec(q, k, norm, spec)
     if sig is not None:
-        _note(_NORM_SEEN, sig[0], lambda: _keep(_NORM_PLANS, sig[0], NormPlan.record(sig, options, spec, outs,
+        _note(_NORM_SEEN, sig[0], lambda: _keep(_NORM_PLANS, sig[0], NormPlan.record(sig, call, spec, outs,
                                                                                       launches)))
     return outs
 
@@ -714,34 +730,34 @@ class NormPlan:
     __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "saved", "backwards")
 
     @classmethod
-    def record(cls, sig, options: dict, spec: RopeSpec, outs: tuple, launches: list):
+    def record(cls, sig, call: NormCall, spec: RopeSpec, outs: tuple, launches: list):
         if len(launches) != 1:
             return None
         key, tensors = sig
         plan = cls()
-        plan.keep_freq = options["inv_freq"] is None
+        plan.keep_freq = call.args.inv_freq is None
         plan.forward = _Replay.record(launches[0], [*tensors, *outs], plan.keep_freq)
         if plan.forward is None:
             return None
         plan.outs = tuple((o.shape, o.dtype) for o in outs)
         plan.grad = key[3]
-        plan.saved = spec_recipe(spec, options)
+        plan.saved = spec_recipe(spec, call.args)
         if plan.saved is None:
             return None
-        positions = options["positions"]
+        positions = call.args.positions
         plan.int_offset = positions is not None and not isinstance(positions, Tensor)
         if plan.int_offset:  # refilled and bounds-checked per call
             plan.max_offset = _offset_bound(spec, to_canonical(tensors[0], spec.layout).shape[1])
         plan.backwards = OrderedDict()
         return plan
 
-    def __call__(self, tensors: list, options: dict):
+    def __call__(self, tensors: list, call: NormCall):
         """The call's (q_out, k_out), or None to send it down the full path."""
-        offset = _checked_offset(options["positions"], self.max_offset) if self.int_offset else None
+        offset = _checked_offset(call.args.positions, self.max_offset) if self.int_offset else None
         if offset == -1:
             return None
         if self.grad:
-            return PlannedNormRope.apply(*tensors[:4], self, tensors, offset, options)
+            return PlannedNormRope.apply(*tensors[:4], self, tensors, offset, call)
         return self.run(tensors, offset)
 
     def run(self, tensors: list, offset: int | None) -> tuple:
@@ -750,7 +766,7 @@ class NormPlan:
         self.forward([*tensors, *outs], offset)
         return outs
 
-    def grads(self, grad_q: Tensor, grad_k: Tensor, tensors: list, offset: int | None, options: dict) -> tuple:
+    def grads(self, grad_q: Tensor, grad_k: Tensor, tensors: list, offset: int | None, call: NormCall) -> tuple:
         """(dq, dk, dq_weight, dk_weight) of a planned call (gradients with a contiguous last dim), by the replay
         recorded for this layout of the gradients and of the saved tensors (which saved-tensor hooks may have
         changed since the forward), or by the full path, which records it."""
@@ -766,10 +782,10 @@ class NormPlan:
             return dq, dk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
         from ropekit import ops
 
-        spec = _norm_spec(options)
+        spec = validate_args(q, k, call.args)
         with _recording() as launches:
-            grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, float(options["weight_offset"]),
-                                        float(options["eps"]), spec)
+            grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, float(call.norm.weight_offset),
+                                        float(call.norm.eps), spec)
             if len(launches) == 1:
                 _keep(self.backwards, key, _Replay.record(launches[0], [*sources, *grads[:2]], self.keep_freq,
                                                           scratch=("dwq_ptr", "dwk_ptr")), _MAX_BACKWARDS)
@@ -783,24 +799,22 @@ class PlannedNormRope(torch.autograd.Function):
     offloading) see the same tensors whichever route a call takes."""
 
     @staticmethod
-    def forward(ctx, q, k, q_weight, k_weight, plan: NormPlan, tensors: list, offset: int | None, options: dict):
+    def forward(ctx, q, k, q_weight, k_weight, plan: NormPlan, tensors: list, offset: int | None, call: NormCall):
         ctx.plan, ctx.offset = plan, offset
+        # the rest of the call as it was (q, k and the weights come back from the saved tensors: holding them here
+        # would keep checkpointed activations alive)
+        ctx.call = call._replace(q=None, k=None, norm=call.norm._replace(q_weight=None, k_weight=None))
         # what EagerNormRope saves (q, k, the weights, the spec's tensors), so that activation checkpointing's
-        # recomputation saves the same whichever route it takes; the tensor options stay plain references
-        ctx.save_for_backward(q, k, q_weight, k_weight, *spec_views(plan.saved, options))
-        ctx.options = {j: tensors[j] for j in range(4, len(_NORM_TENSORS)) if tensors[j] is not None}
-        ctx.scalars = {name: v for name, v in options.items() if not isinstance(v, Tensor)}  # an int offset too
+        # recomputation saves the same whichever route it takes
+        ctx.save_for_backward(q, k, q_weight, k_weight, *spec_views(plan.saved, call.args))
         return plan.run(tensors, offset)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         plan = ctx.plan
-        saved = ctx.saved_tensors  # raises if a saved tensor was modified in place since the forward
-        tensors = [*saved[:4], *[None] * (len(_NORM_TENSORS) - 4)]
-        for j, t in ctx.options.items():
-            tensors[j] = t
-        options = dict(ctx.scalars, **{name: t for name, t in zip(_NORM_TENSORS, tensors) if t is not None})
-        q, k, q_weight, k_weight = tensors[:4]
+        q, k, q_weight, k_weight = ctx.saved_tensors[:4]  # raises if a saved tensor was modified in place
+        call = ctx.call._replace(q=q, k=k, norm=ctx.call.norm._replace(q_weight=q_weight, k_weight=k_weight))
+        tensors = [t if isinstance(t, Tensor) else None for t in call.values()[0]]
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
         grad_k = torch.zeros_like(k) if grad_k is None else grad_k
         # the kernel takes any strides but the last
@@ -810,8 +824,8 @@ class PlannedNormRope(torch.autograd.Function):
             from ropekit import ops
 
             grads = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight,
-                                              float(options["weight_offset"]), float(options["eps"]),
-                                              *_norm_spec(options))
+                                              float(call.norm.weight_offset), float(call.norm.eps),
+                                              *validate_args(q, k, call.args))
         else:
-            grads = plan.grads(grad_q, grad_k, tensors, ctx.offset, options)
+            grads = plan.grads(grad_q, grad_k, tensors, ctx.offset, call)
         return (*grads, None, None, None, None)

@@ -149,6 +149,66 @@ FORWARD_INPLACE = Mode(True, False, ("q", "k"))
 BACKWARD = Mode(False, True, ("dq_rot", "dk_rot"))
 
 
+class RopeArgs(NamedTuple):
+    """The keyword arguments of :func:`ropekit.apply_rope`, :func:`ropekit.apply_rope_` and
+    :func:`ropekit.rope_backward` (and the rotation keywords of the prologue's functions), as the public API hands
+    them down: the one place their names, order and defaults are written. The public signatures spell the same
+    keywords out (for ``help()`` and editors); a test holds them to these fields. Layers below read fields by
+    name; :func:`validate_args` turns them into a :class:`RopeSpec`."""
+
+    positions: Positions = None
+    inv_freq: Tensor | None = None
+    base: float = 10000.0
+    cos: Tensor | None = None
+    sin: Tensor | None = None
+    angles: Tensor | None = None
+    style: str = "neox"
+    layout: str = "bshd"
+    rotary_dim: int | None = None
+    rotary_at: str = "front"
+    q_scale: float = 1.0
+    k_scale: float = 1.0
+    rotary_scale: float = 1.0
+    cu_seqlens: Tensor | None = None
+    sections: Sequence[int] | None = None
+    section_layout: str = "contiguous"
+    check_positions: bool = False
+    out_dtype: torch.dtype | None = None
+    backend: str = "auto"
+
+
+TENSOR_ARGS = ("positions", "inv_freq", "cos", "sin", "angles", "cu_seqlens")
+"""The :class:`RopeArgs` fields that may hold tensors."""
+
+
+class NormSpec(NamedTuple):
+    """Per-head RMSNorm before the rotation (:func:`ropekit.qk_norm_rope`, :func:`ropekit.rope_kv_write`):
+    ``x / sqrt(mean(x**2) + eps) * (weight + weight_offset)``. As given by the caller, or (from
+    :func:`validate_norm`) checked, with Python-float ``weight_offset`` and ``eps``."""
+
+    q_weight: Tensor | None
+    k_weight: Tensor | None
+    weight_offset: float = 0.0
+    eps: float = 1e-6
+
+    @property
+    def present(self) -> bool:
+        return self.q_weight is not None
+
+
+class CacheArgs(NamedTuple):
+    """:func:`ropekit.rope_kv_write`'s value and cache arguments as the caller gave them; validation turns them into
+    a :class:`CacheSpec`."""
+
+    v: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    slot_mapping: Tensor | None = None
+    cache_layout: str = "bshd"
+    k_cache_scale: float | Tensor | None = None
+    v_cache_scale: float | Tensor | None = None
+
+
 # --- validation ----------------------------------------------------------------------------------------------
 
 
@@ -236,17 +296,22 @@ def _resolve_table(name: str, table, q: Tensor, batch: int, seqlen: int, rotary_
     return table3, by_token, rotary_dim
 
 
-def validate(q: Tensor, k: Tensor | None, *, positions: Positions = None, inv_freq: Tensor | None = None,
-             base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None,
-             angles: Tensor | None = None, style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None,
-             rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
-             cu_seqlens: Tensor | None = None, sections: Sequence[int] | None = None,
-             section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
-             backend: str = "auto", mode: Mode = FORWARD) -> RopeSpec:
-    """Check a public call's arguments (the public API's keywords and defaults; see :func:`ropekit.apply_rope`)
-    and return its :class:`RopeSpec`. ``mode`` says whether the call rotates in place (its targets are checked
-    too), by -theta, and what errors call q and k. Raises ``TypeError``/``ValueError``/``IndexError`` naming the
-    argument."""
+def validate(q: Tensor, k: Tensor | None, *, mode: Mode = FORWARD, **keywords) -> RopeSpec:
+    """:func:`validate_args` of the :class:`RopeArgs` that ``keywords`` (the public API's keywords) make: the
+    convenient form for tests, probes and the other backends."""
+    return validate_args(q, k, RopeArgs(**keywords), mode)
+
+
+def validate_args(q: Tensor, k: Tensor | None, args: RopeArgs, mode: Mode = FORWARD) -> RopeSpec:
+    """Check a public call's arguments (see :func:`ropekit.apply_rope`) and return its :class:`RopeSpec`. ``mode``
+    says whether the call rotates in place (its targets are checked too), by -theta, and what errors call q and k.
+    Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument."""
+    positions, inv_freq, base, cos, sin, angles = (args.positions, args.inv_freq, args.base, args.cos, args.sin,
+                                                   args.angles)
+    style, layout, rotary_dim, rotary_at = args.style, args.layout, args.rotary_dim, args.rotary_at
+    q_scale, k_scale, rotary_scale = args.q_scale, args.k_scale, args.rotary_scale
+    cu_seqlens, sections, section_layout = args.cu_seqlens, args.sections, args.section_layout
+    check_positions, out_dtype, backend = args.check_positions, args.out_dtype, args.backend
     qn, kn = mode.names
     # --- q and k ---------------------------------------------------------------------------------------------
     if not isinstance(q, Tensor):
@@ -632,12 +697,13 @@ class CacheSpec(NamedTuple):
         return self.k_cache.shape[1] if self.paged else 1
 
 
-def validate_norm_weights(q: Tensor, k: Tensor | None, q_weight, k_weight, eps, weight_offset,
-                          required: bool) -> bool:
-    """Check per-head RMSNorm arguments (weights [D] of a float dtype on q's device, eps > 0); whether there is a
-    norm. ``required``: both weights must be given."""
+def validate_norm(q: Tensor, k: Tensor | None, norm: NormSpec, required: bool) -> NormSpec | None:
+    """Check per-head RMSNorm arguments (weights [D] of a float dtype on q's device, eps > 0): the norm with
+    Python-float scalars (symbolic ones kept as they are while tracing), or None where there is none.
+    ``required``: both weights must be given."""
+    q_weight, k_weight, weight_offset, eps = norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps
     if q_weight is None and k_weight is None and not required:
-        return False
+        return None
     if q_weight is None or (k is not None and k_weight is None):
         missing = "q_weight" if q_weight is None else "k_weight"
         raise ValueError(f"{missing} is missing: pass both q_weight and k_weight (the per-head RMSNorm weights) "
@@ -653,7 +719,7 @@ def validate_norm_weights(q: Tensor, k: Tensor | None, q_weight, k_weight, eps, 
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
     if not _is_real(weight_offset) or not _finite(weight_offset):
         raise ValueError(f"weight_offset must be a finite float, got {weight_offset!r}")
-    return True
+    return norm._replace(weight_offset=float(weight_offset), eps=float(eps))
 
 
 def _cache_scale(name: str, scale, cache: Tensor, cache_name: str, check_values: bool):
@@ -722,12 +788,17 @@ def _cache_rows_reached(positions, S: int, n_seqs: int, layout: str, cu_seqlens:
     return ("positions", int(positions) + longest - 1) if longest else None
 
 
-def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions,
-                      slot_mapping, cache_layout: str, k_cache_scale, v_cache_scale, cu_seqlens, layout: str,
-                      sections, check_positions: bool) -> tuple[Tensor, Tensor, Tensor, object, str, CacheSpec]:
-    """Check :func:`ropekit.rope_kv_write`'s tensors and cache arguments. Returns q, k, v as 4-D views in
-    ``layout`` (3-D tokens [T, H, D] become [T, 1, H, D], one token per sequence, or [1, T, H, D] with
-    ``cu_seqlens``), the positions to rotate by in the same shape, that layout, and the :class:`CacheSpec`."""
+def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
+                      args: RopeArgs) -> tuple[Tensor, Tensor, Tensor, RopeArgs, CacheSpec]:
+    """Check :func:`ropekit.rope_kv_write`'s tensors and cache arguments. Returns q, k, v as 4-D views (3-D tokens
+    [T, H, D] become [T, 1, H, D], one token per sequence, or [1, T, H, D] with ``cu_seqlens``), ``args`` with the
+    positions to rotate by in the same shape and that layout (``cu_seqlens`` kept for packed tokens only): what
+    :func:`validate_args` takes for the rotation -- and the :class:`CacheSpec`."""
+    v, k_cache, v_cache, slot_mapping = cache_args.v, cache_args.k_cache, cache_args.v_cache, cache_args.slot_mapping
+    cache_layout, k_cache_scale, v_cache_scale = (cache_args.cache_layout, cache_args.k_cache_scale,
+                                                  cache_args.v_cache_scale)
+    positions, cu_seqlens, layout = args.positions, args.cu_seqlens, args.layout
+    sections, check_positions = args.sections, args.check_positions
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -840,4 +911,5 @@ def validate_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     k_scale = _cache_scale("k_cache_scale", k_cache_scale, k_cache, "k_cache", check_positions)
     v_scale = _cache_scale("v_cache_scale", v_cache_scale, v_cache, "v_cache", check_positions)
     spec = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slot_mapping if paged else None, k_scale, v_scale)
-    return q, k, v, positions, layout, spec
+    rope_args = args._replace(positions=positions, layout=layout, cu_seqlens=cu_seqlens if layout == "thd" else None)
+    return q, k, v, rope_args, spec

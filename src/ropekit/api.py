@@ -1,9 +1,10 @@
 """Public API: :func:`apply_rope`, :func:`apply_rope_` (in place) and :func:`rope_backward`.
 
-The three share one signature. Each hands its keywords to the layer below: ``backend="auto"`` to the fast path
-(:mod:`ropekit._fastpath`: replay a launch plan, or :func:`ropekit._spec.validate` and run), ``backend="webgpu"``
-to the WGSL adapter. Every check that can fail runs before anything is written, so a call that raises leaves its
-inputs untouched.
+The three share one signature. Each bundles its keywords into a :class:`ropekit._spec.RopeArgs` for the layer
+below: ``backend="auto"`` to the fast path (:mod:`ropekit._fastpath`: replay a launch plan, or
+:func:`ropekit._spec.validate_args` and run), ``backend="webgpu"`` to the WGSL adapter. The prologue's functions
+bundle their norm (:class:`ropekit._spec.NormSpec`) and cache arguments (:class:`ropekit._spec.CacheArgs`) too.
+Every check that can fail runs before anything is written, so a call that raises leaves its inputs untouched.
 """
 
 from __future__ import annotations
@@ -18,22 +19,25 @@ from ropekit._spec import (
     BACKWARD,
     FORWARD,
     FORWARD_INPLACE,
+    CacheArgs,
     Mode,
+    NormSpec,
     Positions,
-    validate,
+    RopeArgs,
+    validate_args,
 )
 
 __all__ = ["apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write"]
 
 
-def _rope(q: Tensor, k: Tensor | None, mode: Mode, options: dict):
-    """The body of the public functions; ``options`` is their keyword arguments after q and k (spelled out, not
+def _rope(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
+    """The body of the public functions; ``args`` is their keyword arguments after q and k (spelled out, not
     ``locals()``, which torch.compile cannot trace in every supported torch version)."""
-    if options["backend"] == "auto":
+    if args.backend == "auto":
         if type(q) is not Tensor and distributed.is_dtensor(q):
-            return distributed.rotate_dtensor(q, k, mode, options)
-        return _fastpath.rotate(q, k, mode, options)
-    spec = validate(q, k, mode=mode, **options)
+            return distributed.rotate_dtensor(q, k, mode, args)
+        return _fastpath.rotate(q, k, mode, args)
+    spec = validate_args(q, k, args, mode)
     from ropekit.webgpu import rotate as rotate_webgpu
 
     outs = rotate_webgpu(q, k, spec, mode.inplace)
@@ -129,12 +133,12 @@ def apply_rope(
     >>> q_rot, k_rot = ropekit.apply_rope(q, k, positions=torch.tensor([0, 100]), base=500000.0)
     >>> ropekit.apply_rope_(q, k, positions=100)             # in place: rotates inside qkv
     """
-    options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
-                   style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                   section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
-                   backend=backend)
-    return _rope(q, k, FORWARD, options)
+    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions,
+                    out_dtype=out_dtype, backend=backend)
+    return _rope(q, k, FORWARD, args)
 
 
 def apply_rope_(
@@ -154,12 +158,12 @@ def apply_rope_(
     twice, q and k sharing memory (interleaved q and k views of one packed QKV buffer are fine), and inference
     tensors outside ``torch.inference_mode()``.
     """
-    options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
-                   style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                   section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
-                   backend=backend)
-    return _rope(q, k, FORWARD_INPLACE, options)
+    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions,
+                    out_dtype=out_dtype, backend=backend)
+    return _rope(q, k, FORWARD_INPLACE, args)
 
 
 def rope_backward(
@@ -175,12 +179,12 @@ def rope_backward(
     ``q_scale``/``k_scale`` and ``rotary_scale``. Pass the same arguments as to the forward call; see
     :func:`apply_rope` for each. Autograd uses the same kernel.
     """
-    options = dict(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles,
-                   style=style, layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale,
-                   k_scale=k_scale, rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                   section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype,
-                   backend=backend)
-    return _rope(dq_rot, dk_rot, BACKWARD, options)
+    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions,
+                    out_dtype=out_dtype, backend=backend)
+    return _rope(dq_rot, dk_rot, BACKWARD, args)
 
 
 def qk_norm_rope(
@@ -212,12 +216,12 @@ def qk_norm_rope(
     >>> q_out, k_out = ropekit.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps=1e-6,
     ...                                     positions=position_ids, base=1000000.0)
     """
-    options = dict(q=q, k=k, q_weight=q_weight, k_weight=k_weight, eps=eps, weight_offset=weight_offset,
-                   positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
-                   layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
-                   rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                   section_layout=section_layout, check_positions=check_positions)
-    return _fastpath.norm_rotate(options)
+    norm = NormSpec(q_weight, k_weight, weight_offset=weight_offset, eps=eps)
+    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions)
+    return _fastpath.norm_rotate(q, k, norm, args)
 
 
 def rope_kv_write(
@@ -265,11 +269,11 @@ def rope_kv_write(
     >>> q_rot = ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=cache_lengths, cache_layout="bhsd",
     ...                               q_weight=q_norm.weight, k_weight=k_norm.weight, base=1000000.0)
     """
-    options = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, slot_mapping=slot_mapping,
-                   cache_layout=cache_layout, q_weight=q_weight, k_weight=k_weight, eps=eps,
-                   weight_offset=weight_offset, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
-                   cu_seqlens=cu_seqlens, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
-                   layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
-                   rotary_scale=rotary_scale, sections=sections, section_layout=section_layout,
-                   check_positions=check_positions)
-    return _fastpath.write_kv(options)
+    cache = CacheArgs(v, k_cache, v_cache, slot_mapping=slot_mapping, cache_layout=cache_layout,
+                      k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
+    norm = NormSpec(q_weight, k_weight, weight_offset=weight_offset, eps=eps)
+    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
+                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions)
+    return _fastpath.write_kv(q, k, cache, norm, args)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ropekit import ops
-from ropekit._spec import CacheSpec, RopeSpec, needs_grad
+from ropekit._spec import CacheSpec, NormSpec, RopeSpec, needs_grad
 
 
 def conjugate_rotation(grads: list[Tensor | None], in_dtypes: list[torch.dtype], spec: RopeSpec,
@@ -228,11 +228,11 @@ class EagerNormRope(torch.autograd.Function):
         return (*_norm_rope_grads(ctx, grad_q, grad_k, eager=True), None, None, None)
 
 
-def norm_rotate(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, weight_offset: float, eps: float,
-                spec: RopeSpec) -> tuple:
+def norm_rotate(q: Tensor, k: Tensor, norm: NormSpec, spec: RopeSpec) -> tuple:
     """Per-head RMSNorm then rotation, validated: ``(q_out, k_out)``, by the cheapest route as :func:`rotate`:
     eager calls skip the dispatcher (:class:`EagerNormRope` with autograd), tracing uses
     ``ropekit::qk_norm_rope`` (whose backward is registered above)."""
+    q_weight, k_weight, weight_offset, eps = norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps
     if torch.compiler.is_compiling():
         return tuple(ops.qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight)):
@@ -240,10 +240,10 @@ def norm_rotate(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, weight
     return tuple(ops.norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, spec))
 
 
-def write_kv(q: Tensor, k: Tensor, v: Tensor, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
-             cache: CacheSpec) -> Tensor:
-    """Rotated q, with k and v written into the caches (validated). Not differentiable: the cache write is an
-    inference step, and a call that would need gradients raises."""
+def write_kv(q: Tensor, k: Tensor, v: Tensor, norm: NormSpec, spec: RopeSpec, cache: CacheSpec) -> Tensor:
+    """Rotated q, with k and v written into the caches (validated; ``norm`` with None weights: no norm). Not
+    differentiable: the cache write is an inference step, and a call that would need gradients raises."""
+    q_weight, k_weight, weight_offset, eps = norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, q_weight, k_weight)):
         raise RuntimeError("rope_kv_write is not differentiable (it writes an inference cache); call it under "
                            "torch.no_grad() or torch.inference_mode(), or use qk_norm_rope/apply_rope for training")

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _fastpath
-from ropekit._spec import LAYOUTS, Mode
+from ropekit._spec import LAYOUTS, TENSOR_ARGS, Mode, RopeArgs
 
 SPLITS = ("contiguous", "zigzag")
 
@@ -293,7 +293,7 @@ def _local_argument(name: str, value, layout: str, ranges: dict, placements, mul
     return value
 
 
-def rotate_dtensor(q, k, mode: Mode, options: dict):
+def rotate_dtensor(q, k, mode: Mode, args: RopeArgs):
     """:func:`ropekit.apply_rope` (and ``apply_rope_``, ``rope_backward``) on ``DTensor`` q and k: each rank rotates
     its local shard by the global positions of its tokens; the outputs are DTensors of q's and k's placements. No
     communication. In place, q's and k's local tensors are rotated in their own memory."""
@@ -301,26 +301,26 @@ def rotate_dtensor(q, k, mode: Mode, options: dict):
 
     if k is not None and (not is_dtensor(k) or k.device_mesh != q.device_mesh or k.placements != q.placements):
         raise ValueError("with a DTensor q, k must be a DTensor on the same mesh with the same placements")
-    layout = options["layout"]
+    layout = args.layout
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if q.dim() != len(_DIMS[layout]):
         raise ValueError(f"{mode.names[0]} must have {len(_DIMS[layout])} dims for layout {layout!r}, got shape "
                          f"{tuple(q.shape)}")
     ranges = _shard_ranges(q, _DIMS[layout])
-    local = dict(options)
-    pieces = set()  # the options that arrived as DTensors sharded as q: already this rank's piece
-    for name in ("positions", "inv_freq", "cos", "sin", "angles", "cu_seqlens"):
-        value = options[name]
+    local = args._asdict()  # this rank's arguments, filled in below
+    pieces = set()  # the arguments that arrived as DTensors sharded as q: already this rank's piece
+    for name in TENSOR_ARGS:
+        value = getattr(args, name)
         local[name] = _local_argument(name, value, layout, ranges, q.placements,
-                                      multi_axis=options["sections"] is not None)
+                                      multi_axis=args.sections is not None)
         if is_dtensor(value) and not all(type(p).__name__ == "Replicate" for p in value.placements):
             pieces.add(name)
     if "seq" in ranges or "batch" in ranges:
         _localise_positions(local, layout, ranges, pieces)
     q_local = q.to_local()
     k_local = None if k is None else k.to_local()
-    outs = _fastpath.rotate(q_local, k_local, mode, local)
+    outs = _fastpath.rotate(q_local, k_local, mode, RopeArgs(**local))
     if mode.inplace:
         return q if k is None else (q, k)
     outs = (outs,) if k is None else outs
