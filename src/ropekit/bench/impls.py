@@ -1,11 +1,9 @@
 """Implementation builders: the baselines, ropekit's entry points and the peers, each prepared as a :class:`Bench`
 (what is timed, and fresh outputs for the check against ropekit). The attention prologue's (KV modes,
-norm-fwdbwd) are in :mod:`.prologue`."""
+norm-fwdbwd) are in :mod:`.prologue`, which :func:`build` dispatches to; what both build on is in :mod:`.base`."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,9 +12,18 @@ import torch
 from torch import Tensor
 
 from ._triton import tl, triton
-from .env import _interpreting
-from .inputs import Inputs, _randn
+from .base import Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device, compiled_per_case
+from .base import forget_compiles as forget_compiles  # the run loop calls it through this module
+from .inputs import Inputs
 from .peers import Peers
+from .prologue import (
+    PROLOGUE_IMPLS,
+    PROLOGUE_KV_IMPLS,
+    PROLOGUE_NORM_IMPLS,
+    build_copy_5pass,
+    build_copy_kv,
+    build_prologue,
+)
 from .timing import _sync
 
 # The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
@@ -25,10 +32,6 @@ BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "
 EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
 ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d")
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
-# The attention prologue (src/ropekit/bench/prologue.py): rope_kv_write and qk_norm_rope, and the unfused code.
-PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "unfused-kv")
-PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
-PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS
 MODE_IMPLS = {
     "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d") + PEER_IMPLS,
     "fwdbwd": ("ropekit", "ropekit-table", "ropekit-hf") + PEER_IMPLS,
@@ -40,33 +43,6 @@ MODE_IMPLS = {
 }
 # The implementation every other one of a mode is checked against (its outputs are the reference).
 REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm"}
-
-
-class Unsupported(Exception):
-    """An implementation that cannot do a case (the message says why); the row is kept with the reason."""
-
-
-@dataclasses.dataclass
-class Bench:
-    """A prepared implementation: ``run`` is what is timed; ``result`` gives fresh outputs (fwdbwd: gradients) in
-    the case layout for the check against ropekit."""
-
-    run: Callable[[], Any]
-    result: Callable[[], tuple[Tensor, ...]] | None = None
-    bytes: int | None = None  # baselines move their own bytes
-    note: str = ""
-    # per output of ``result``: the largest max_rel_diff that is not a mismatch (None: run.MISMATCH)
-    tolerances: tuple[float | None, ...] | None = None
-
-
-def _flat_copy(inp: Inputs, nbytes: int) -> Bench:
-    """One ``copy_`` moving ``nbytes`` (half read, half written) between preallocated contiguous buffers: torch
-    issues it as a device-to-device memcpy."""
-    elem = inp.q.element_size()
-    n = max(1, math.ceil(nbytes / (2 * elem)))
-    src = torch.empty(n, dtype=inp.dtype, device=inp.device).normal_()
-    dst = torch.empty_like(src)
-    return Bench(run=lambda: dst.copy_(src), bytes=2 * n * elem)
 
 
 def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
@@ -81,8 +57,6 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
         return Bench(run=lambda: q_out.copy_(inp.q), bytes=2 * inp.q.numel() * inp.q.element_size(),
                      note="one copy_ of q alone (a device-to-device memcpy)")
     if name in ("copy-kv", "copy-5pass"):
-        from .prologue import build_copy_5pass, build_copy_kv
-
         return build_copy_kv(inp) if name == "copy-kv" else build_copy_5pass(inp, nbytes)
     if name == "add_":
         x = torch.zeros_like(inp.q)
@@ -98,11 +72,6 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
 
         return Bench(run=launch, note="a bare kernel[grid](...) launch with 10 arguments")
     raise ValueError(name)
-
-
-def _grad_outputs(inp: Inputs) -> tuple[Tensor, Tensor]:
-    gq, gk = _randn(inp.device, 1, tuple(inp.q.shape), tuple(inp.k.shape), dtype=inp.dtype)
-    return gq, gk
 
 
 def _leaves(inp: Inputs) -> tuple[Tensor, Tensor]:
@@ -261,29 +230,6 @@ class _FlashRotaryFn(torch.autograd.Function):
         return ctx.apply_rotary(grad, **ctx.kwargs, conjugate=True), None, None
 
 
-_COMPILED: dict[str, Any] = {}
-
-
-def forget_compiles() -> None:
-    """Drop the compile :func:`compiled_per_case` keeps (the run loop calls it as each case starts)."""
-    _COMPILED.clear()
-
-
-def compiled_per_case(fn: Callable, case_name: str, mode: str) -> Callable:
-    """``torch.compile(fn)`` (fullgraph, static shapes), fresh for each case and mode and kept while they last: a
-    graph mode builds every implementation once per input set (``run.GRAPH_INPUT_SETS``), and one compile serves
-    them all (a compile per build, each after a ``torch.compiler.reset()``, would drop the others' and recompile
-    inside the CUDA-graph capture). A closure rebuilt per set is the same function when what it closes over is
-    equal (ints, strings) or the same object."""
-    cells = tuple(c.cell_contents if isinstance(c.cell_contents, (int, float, str, bool, type(None)))
-                  else id(c.cell_contents) for c in fn.__closure__ or ())
-    key = (fn.__module__, fn.__qualname__, cells, case_name, mode)
-    if _COMPILED.get("key") != key:
-        torch.compiler.reset()
-        _COMPILED.update(key=key, fn=torch.compile(fn, dynamic=False, fullgraph=True))
-    return _COMPILED["fn"]
-
-
 def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     """The peers, called with the same tensors (as views in their own layouts) and the same positions."""
     c = inp.case
@@ -346,16 +292,8 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     raise ValueError(name)
 
 
-def _need_triton_device(device: torch.device) -> None:
-    # Without a driver a launch fails with "0 active drivers": say what would make it run instead.
-    if device.type != "cuda" and not _interpreting():
-        raise Unsupported("Triton launches need a CUDA GPU (on CPU: set TRITON_INTERPRET=1)")
-
-
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if name in PROLOGUE_IMPLS:
-        from .prologue import build_prologue  # it builds on this module
-
         return build_prologue(name, inp, mode)
     if name in ROPEKIT_IMPLS:
         return build_ropekit(name, inp, mode, peers)

@@ -16,15 +16,7 @@ import torch
 from torch import Tensor
 
 from ._triton import tl, triton
-from .impls import (
-    PROLOGUE_KV_IMPLS,
-    Bench,
-    Unsupported,
-    _flat_copy,
-    _grad_outputs,
-    _need_triton_device,
-    compiled_per_case,
-)
+from .base import Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device, compiled_per_case
 from .inputs import NORM_EPS, Inputs
 from .timing import _sync
 
@@ -32,6 +24,12 @@ from .timing import _sync
 # fused op) may land on neighbouring steps, and a step is up to 1/8 of a value (3 mantissa bits).
 FP8_MISMATCH = 0.13
 FP8 = torch.float8_e4m3fn
+
+# The implementations built here (impls.MODE_IMPLS lists them with the others): rope_kv_write and the unfused chain
+# (KV modes), qk_norm_rope and the unfused PyTorch code (norm-fwdbwd).
+PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "unfused-kv")
+PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
+PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS
 
 
 # ---------------------------------------------------------------------------------------------------------------
