@@ -8,7 +8,8 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from ropekit._spec import BACKWARD, FORWARD, validate
+from ropekit._spec import BACKWARD, FORWARD
+from ropekit._validation import validate
 from ropekit.reference import rope_reference
 from ropekit.testing import assert_close_to_ref, make_qk
 

@@ -67,7 +67,7 @@ def test_invalid_device_positions_give_nan_tokens():
     """As on the kernels: a position past a table marks its token NaN (values are not read on the host here)."""
     q, _ = make_qk(1, 4, 2, 1, 16)
     with float32_path_on_cpu():
-        from ropekit._spec import validate
+        from ropekit._validation import validate
         from ropekit.reference import rope_float32
 
         spec = validate(q, None, positions=torch.tensor([[0, 1, 2, 3]]), cos=torch.rand(8, 8), sin=torch.rand(8, 8))

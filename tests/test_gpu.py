@@ -5,7 +5,7 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.testing import assert_close_to_ref, make_qk, tolerance
 from test_api import _ref
 

@@ -20,10 +20,11 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-LEAVES = ("ropekit._config", "ropekit._memory", "ropekit.frequencies")
-SPEC = (*LEAVES, "ropekit._spec")
+LEAVES = ("ropekit._config", "ropekit._memory", "ropekit._device_cache", "ropekit.frequencies")
+SPEC = (*LEAVES, "ropekit._spec")  # the types
+VALIDATION = (*SPEC, "ropekit._validation")
 # Everything importable from ropekit, bottom to top; subpackages stand for all their modules.
-ALL = (*SPEC, "ropekit.reference", "ropekit.triton", "ropekit.ops", "ropekit.autograd", "ropekit._fastpath",
+ALL = (*VALIDATION, "ropekit.reference", "ropekit.triton", "ropekit.ops", "ropekit.autograd", "ropekit._fastpath",
        "ropekit.distributed",
        "ropekit.api", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations", "ropekit.testing",
        "ropekit.check", "ropekit.plot", "ropekit.bench", "ropekit.cli")
@@ -42,7 +43,9 @@ RULES = {
     "ropekit._config": _except(*LEAVES),
     "ropekit._memory": _except(*LEAVES),
     "ropekit.frequencies": _except(*LEAVES),
+    "ropekit._device_cache": _except(*LEAVES),
     "ropekit._spec": _except(*SPEC),
+    "ropekit._validation": _except(*VALIDATION),
     "ropekit.reference": _except(*SPEC, "ropekit.reference"),
     "ropekit.triton.kernel": ALL,  # no ropekit module (ropekit.triton's __init__ and the kernel only)
     "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound", "ropekit.triton.prologue"),
@@ -121,15 +124,21 @@ def test_module_imports_without_triton(module):
     _run(("triton",), f"import {module}\n")
 
 
-def test_public_functions_share_the_options_of_validate():
+def test_public_functions_share_the_options_of_rope_args():
+    """apply_rope, apply_rope_ and rope_backward spell out RopeArgs' fields, in its order, with its defaults and
+    annotations (the one place the keywords are written)."""
+    import typing
+
     import ropekit
-    from ropekit._spec import validate
+    from ropekit._spec import RopeArgs
 
     def options(fn):
-        return [(p.name, p.kind, p.default, p.annotation) for p in inspect.signature(fn).parameters.values()
+        hints = typing.get_type_hints(fn)
+        return [(p.name, p.default, hints[p.name]) for p in inspect.signature(fn).parameters.values()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
-    want = [o for o in options(validate) if o[0] != "mode"]
-    assert want, "validate has no keyword options"
+    fields = typing.get_type_hints(RopeArgs)
+    want = [(name, default, fields[name]) for name, default in RopeArgs._field_defaults.items()]
+    assert len(want) == len(RopeArgs._fields)
     for fn in (ropekit.apply_rope, ropekit.apply_rope_, ropekit.rope_backward):
         assert options(fn) == want, fn.__name__

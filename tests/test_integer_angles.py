@@ -7,7 +7,8 @@ import torch
 
 import ropekit
 from helpers import INTERPRETED
-from ropekit._spec import BACKWARD, validate
+from ropekit._spec import BACKWARD
+from ropekit._validation import validate
 from ropekit.reference import rope_reference
 from ropekit.testing import exact_angles, kernels_on_cpu, max_relative_error, max_relative_tolerance
 from ropekit.triton import launcher

@@ -7,7 +7,8 @@ outputs poisoned with NaN, so any element it fails to write is caught.
 import pytest
 import torch
 
-from ropekit._spec import BACKWARD, FORWARD, validate
+from ropekit._spec import BACKWARD, FORWARD
+from ropekit._validation import validate
 from ropekit.reference import rope_reference
 from ropekit.testing import assert_close_to_ref, make_qk, poisoned_like, tolerance
 from ropekit.triton.launcher import launch_rope

@@ -34,7 +34,7 @@ def _sections(device: str, section_layout: str) -> tuple[int, ...]:
 
 def _launch_constexprs(q: torch.Tensor, k: torch.Tensor, **kwargs) -> dict:
     """The constexprs ``launcher.kernel_launch`` gives the call ``apply_rope(q, k, **kwargs)``, by name."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch
 
     spec = validate(q, k, **kwargs)
@@ -147,7 +147,7 @@ def test_kernels_and_plans_equal_reference(device, section_layout, layout, plan_
 def test_one_position_on_every_axis_gives_the_one_d_bits(device, section_layout, B, S):
     """Text tokens (one position on every axis, what decode runs) give the 1-D call's bits; moving one token on one
     axis changes no other token's bits; a token invalid on every axis is NaN and leaves the rest alone."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton.launcher import launch_rope
 
     sections = _sections(device, section_layout)
@@ -194,7 +194,7 @@ def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layou
     them for a forward without position ids) launch as 1-D positions, with the 1-D call's bits out of place, in
     place and backward, plans included; a token invalid there is NaN. Materialised copies, and [A, 1, S] positions
     broadcast over the batch (stride 0 on B, not on the axes), keep the multi-axis launch."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton.launcher import launch_rope
 
     sections = _sections(device, section_layout)
@@ -246,7 +246,7 @@ def test_constant_axis_stride_equals_the_runtime_stride(device, section_layout, 
     as a compile-time constant (``POS_AXIS_STRIDE``); larger calls, 1-D positions and axes expanded from one row
     pass 0 (the runtime stride). The two give the same bits and match the float64 reference, for positions
     stored axis-major, token-major (axis stride 1) and as a slice of a wider buffer, fresh inputs on each call."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton import launcher
 
     sections = _sections(device, section_layout)
@@ -322,7 +322,7 @@ def test_interleaved_decode_block_shapes_equal_reference(tokens):
     ``AXIS_STRIDE_CONSTANT_TOKENS`` tokens) that the small-grid shape does not take, fewer
     (``PAIR_AXES_BYTES_PER_THREAD``) from there to the end of the latency-bound range. Each shape against the
     float64 reference, so every shape is checked where it runs."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton import launcher
 
     q, k = make_qk(tokens, 1, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -369,7 +369,7 @@ def test_device_position_invalid_on_any_axis_makes_its_token_nan(device, section
     """A device-resident position that is negative or past 2**31 - 1 on any axis -- one a pair reads or one no
     pair reads -- makes its whole token NaN in q and k (the reference's rule), and no other token changes. On CPU
     the API reads positions on the host and raises, so the launcher gets what the API passes on a GPU."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton.launcher import launch_rope
 
     A, D, S = len(sections), 2 * sum(sections), 4
@@ -402,7 +402,7 @@ def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, se
     (``POS_PER_AXIS``, ``launcher.block_plan``); elsewhere, and in fp32, each pair loads its own. The
     two give the same bits and match the float64 reference, and a position invalid on any axis -- one a pair reads
     or one no pair reads -- makes its token NaN in both; both layouts, fresh inputs for every axis."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton import launcher
     from ropekit.triton.launcher import block_plan
 
@@ -444,7 +444,7 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
     half the heads), at 88 programs of 8 heads (22 tokens, still below 132) and past 32 tokens (33 tokens, 132
     programs: two heads a thread). Contiguous sections load once per axis on grids below 88 programs up to 32
     tokens, 1-D positions and fp32 never."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton import launcher
 
     monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
@@ -524,7 +524,7 @@ def test_axis_rows_past_int32_offsets_are_refused():
     """The kernels offset an axis's row of positions in int32: rows 2**31 elements apart or more (a view of a huge
     buffer) are refused with the remedy, not read out of bounds; just under the limit is taken. Meta tensors:
     nothing is allocated."""
-    from ropekit._spec import validate
+    from ropekit._validation import validate
 
     q = torch.empty(2, 5, 2, 32, device="meta")
     for A, sections in ((2, (8, 8)), (3, (8, 4, 4))):

@@ -27,7 +27,8 @@ wgpu = pytest.importorskip("wgpu", reason="the WebGPU backend needs wgpu: pip in
 import ropekit  # noqa: E402
 import ropekit.webgpu as webgpu  # noqa: E402
 from helpers import assert_close_to_ref  # noqa: E402
-from ropekit._spec import BACKWARD, FORWARD, RopeSpec, validate  # noqa: E402
+from ropekit._spec import BACKWARD, FORWARD, RopeSpec  # noqa: E402
+from ropekit._validation import validate  # noqa: E402
 from ropekit.frequencies import STYLES, default_inv_freq  # noqa: E402
 from ropekit.reference import rope_reference  # noqa: E402
 from ropekit.webgpu.adapter import unsupported  # noqa: E402

@@ -32,7 +32,7 @@ import triton.testing
 from _graphs import graph_us_interleaved
 
 import ropekit
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.testing import exact_angles
 from ropekit.triton.launcher import launch_rope
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from _graphs import graph_us, graph_us_interleaved, kernel_us
 
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.triton.launcher import launch_rope
 
 try:

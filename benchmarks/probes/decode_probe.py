@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from _graphs import graph_us_interleaved, kernel_us
 
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
 from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
 

@@ -29,7 +29,8 @@ import torch
 
 import ropekit
 from ropekit import _fastpath
-from ropekit._spec import FORWARD, validate
+from ropekit._spec import FORWARD
+from ropekit._validation import validate
 from ropekit.triton.bound import _current_raw_stream, _launch_hooks_idle
 
 

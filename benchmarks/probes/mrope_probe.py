@@ -46,7 +46,7 @@ import torch
 import triton.testing
 from _graphs import graph_us_interleaved, kernel_us
 
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.triton.launcher import launch_rope
 
 

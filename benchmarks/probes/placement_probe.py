@@ -38,7 +38,7 @@ if __name__ == "__main__":
 import torch
 import triton
 
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.bench.timing import GRAPH_CALLS, cycling, graph_us_interleaved
 from ropekit.triton.launcher import launch_rope
 

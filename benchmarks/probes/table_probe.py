@@ -34,7 +34,7 @@ import triton
 from triton.testing import do_bench
 
 import ropekit
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.integrations.transformers import apply_rotary_pos_emb
 from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
 

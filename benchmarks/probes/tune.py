@@ -33,7 +33,7 @@ import triton
 from triton.testing import do_bench
 
 import ropekit
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.triton.launcher import launch_rope
 
 # (name, B, S, HQ, HK, D, dtype, api kwargs)

@@ -40,7 +40,7 @@ import functools
 import torch
 from _graphs import graph_us_interleaved, kernel_us
 
-from ropekit._spec import validate
+from ropekit._validation import validate
 from ropekit.triton import launcher
 
 VARIANTS = ("launcher", "2x warps", "half heads")

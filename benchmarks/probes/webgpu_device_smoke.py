@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ropekit import webgpu
-from ropekit._spec import BACKWARD, FORWARD, validate
+from ropekit._spec import BACKWARD, FORWARD
+from ropekit._validation import validate
 from ropekit.frequencies import default_inv_freq
 from ropekit.reference import rope_reference
 

@@ -2,7 +2,7 @@
 
 A call's *signature* is everything validation and the kernel's specialisation depend on: every argument's type,
 shape, strides, dtype, device and 16-byte alignment, and every other option, but not data pointers or an int
-position offset. The first call of a signature goes through the full path (:func:`ropekit._spec.validate`,
+position offset. The first call of a signature goes through the full path (:func:`ropekit._validation.validate_args`,
 :func:`ropekit.autograd.rotate`) and is noted; the second also records a :class:`Plan` holding the compiled kernel
 bound to its grid and arguments (:class:`ropekit.triton.bound.BoundLaunch`), so a signature seen once -- packed
 sequences whose token count changes every step -- costs only the note. Later calls of a recorded signature skip
@@ -46,10 +46,8 @@ from ropekit._spec import (
     RopeSpec,
     needs_grad,
     to_canonical,
-    validate_args,
-    validate_kv_write,
-    validate_norm,
 )
+from ropekit._validation import validate_args, validate_kv_write, validate_norm
 from ropekit.autograd import norm_rotate as norm_rotate_spec
 from ropekit.autograd import rotate as rotate_spec
 from ropekit.autograd import write_kv as write_kv_spec

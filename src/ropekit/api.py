@@ -2,7 +2,7 @@
 
 The three share one signature. Each bundles its keywords into a :class:`ropekit._spec.RopeArgs` for the layer
 below: ``backend="auto"`` to the fast path (:mod:`ropekit._fastpath`: replay a launch plan, or
-:func:`ropekit._spec.validate_args` and run), ``backend="webgpu"`` to the WGSL adapter. The prologue's functions
+:func:`ropekit._validation.validate_args` and run), ``backend="webgpu"`` to the WGSL adapter. The prologue's functions
 bundle their norm (:class:`ropekit._spec.NormSpec`) and cache arguments (:class:`ropekit._spec.CacheArgs`) too.
 Every check that can fail runs before anything is written, so a call that raises leaves its inputs untouched.
 """
@@ -15,17 +15,8 @@ import torch
 from torch import Tensor
 
 from ropekit import _fastpath, distributed
-from ropekit._spec import (
-    BACKWARD,
-    FORWARD,
-    FORWARD_INPLACE,
-    CacheArgs,
-    Mode,
-    NormSpec,
-    Positions,
-    RopeArgs,
-    validate_args,
-)
+from ropekit._spec import BACKWARD, FORWARD, FORWARD_INPLACE, CacheArgs, Mode, NormSpec, Positions, RopeArgs
+from ropekit._validation import validate_args
 
 __all__ = ["apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write"]
 

@@ -109,7 +109,8 @@ def _run_case(backend: str, device: str, name: str, dtype: torch.dtype, make_kwa
     ref_q, ref_k = fn(q.double(), k.double(), **cpu_kwargs)
     qd, kd = q.to(device), k.to(device)
     if backend == "triton-interpreter":
-        from ropekit._spec import BACKWARD, FORWARD, validate
+        from ropekit._spec import BACKWARD, FORWARD
+        from ropekit._validation import validate
         from ropekit.triton.launcher import launch_rope
 
         spec = validate(qd, kd, **kwargs, mode=BACKWARD if backward else FORWARD)

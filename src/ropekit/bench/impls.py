@@ -151,7 +151,7 @@ def build_launcher(inp: Inputs) -> Bench:
     if triton is None:
         raise Unsupported("triton not importable")
     _need_triton_device(inp.device)
-    from ropekit._spec import validate
+    from ropekit._validation import validate
     from ropekit.triton.launcher import launch_rope
 
     spec = validate(inp.q, inp.k, positions=inp.positions, inv_freq=inp.inv_freq, style=c.style, layout=inp.layout,

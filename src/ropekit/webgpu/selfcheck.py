@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ropekit._spec import BACKWARD, FORWARD, validate
+from ropekit._spec import BACKWARD, FORWARD
+from ropekit._validation import validate
 from ropekit.frequencies import default_inv_freq
 from ropekit.testing import max_relative_error, max_relative_tolerance
 from ropekit.webgpu.runner import WebGPURunner, default_runner
