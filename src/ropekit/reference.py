@@ -169,8 +169,14 @@ def rope_float32(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> lis
 
 
 def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: torch.device) -> list[torch.Tensor]:
-    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, sections, section_layout, layout, style,
-     freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, out_dtype) = spec
+    # fields by name: a new RopeSpec field must not shift these
+    positions, seq_offsets, cu_seqlens = spec.positions, spec.seq_offsets, spec.cu_seqlens
+    inv_freq, cos, sin, freq_mode = spec.inv_freq, spec.cos, spec.sin, spec.freq_mode
+    pos_offset, table_by_token, sections, section_layout = (spec.pos_offset, spec.table_by_token, spec.sections,
+                                                            spec.section_layout)
+    layout, style, rotary_dim, rotary_start = spec.layout, spec.style, spec.rotary_dim, spec.rotary_start
+    q_scale, k_scale, rotary_scale = spec.q_scale, spec.k_scale, spec.rotary_scale
+    conjugate, out_dtype = spec.conjugate, spec.out_dtype
     qc = to_canonical(q, layout)
     B, S = qc.shape[:2]
     pos = token_positions(B, S, positions=positions, seq_offsets=seq_offsets, pos_offset=pos_offset,
