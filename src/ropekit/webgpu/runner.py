@@ -8,14 +8,15 @@ keeps ``import triton`` from crashing later in the same process.
 
 The public route is ``ropekit.apply_rope(..., backend="webgpu")`` (:mod:`ropekit.webgpu.adapter`).
 :meth:`WebGPURunner.apply_rope` is the backend's low-level interface, for tests and experts: numpy arrays as well as
-tensors, and the choice of how angles are formed (``angles=``).
+tensors, and the choice of how angles are formed (``angles=``); both prepare the dispatch with
+:mod:`ropekit.webgpu.host`. The shader's entry points and bindings are named in :mod:`ropekit.webgpu.shader`
+(``entry_point``, ``shader_source``, ``workgroup_grid`` and ``ANGLE_MODES`` are importable from here too).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.machinery
-import importlib.resources
 import importlib.util
 import os
 import sys
@@ -28,16 +29,12 @@ import numpy as np
 import torch
 
 from ropekit._spec import MAX_POSITION
-from ropekit.frequencies import STYLES
+from ropekit.webgpu.host import ANGLE_MODES, rotate_arrays
+from ropekit.webgpu.shader import _KERNELS, SHADER_FILE, WORKGROUP_SIZE, entry_point, shader_source, workgroup_grid
 
 __all__ = ["ANGLE_MODES", "WebGPURunner", "adapter_info", "default_runner", "dispatch", "entry_point",
            "shader_source", "workgroup_grid"]
 
-SHADER_FILE = "rope.wgsl"
-WORKGROUP_SIZE = 256
-ANGLE_MODES = ("shader", "host", "shader_base")
-# Where a kernel gets its rotation -> the binding that carries it.
-_SOURCE_BINDING = {"base": 2, "freq": 3, "table": 4}
 _MAX_POSITION = MAX_POSITION + 1  # ropekit's range (the shader's u32 positions would reach 2**32)
 _MAX_BINDING_BYTES = 2**31  # keeps every element index of a binding inside u32
 # Bound in place of an empty frequency or cos/sin table (a binding cannot be empty): one vec2 of NaN, so every
@@ -47,37 +44,6 @@ _NO_ADAPTER_HINT = ("on Linux without a GPU, wgpu uses llvmpipe through OpenGL (
                     "apt-get install mesa-vulkan-drivers libvulkan1")
 
 Array = torch.Tensor | np.ndarray
-
-
-def shader_source() -> str:
-    """The WGSL source of every ropekit kernel (``ropekit/webgpu/wgsl/rope.wgsl``)."""
-    return importlib.resources.files("ropekit.webgpu").joinpath("wgsl", SHADER_FILE).read_text(encoding="utf-8")
-
-
-def entry_point(*, style: str, source: str = "base", packed_f16: bool = False,
-                conjugate: bool = False) -> str:
-    """Name of the kernel for a pairing ``style``, rotation ``source`` (``"base"``: frequencies from rope_base;
-    ``"freq"``: a frequency table at binding 3; ``"table"``: cos/sin rows at binding 4), data type and direction.
-    The interleaved f32 kernel on ``base`` is ``rope_q`` (``rope_k`` is the same code)."""
-    if style not in STYLES:
-        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-    if source not in _SOURCE_BINDING:
-        raise ValueError(f"source must be one of {tuple(_SOURCE_BINDING)}, got {source!r}")
-    parts = ["rope"]
-    if style == "neox":
-        parts.append("neox")
-    if source != "base":
-        parts.append(source)
-    if packed_f16:
-        parts.append("f16")
-    name = "rope_q" if parts == ["rope"] else "_".join(parts)
-    return name + "_backward" if conjugate else name
-
-
-# Every entry point of the shader -> (source, packed_f16, neox).
-_KERNELS = {entry_point(style=style, source=source, packed_f16=f16, conjugate=conj): (source, f16, style == "neox")
-            for style in STYLES for source in _SOURCE_BINDING for f16 in (False, True) for conj in (False, True)}
-_KERNELS.update({"rope_k": _KERNELS["rope_q"], "rope_k_backward": _KERNELS["rope_q_backward"]})
 
 
 _TRITON_NATIVE: Any = None  # triton's native library, loaded before the first adapter (see below)
@@ -145,17 +111,6 @@ def _import_wgpu():
     except ImportError as exc:
         raise ImportError("ropekit.webgpu needs the wgpu package: pip install 'ropekit[webgpu]'") from exc
     return wgpu
-
-
-def workgroup_grid(n_workgroups: int, max_per_dimension: int) -> tuple[int, int]:
-    """An (x, y) grid of at least ``n_workgroups`` workgroups, each side at most ``max_per_dimension`` (WebGPU
-    guarantees 65535); the kernels flatten it as ``gid.x + gid.y * x * 256``."""
-    if n_workgroups <= max_per_dimension:
-        return max(n_workgroups, 1), 1
-    rows = -(-n_workgroups // max_per_dimension)
-    if rows > max_per_dimension:
-        raise ValueError(f"{n_workgroups} workgroups exceed a {max_per_dimension} x {max_per_dimension} grid")
-    return -(-n_workgroups // rows), rows
 
 
 class WebGPURunner:
@@ -362,8 +317,6 @@ class WebGPURunner:
 
         Raises what ``ropekit.apply_rope`` raises, and ``ValueError`` for what the kernels cannot do (see
         :func:`ropekit.webgpu.adapter.rotate`)."""
-        from ropekit.webgpu.adapter import rotate_arrays  # the host-side preparation; it imports this module
-
         return rotate_arrays(self, q, k, pos_offset=pos_offset, base=base, inv_freq=inv_freq, cos=cos, sin=sin,
                              style=style, conjugate=conjugate, angles=angles)
 
