@@ -29,7 +29,7 @@ from ropekit.bench import cli, impls, inputs, prologue, report, run, timing  # n
 from ropekit.bench import env as bench_env  # noqa: E402
 from ropekit.bench import targets as bench_targets  # noqa: E402
 
-REGISTRY = ROOT / "benchmarks" / "registry.py"
+REGISTRY = ROOT / "src" / "ropekit" / "bench" / "registry.py"  # shipped with the package
 REQUIRED_FIELDS = ("gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes",
                    "median_us", "gbps", "ratio_vs_copy")
 
@@ -308,12 +308,25 @@ def test_targets_come_from_the_registry_data(tmp_path):
                                                           "select": "bytes > 1"}]})
 
 
+def test_the_registry_ships_with_the_package(tmp_path, monkeypatch, capsys):
+    # Found from the package, not from the working directory: a folder with no checkout above it changes nothing,
+    # and neither does another benchmarks/registry.py there.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "registry.py").write_text("MODELS = SIZES = PRESETS = TARGETS = {}\n")
+    registry = bench_cases.load_registry()
+    assert Path(registry["source"]).resolve() == REGISTRY.resolve() == bench_cases.REGISTRY_FILE.resolve()
+    assert registry["PRESETS"] and registry["TARGETS"]
+    assert cli.main(["--list", "--device", "cpu"]) == 0
+    assert "registry.py" in capsys.readouterr().out
+
+
 def test_missing_registry_names_the_option(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--list", "--device", "cpu", "--registry", str(tmp_path / "none.py")]) == 2
     assert "--registry" in capsys.readouterr().err
-    # Nothing found above the working directory or the package: an error naming --registry, not a silent default.
-    monkeypatch.setattr(bench_cases, "find_repo_root", lambda: None)
+    # A package without its registry: an error naming --registry, not a file found elsewhere.
+    monkeypatch.setattr(bench_cases, "REGISTRY_FILE", tmp_path / "registry.py")
     with pytest.raises(bench_cases.RegistryNotFound, match="--registry"):
         bench_cases.load_registry()
     assert cli.main(["--list", "--device", "cpu"]) == 2

@@ -12,7 +12,7 @@ from ropekit.bench import report, summary
 from ropekit.bench.targets import targets_from_registry
 
 ROOT = Path(__file__).resolve().parents[1]
-REGISTRY = ROOT / "benchmarks" / "registry.py"
+REGISTRY = ROOT / "src" / "ropekit" / "bench" / "registry.py"
 HISTORY = ROOT / "benchmarks" / "results" / "all_runs.csv.gz"
 
 

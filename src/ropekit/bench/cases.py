@@ -1,4 +1,5 @@
-"""Registry and cases: load ``benchmarks/registry.py`` (plain data) and expand a preset into :class:`Case` s."""
+"""Registry and cases: load the registry (plain data: the package's ``registry.py``, or the file ``--registry``
+names) and expand a preset into :class:`Case` s."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from ropekit._spec import SECTION_LAYOUTS
 
-REGISTRY_PATH = Path("benchmarks") / "registry.py"
+# The registry ropekit ships: next to this file, so an installed package has it too.
+REGISTRY_FILE = Path(__file__).with_name("registry.py")
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
 MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd")
@@ -71,30 +73,33 @@ class Case:
         return f"{self._stem}/{self.family}"
 
 
+# A file that only a source checkout of ropekit has (an installed package has no src/ folder).
+_CHECKOUT_MARKER = Path("src") / "ropekit" / "__init__.py"
+
+
 def find_repo_root() -> Path | None:
-    """The repository root holding ``benchmarks/registry.py``: above this file, else the working directory or one of
-    its parents; None for an install without the repository."""
+    """The source checkout of ropekit, for the git commit stamped on rows and the peers' files under ``.peers/``:
+    the one holding this file, else the working directory or one of its parents; None for an install used outside
+    a checkout. (The registry is not looked for here: it ships with the package.)"""
     here = Path(__file__).resolve()  # src/ropekit/bench/cases.py
     for base in [here.parents[3], Path.cwd(), *Path.cwd().parents]:
-        if (base / REGISTRY_PATH).is_file():
+        if (base / _CHECKOUT_MARKER).is_file():
             return base
     return None
 
 
 class RegistryNotFound(FileNotFoundError):
-    """No registry file: neither ``--registry FILE`` nor ``benchmarks/registry.py`` above this file or the working
-    directory."""
+    """No registry file: the one ``--registry FILE`` names does not exist (or the package lacks its own)."""
 
 
 def load_registry(path: str | None = None) -> dict[str, Any]:
-    """MODELS, SIZES, PRESETS and TARGETS from ``path``, else from the repository's ``benchmarks/registry.py``. The
-    result has a ``source`` key naming the file. Raises :class:`RegistryNotFound` when there is no such file."""
+    """MODELS, SIZES, PRESETS and TARGETS from the file ``path``, else from the registry shipped with the package
+    (:data:`REGISTRY_FILE`), found from the package itself, never from the working directory. The result has a
+    ``source`` key naming the file. Raises :class:`RegistryNotFound` when there is no such file."""
     if path is None:
-        root = find_repo_root()
-        if root is None:
-            raise RegistryNotFound(f"no {REGISTRY_PATH} in the working directory, its parents or the checkout holding "
-                                   "ropekit; pass --registry FILE (a copy of the repository's benchmarks/registry.py)")
-        file = root / REGISTRY_PATH
+        file = REGISTRY_FILE
+        if not file.is_file():
+            raise RegistryNotFound(f"the registry shipped with ropekit is missing ({file}); pass --registry FILE")
     else:
         file = Path(path)
         if not file.is_file():

@@ -1,5 +1,8 @@
 """Shape registry of ``ropekit bench``: plain data, loaded by file path (no imports, no code).
 
+It ships inside the package, so ``ropekit bench`` finds it wherever ropekit is installed and whatever the working
+directory; ``--registry FILE`` runs another file of the same form instead (start from a copy of this one).
+
 ``MODELS``
     name -> attention shape: ``hq``/``hk`` query and key heads, ``head_dim``, ``rotary_dim`` (default: head_dim),
     ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``sections`` (M-RoPE pairs per
