@@ -441,6 +441,31 @@ def test_legacy_and_alias_spellings():
     assert from_hf_config(base).base == 10000.0  # no theta anywhere: the transformers default
 
 
+
+def test_one_table_of_model_families_feeds_config_parsing_and_patching():
+    from ropekit.frequencies import STYLES
+    from ropekit.frequencies.families import MODEL_FAMILIES, family_of
+    from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES
+
+    assert set(SUPPORTED_MODEL_TYPES) == {t for t, fam in MODEL_FAMILIES.items() if fam.patched_functions}
+    head = {"hidden_size": 256, "num_attention_heads": 2}  # head_dim 128
+    for model_type, fam in MODEL_FAMILIES.items():
+        # What the config leaves out comes from the family's row ...
+        f = from_hf_config({**head, "model_type": model_type})
+        assert (f.style, f.rotary_dim, f.sections) == (fam.pairing, int(128 * fam.partial_rotary_factor),
+                                                      fam.mrope_section), model_type
+        assert f.section_layout == ("interleaved" if fam.mrope_interleaved else "contiguous"), model_type
+        assert family_of(f"{model_type}_text") is fam  # a vision-language model's text config: its model's family
+        # ... and so do the functions patch replaces, whose plain apply_rotary_pos_emb pairs as the family's attention
+        # does unless a config key switches the pairing (DeepSeek-V3's rope_interleave picks between two functions).
+        assert fam.pairing in STYLES
+        kinds = dict(fam.patched_functions)
+        assert set(kinds.values()) <= {"neox", "interleaved", "interleaved_to_halves", "vision"}, model_type
+        if kinds and fam.interleave_key is None:
+            assert kinds["apply_rotary_pos_emb"] == fam.pairing, model_type
+    assert from_hf_config({**head, "model_type": "deepseek_v3", "rope_interleave": False}).style == "neox"
+    assert family_of("mamba") is None and from_hf_config({**head, "model_type": "mamba"}).style == "neox"
+
 # ---- bit for bit against the installed transformers ------------------------------------------------------------
 
 _L = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 8192}

@@ -54,11 +54,13 @@ are refused rather than turned into NaN or zero frequencies.
 The package, bottom to top (each module imports only those listed before it):
 
 * :mod:`~ropekit.frequencies._checks` -- the value checks every part shares (errors name the argument or key);
+* :mod:`~ropekit.frequencies.families` -- :data:`~ropekit.frequencies.families.MODEL_FAMILIES`, what ropekit
+  knows per ``model_type`` (pairing, partial-rotary and M-RoPE defaults, the functions ``patch`` replaces), read
+  by config parsing and by :mod:`ropekit.integrations.patching`;
 * :mod:`~ropekit.frequencies.formulas` -- the rope types: their keys, their formulas in float64 and in
   transformers' float32 order, attention scaling, ggml's knobs; :func:`default_inv_freq`, :func:`axial_inv_freq`;
 * :mod:`~ropekit.frequencies.frequency_set` -- :class:`RopeFrequencies`, :func:`rope_frequencies`, ``STYLES``;
-* :mod:`~ropekit.frequencies.hf_config` -- :func:`from_hf_config` and the reader of ``config.json`` paths, with
-  the model families' pairing, partial-rotary and M-RoPE defaults.
+* :mod:`~ropekit.frequencies.hf_config` -- :func:`from_hf_config` and the reader of ``config.json`` paths.
 """
 
 # Besides the public names, ``as`` re-exports what other modules import from here: the pairing styles and the

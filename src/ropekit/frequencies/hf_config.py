@@ -1,6 +1,7 @@
 """transformers configs: :func:`from_hf_config` reads a model's config (an object, a dict or a ``config.json``) into
 the :class:`~ropekit.frequencies.RopeFrequencies` that model builds, and :func:`_read_config_json` is the one reader
-of config paths.
+of config paths. What depends on the model family (pairing, partial-rotary and M-RoPE defaults) comes from
+:data:`ropekit.frequencies.families.MODEL_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -16,21 +17,13 @@ from typing import Any
 import torch
 
 from ropekit.frequencies._checks import _integer, _real
+from ropekit.frequencies.families import ModelFamily, family_of
 from ropekit.frequencies.formulas import _TYPE_KEYS, _canonical_type
 from ropekit.frequencies.frequency_set import RopeFrequencies, _build
 
 __all__ = ["from_hf_config"]
 
 _PER_LAYER_SCALARS = {"rope_type", "type", "rope_theta", "factor", "partial_rotary_factor"}
-
-# Model families whose attention pairs columns (2i, 2i+1) instead of (i, i + d/2).
-_INTERLEAVED_MODEL_TYPES = {"glm", "glm4", "gptj", "codegen", "deepseek_v2", "deepseek_v3"}
-# Families whose configs carry a rotary fraction default other than 1.
-# Vision-language families whose text rotation is M-RoPE (time, height, width), and the sections their rotary
-# modules take when the config gives no mrope_section; Qwen3-VL interleaves the axes.
-_MROPE_DEFAULTS = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20),
-                   "qwen3_vl_moe": (24, 20, 20)}
-_PARTIAL_DEFAULTS = {"gpt_neox": 0.25, "glm": 0.5, "glm4": 0.5}
 
 
 def from_hf_config(
@@ -92,6 +85,7 @@ def from_hf_config(
     model_type = get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ValueError(f"config['model_type'] must be a str, got {model_type!r}")
+    family = family_of(model_type) or ModelFamily()  # what the config leaves out
     key, rp = _first_key(get, "rope_parameters", "rope_scaling", falsy=True)
     rp = _mapping(rp or {}, key)
     if rp and _is_per_layer(rp):
@@ -107,7 +101,7 @@ def from_hf_config(
     # (a config with one parameter set uses it for every layer type, whatever layer_type says)
 
     raw_type = rp.get("rope_type") or rp.get("type") or "default"
-    if raw_type == "yarn" and model_type in ("phi3", "phi4_multimodal"):
+    if raw_type == "yarn" and family.legacy_yarn_is_longrope:
         raw_type = "longrope"  # transformers renames these configs' legacy "yarn" to longrope
     rope_type = _canonical_type(raw_type, "rope_parameters['rope_type']")
 
@@ -132,7 +126,7 @@ def from_hf_config(
     if partial is None:
         name, partial = _first_key(get, "partial_rotary_factor", "rotary_pct")
     if partial is None:
-        partial = _PARTIAL_DEFAULTS.get(model_type, 1.0)
+        partial = family.partial_rotary_factor
     partial = _real(partial, name, above=0.0, closed=rope_type == "proportional", at_most=1.0)
     if rope_type == "proportional":
         rotary_dim = how = head_dim
@@ -158,24 +152,21 @@ def from_hf_config(
     if rope_type == "proportional":
         params["partial_rotary_factor"] = partial
     if style is None:
-        style = "neox"
-        if model_type in _INTERLEAVED_MODEL_TYPES:
-            style = "interleaved"
-            if model_type == "deepseek_v3" and get("rope_interleave") is False:
-                style = "neox"
+        style = family.pairing
+        if family.interleave_key is not None and get(family.interleave_key) is False:
+            style = "neox"
     freqs = _build(rope_type=rope_type, base=base, rotary_dim=rotary_dim, head_dim=head_dim, params=params,
                    max_pos=max_pos, style=style, rotary_at="front", freq_scale=freq_scale, freq_factors=freq_factors,
                    arithmetic="transformers")
-    family = (model_type or "").removesuffix("_text")
-    if rp.get("mrope_section") is not None or family in _MROPE_DEFAULTS:  # M-RoPE: positions [3, B, S]
-        sections = rp.get("mrope_section", _MROPE_DEFAULTS.get(family))
+    if rp.get("mrope_section") is not None or family.mrope_section is not None:  # M-RoPE: positions [3, B, S]
+        sections = rp.get("mrope_section", family.mrope_section)
         if not isinstance(sections, Sequence) or isinstance(sections, str) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sections):
             raise ValueError(f"{key}['mrope_section'] must be a list of ints >= 0, got {sections!r}")
         if sum(sections) != rotary_dim // 2:
             raise ValueError(f"{key}['mrope_section'] {list(sections)} must sum to the rotary pairs "
                              f"{rotary_dim // 2}")
-        interleaved = bool(rp.get("mrope_interleaved")) or family.startswith("qwen3_vl")
+        interleaved = bool(rp.get("mrope_interleaved")) or family.mrope_interleaved
         freqs = dataclasses.replace(freqs, sections=tuple(sections),
                                     section_layout="interleaved" if interleaved else "contiguous")
     return freqs

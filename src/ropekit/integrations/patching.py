@@ -49,31 +49,17 @@ from torch.utils._pytree import tree_map_only
 
 from ropekit._spec import pair_axis_tensor
 from ropekit.api import apply_rope
+from ropekit.frequencies.families import MODEL_FAMILIES
 from ropekit.modules import RotaryEmbedding, hf_tables
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_patched", "patch", "unpatch"]
 
-# How a family's function pairs columns:
-#   "neox"                 rotate_half pairs (i, i + R/2); R = cos width; columns past R pass through (Phi-3, NeoX)
-#   "interleaved"          pairs (2i, 2i+1) with angle i, R = cos width, tail passes through (GLM)
-#   "interleaved_to_halves" pairs (2i, 2i+1), output laid out as [rotated evens, rotated odds] (DeepSeek-V3)
+# The families patch knows, and per family the functions of its modeling module it replaces with how each pairs
+# columns ("neox", "interleaved", "interleaved_to_halves", "vision"): ModelFamily.patched_functions in the one table
+# of model families (ropekit/frequencies/families.py), which from_hf_config reads too.
 _FAMILIES: dict[str, dict[str, str]] = {
-    "llama": {"apply_rotary_pos_emb": "neox"},
-    "mistral": {"apply_rotary_pos_emb": "neox"},
-    "qwen2": {"apply_rotary_pos_emb": "neox"},
-    "qwen3": {"apply_rotary_pos_emb": "neox"},
-    "phi3": {"apply_rotary_pos_emb": "neox"},
-    "gpt_neox": {"apply_rotary_pos_emb": "neox"},
-    "glm": {"apply_rotary_pos_emb": "interleaved"},
-    "glm4": {"apply_rotary_pos_emb": "interleaved"},
-    "deepseek_v3": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_interleave": "interleaved_to_halves"},
-    # vision-language models: the language model's M-RoPE (positions [3, B, S]) and the vision tower's 2-D axial
-    # rotation (apply_rotary_pos_emb_vision, (h, w) ids [N, 2]). Qwen2.5-VL's tower reorders its cos/sin tables for
-    # window attention after its rotary module returns them, so its rotation keeps transformers' function
-    "qwen2_vl": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"},
-    "qwen2_5_vl": {"apply_rotary_pos_emb": "neox"},
-    "qwen3_vl": {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"},
-}
+    model_type: dict(family.patched_functions) for model_type, family in MODEL_FAMILIES.items()
+    if family.patched_functions}
 #: ``config.model_type`` values :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 

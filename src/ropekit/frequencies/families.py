@@ -1,0 +1,95 @@
+"""What ropekit knows per model family, in one table: :data:`MODEL_FAMILIES`, keyed by ``config.model_type``.
+
+Two readers: :func:`~ropekit.frequencies.from_hf_config` takes a family's defaults for what its config leaves out
+(pairing, rotary fraction, M-RoPE sections, a legacy rope type), and :mod:`ropekit.integrations.patching` takes the
+families it can patch and the functions it replaces in each. A family not listed has the defaults of
+:class:`ModelFamily`: NeoX pairing, the whole head rotated, 1-D positions, and no patching. Adding a model is
+adding a row here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = ["MODEL_FAMILIES", "ModelFamily", "family_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """The facts of one model family that its config does not state.
+
+    Attributes
+    ----------
+    pairing : str
+        How the family's attention pairs columns: ``"neox"`` (i, i + R/2) or ``"interleaved"`` (2i, 2i+1, as GLM,
+        GPT-J, CodeGen and DeepSeek-V2/V3). ``from_hf_config``'s default ``style``.
+    interleave_key : str or None
+        A config key that, set to ``False``, turns an interleaved pairing into NeoX (DeepSeek-V3's
+        ``rope_interleave``, which chooses between its two rotation functions).
+    partial_rotary_factor : float
+        The rotated fraction of a head when the config gives none (GPT-NeoX 0.25, GLM 0.5).
+    mrope_section : tuple of int or None
+        Vision-language families whose text rotation is M-RoPE (time, height, width positions): the pairs per axis
+        their rotary module takes when the config gives no ``mrope_section``.
+    mrope_interleaved : bool
+        M-RoPE's axes take interleaved pairs (Qwen3-VL) rather than contiguous sections (Qwen2-VL).
+    legacy_yarn_is_longrope : bool
+        A legacy ``rope_type`` of ``"yarn"`` in the family's configs means LongRoPE (transformers renames it).
+    patched_functions : Mapping[str, str]
+        The functions of the family's modeling module (``transformers.models.<model_type>.modeling_<model_type>``)
+        that :func:`ropekit.integrations.patching.patch` replaces, each with how it pairs columns; empty: the family
+        cannot be patched. Kinds: ``"neox"`` (``rotate_half`` pairs (i, i + R/2) with R the cos width; columns past
+        R pass through: Phi-3, NeoX), ``"interleaved"`` (pairs (2i, 2i+1) with angle i, R the cos width, the tail
+        passes through: GLM), ``"interleaved_to_halves"`` (pairs (2i, 2i+1), output laid out as [rotated evens,
+        rotated odds]: DeepSeek-V3), ``"vision"`` (a vision tower's 2-D axial rotation of its patches' (h, w) ids,
+        ``apply_rotary_pos_emb_vision``).
+    """
+
+    pairing: str = "neox"
+    interleave_key: str | None = None
+    partial_rotary_factor: float = 1.0
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
+    legacy_yarn_is_longrope: bool = False
+    patched_functions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+_NEOX = {"apply_rotary_pos_emb": "neox"}
+_NEOX_AND_VISION = {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"}
+
+#: ``config.model_type`` -> :class:`ModelFamily`.
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "llama": ModelFamily(patched_functions=_NEOX),
+    "mistral": ModelFamily(patched_functions=_NEOX),
+    "qwen2": ModelFamily(patched_functions=_NEOX),
+    "qwen3": ModelFamily(patched_functions=_NEOX),
+    "phi3": ModelFamily(legacy_yarn_is_longrope=True, patched_functions=_NEOX),
+    "phi4_multimodal": ModelFamily(legacy_yarn_is_longrope=True),
+    "gpt_neox": ModelFamily(partial_rotary_factor=0.25, patched_functions=_NEOX),
+    "gptj": ModelFamily(pairing="interleaved"),
+    "codegen": ModelFamily(pairing="interleaved"),
+    "glm": ModelFamily(pairing="interleaved", partial_rotary_factor=0.5,
+                       patched_functions={"apply_rotary_pos_emb": "interleaved"}),
+    "glm4": ModelFamily(pairing="interleaved", partial_rotary_factor=0.5,
+                        patched_functions={"apply_rotary_pos_emb": "interleaved"}),
+    "deepseek_v2": ModelFamily(pairing="interleaved"),
+    "deepseek_v3": ModelFamily(pairing="interleaved", interleave_key="rope_interleave",
+                               patched_functions={"apply_rotary_pos_emb": "neox",
+                                                  "apply_rotary_pos_emb_interleave": "interleaved_to_halves"}),
+    # Vision-language models: the language model's M-RoPE (positions [3, B, S]) and the vision tower's 2-D axial
+    # rotation (apply_rotary_pos_emb_vision, (h, w) ids [N, 2]). Qwen2.5-VL's tower reorders its cos/sin tables for
+    # window attention after its rotary module returns them, so its rotation keeps transformers' function.
+    "qwen2_vl": ModelFamily(mrope_section=(16, 24, 24), patched_functions=_NEOX_AND_VISION),
+    "qwen2_5_vl": ModelFamily(mrope_section=(16, 24, 24), patched_functions=_NEOX),
+    "qwen3_vl": ModelFamily(mrope_section=(24, 20, 20), mrope_interleaved=True, patched_functions=_NEOX_AND_VISION),
+    "qwen3_vl_moe": ModelFamily(mrope_section=(24, 20, 20), mrope_interleaved=True),
+}
+
+
+def family_of(model_type: str | None) -> ModelFamily | None:
+    """The family of a config's ``model_type``, or None. A vision-language model's text config (``qwen2_vl_text``)
+    belongs to its model's family."""
+    if model_type is None:
+        return None
+    return MODEL_FAMILIES.get(model_type) or MODEL_FAMILIES.get(model_type.removesuffix("_text"))
