@@ -1,6 +1,6 @@
 """``ropekit bench``: time ropekit against a copy of the same bytes (the limit) and against peer implementations.
 
-For every case of a preset (model shape x dtype x pairing style x positions x size, see ``benchmarks/registry.py``)
+For every case of a preset (model shape x dtype x pairing style x positions x size, see ``ropekit/bench/registry.py``)
 and every mode it asks for, one run times:
 
 * a baseline: ``copy`` (one ``copy_`` moving the case's bytes, a device-to-device memcpy), ``copy-4pass``

@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "always run")
     p.add_argument("--shard", help="run shard I/N of the selected cases (e.g. 2/4)")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
-    p.add_argument("--registry", help="registry file (default: benchmarks/registry.py of the repository holding "
-                                      "ropekit, else of the working directory or a parent)")
+    p.add_argument("--registry", help="registry file (default: the one shipped with ropekit, "
+                                      "ropekit/bench/registry.py)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", default="out/bench", help="output directory (default: out/bench)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,

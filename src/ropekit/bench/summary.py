@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ropekit.bench.summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/results", help="the results folder (default: %(default)s)")
     parser.add_argument("--out", default="BENCHMARKS.md", help="the generated page (default: %(default)s)")
-    parser.add_argument("--registry", default=None, help="the registry (default: the checkout's)")
+    parser.add_argument("--registry", default=None, help="the registry (default: the one shipped with ropekit)")
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     args = parser.parse_args(argv)
     results = Path(args.results)
