@@ -348,8 +348,10 @@ def test_compiled_calls_never_read_the_plan_dicts(device, monkeypatch):
                 return fn(*args)
             return plans
 
-        for name in ("_planned", "_prologue_call", "_sighted"):
-            monkeypatch.setattr(_fastpath, name, eager_only(getattr(_fastpath, name)))
+        from ropekit._fastpath import prologue, rope
+
+        for module, name in ((rope, "_planned"), (rope, "_sighted"), (prologue, "_prologue_call")):
+            monkeypatch.setattr(module, name, eager_only(getattr(module, name)))
         torch._dynamo.reset()
         rotate = torch.compile(lambda a, b, p: ropekit.apply_rope(a, b, positions=p), fullgraph=True, backend="eager")
         norm_rotate = torch.compile(lambda a, b, p: ropekit.qk_norm_rope(a, b, w_q, w_k, positions=p),

@@ -21,7 +21,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # --help exits here
 
-import inspect
 import statistics
 import timeit
 
@@ -29,9 +28,8 @@ import torch
 
 import ropekit
 from ropekit import _fastpath
-from ropekit._spec import FORWARD
-from ropekit._validation import validate
-from ropekit.triton.bound import _current_raw_stream, _launch_hooks_idle
+from ropekit._spec import FORWARD, RopeArgs
+from ropekit.triton.runtime import current_raw_stream, launch_hooks_idle
 
 
 def per_call_us(fn, number: int = 2000, rounds: int = 9) -> float:
@@ -81,10 +79,9 @@ def main(args: argparse.Namespace) -> None:
     ropekit.apply_rope(q, k, positions=pos)
     ropekit.apply_rope(q, k, cos=cos, sin=sin)
     ropekit.apply_rope(q, k, positions=4095)  # the second call of a signature records its plan
-    # the public call's options in the signature's order, defaults but for the position
-    defaults = inspect.signature(validate).parameters
-    options = {name: 4095 if name == "positions" else defaults[name].default for name in _fastpath._OPTIONS}
-    key, ptrs = _fastpath.signature(q, k, FORWARD, options)
+    # the public call's arguments, defaults but for the position
+    args = RopeArgs(positions=4095)
+    key, ptrs = _fastpath.signature(q, k, FORWARD, args)
     plan = _fastpath._PLANS[key]
     launch = plan.launch
     qo, ko = torch.empty_like(q), torch.empty_like(k)
@@ -127,13 +124,13 @@ def main(args: argparse.Namespace) -> None:
         ("  backward part: rope_backward(gq, gk, positions=int)",
          lambda: ropekit.rope_backward(gq, gk, positions=4095)),
         ("  forward only, inputs require grad", lambda: ropekit.apply_rope(ql, kl, positions=4095)),
-        ("  part: signature (key + pointers)", lambda: _fastpath.signature(q, k, FORWARD, options)),
+        ("  part: signature (key + pointers)", lambda: _fastpath.signature(q, k, FORWARD, args)),
         ("  part: plan lookup", lambda: _fastpath._PLANS.get(key)),
         ("  part: torch.empty(shape, dtype, device)",
          lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)),
         ("  part: bound launch (Triton's launcher)", lambda: launch(qp, qop, kp, kop, *tables, 4095)),
-        ("  part: current raw stream", lambda: _current_raw_stream(0)),
-        ("  part: Triton launch-hook check", _launch_hooks_idle),
+        ("  part: current raw stream", lambda: current_raw_stream(0)),
+        ("  part: Triton launch-hook check", launch_hooks_idle),
         ("  part: torch.compiler.is_compiling()", torch.compiler.is_compiling),
     ]
     rows += _patched_rotary_rows(dev)
