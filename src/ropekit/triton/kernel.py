@@ -21,17 +21,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The modes a launch picks, as constexpr globals (the kernels compare against them; the launchers pass their
+# ``.value``).
 # Position modes (POS_MODE)
-POS_RANGE = 0  # s + pos_offset
-POS_PER_SEQ = 1  # s + seq_offsets[b]
-POS_PER_TOKEN = 2  # positions[b, s]
-POS_VARLEN = 3  # t - cu_seqlens[seq] + (seq_offsets[seq] or pos_offset), B == 1
+POS_RANGE = tl.constexpr(0)  # s + pos_offset
+POS_PER_SEQ = tl.constexpr(1)  # s + seq_offsets[b]
+POS_PER_TOKEN = tl.constexpr(2)  # positions[b, s]
+POS_VARLEN = tl.constexpr(3)  # t - cu_seqlens[seq] + (seq_offsets[seq] or pos_offset), B == 1
 
 # Frequency sources (FREQ_MODE)
-FREQ_INV_FREQ = 0  # angle = pos * inv_freq[i], in the kernel
-FREQ_TABLE = 1  # cos/sin rows
-FREQ_ANGLES = 2  # raw angle rows (cuDNN's freqs)
-FREQ_INV_FREQ_INT = 3  # as FREQ_INV_FREQ, the angle reduced in 64-bit integer turns: no float64 (see _angle_turns)
+FREQ_INV_FREQ = tl.constexpr(0)  # angle = pos * inv_freq[i], in the kernel
+FREQ_TABLE = tl.constexpr(1)  # cos/sin rows
+FREQ_ANGLES = tl.constexpr(2)  # raw angle rows (cuDNN's freqs)
+# as FREQ_INV_FREQ, the angle reduced in 64-bit integer turns: no float64 (see _angle_turns)
+FREQ_INV_FREQ_INT = tl.constexpr(3)
 
 _TWO_PI = tl.constexpr(6.283185307179586)
 _TWO_PI_LO = tl.constexpr(2.4492935982947064e-16)  # 2*pi - float64(2*pi)
@@ -136,13 +139,13 @@ def _token_positions(
     """(pos, valid) of canonical token indices ``t`` = ``b * S + s`` (``b``, ``s`` int64). Tokens outside
     ``mask_t`` (past the last token) read nothing."""
     valid = t == t
-    if POS_MODE == 0:
+    if POS_MODE == POS_RANGE:
         pos = s + pos_offset
-    elif POS_MODE == 1:
+    elif POS_MODE == POS_PER_SEQ:
         pos = s + tl.load(seq_off_ptr + b, mask=mask_t, other=0).to(tl.int64)
-    elif POS_MODE == 2:
+    elif POS_MODE == POS_PER_TOKEN:
         pos = tl.load(pos_ptr + b * pos_sb + s * pos_ss, mask=mask_t, other=0).to(tl.int64)
-    else:
+    else:  # POS_VARLEN
         # Largest seq with cu[seq] <= t, by a branch-free binary search over the B + 1 boundaries.
         t = t.to(tl.int64)
         lo = tl.zeros_like(t)
@@ -291,7 +294,7 @@ def _rotation(
     HALF: tl.constexpr = ROT_DIM // 2
     i = tl.arange(0, HALF_BLOCK)
     mask_i = i < HALF
-    if FREQ_MODE == 3:
+    if FREQ_MODE == FREQ_INV_FREQ_INT:
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0)
         if NUM_AXES > 1:
             pair_pos, axes_valid = _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF, NUM_AXES,
@@ -304,7 +307,7 @@ def _rotation(
         c_lo, s_lo = _sincos_turns(turns, FAST_TRIG)
         c_hi = c_lo
         s_hi = s_lo
-    elif FREQ_MODE == 0:
+    elif FREQ_MODE == FREQ_INV_FREQ:
         inv_freq = tl.load(freq_ptr + i, mask=mask_i, other=0.0).to(tl.float64)
         if NUM_AXES > 1:
             pair_pos, axes_valid = _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF, NUM_AXES,
@@ -317,7 +320,7 @@ def _rotation(
         c_lo, s_lo = _sincos_reduced(angle, FAST_TRIG)
         c_hi = c_lo
         s_hi = s_lo
-    else:
+    else:  # FREQ_TABLE or FREQ_ANGLES
         if TABLE_BY_TOKEN:
             row = s
         else:
@@ -327,7 +330,7 @@ def _rotation(
         base = (b * t_sb + row * t_sr)[:, None]
         m = mask_t[:, None] & mask_i[None, :]
         col_lo, col_hi = _table_columns(i, HALF, NEOX, TABLE_FULL)
-        if FREQ_MODE == 1:
+        if FREQ_MODE == FREQ_TABLE:
             c_lo = tl.load(cos_ptr + base + col_lo[None, :] * t_sc, mask=m, other=0.0).to(tl.float32)
             s_lo = tl.load(sin_ptr + base + col_lo[None, :] * t_sc, mask=m, other=0.0).to(tl.float32)
             if TABLE_FULL:

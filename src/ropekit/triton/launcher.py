@@ -18,7 +18,8 @@ from ropekit import _config
 from ropekit._spec import MAX_AXES, RopeSpec, to_canonical
 from ropekit.triton import kernel
 
-_FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ, "table": kernel.FREQ_TABLE, "angles": kernel.FREQ_ANGLES}
+_FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ.value, "table": kernel.FREQ_TABLE.value,
+               "angles": kernel.FREQ_ANGLES.value}
 
 # Block shapes (measurements: docs/perf-notes.md, "Block shape per card"; the sweeps: benchmarks/probes/).
 # Bytes of Q (or K) each program reads per pass, and elements of one token's head tile [BLOCK_H, head_dim]: small
@@ -297,15 +298,15 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 
     pos_sa = 0
     if sections is not None:  # multi-axis: positions [A, B, S]
-        pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
+        pos_mode, pos_t = kernel.POS_PER_TOKEN.value, positions
         pos_sa, pos_sb, pos_ss = positions.stride()
     elif positions is not None:
-        pos_mode, pos_t = kernel.POS_PER_TOKEN, positions
+        pos_mode, pos_t = kernel.POS_PER_TOKEN.value, positions
         pos_sb, pos_ss = positions.stride()
     else:
         pos_t, pos_sb, pos_ss = q, 0, 0
-        pos_mode = kernel.POS_VARLEN if cu_seqlens is not None else kernel.POS_PER_SEQ if seq_offsets is not None \
-            else kernel.POS_RANGE
+        pos_mode = (kernel.POS_VARLEN if cu_seqlens is not None else kernel.POS_PER_SEQ if seq_offsets is not None
+                    else kernel.POS_RANGE).value
     n_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     n_search_steps = max(1, math.ceil(math.log2(max(n_seqs, 1)))) + 1
 
@@ -320,13 +321,13 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 
     freq_mode_id = _FREQ_MODES[freq_mode]
     if freq_mode == "inv_freq" and inv_freq.dtype == torch.float32 and integer_angles(q.device):
-        freq_mode_id = kernel.FREQ_INV_FREQ_INT
+        freq_mode_id = kernel.FREQ_INV_FREQ_INT.value
     copy_pass_q = D != rotary_dim and (q_out.data_ptr() != q.data_ptr() or q_scale != 1.0)
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
     if q.device.type != "cuda":  # the CPU interpreter pays per program: fewer, larger ones
         tile_bytes = max(tile_bytes, INTERPRETER_TILE_BYTES)
-    stream = (q.device.type == "cuda" and pos_mode in (kernel.POS_RANGE, kernel.POS_PER_SEQ) and rotary_dim == D
-              and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
+    stream = (q.device.type == "cuda" and pos_mode in (kernel.POS_RANGE.value, kernel.POS_PER_SEQ.value)
+              and rotary_dim == D and 0 < _dram_gbps(q.device.index) < STREAM_DRAM_GBPS)
     # Axes that share one row (stride 0: positions expanded from one id tensor, as transformers' Qwen2-VL text
     # model builds them without images) are 1-D positions: one load a token instead of one a pair.
     axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)

@@ -26,6 +26,8 @@ from ropekit._spec import CacheSpec, RopeSpec, to_canonical
 from ropekit.triton import launcher
 from ropekit.triton.kernel import (
     FP8_E4M3_MAX,
+    FREQ_ANGLES,
+    FREQ_TABLE,
     _axis_valid,
     _head_tile,
     _load_heads,
@@ -41,10 +43,11 @@ from ropekit.triton.kernel import (
     _within,
 )
 
-# Cache modes (CACHE_MODE)
-CACHE_NONE = 0  # k goes to k_out like q (qk_norm_rope)
-CACHE_ROWS = 1  # k and v go to cache[batch, position] ("bshd", "bhsd")
-CACHE_PAGED = 2  # k and v go to cache[slot // block_size, slot % block_size] ("paged")
+# Cache modes (CACHE_MODE), constexpr globals as kernel.py's modes
+CACHE_NONE = tl.constexpr(0)  # k goes to k_out like q (qk_norm_rope)
+CACHE_ROWS = tl.constexpr(1)  # k and v go to cache[batch, position] ("bshd", "bhsd")
+CACHE_PAGED = tl.constexpr(2)  # k and v go to cache[slot // block_size, slot % block_size] ("paged")
+
 
 @triton.jit
 def _pair_columns(ROT_START: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr):
@@ -89,14 +92,14 @@ def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, ca
     rows | block_size] grid the two caches share -- each cache turns them into an offset with its own strides:
     ``CACHE_ROWS`` at (batch, position) with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of
     ``cache_rows`` slots."""
-    if CACHE_MODE == 1:
+    if CACHE_MODE == CACHE_ROWS:
         if CACHE_BATCH_PER_TOKEN:
             r0 = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
         else:
             r0 = b
         ok = valid & (pos < cache_rows)
         r1 = tl.where(ok, pos, 0)
-    else:
+    else:  # CACHE_PAGED
         slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
         ok = valid & (slot >= 0) & (slot < cache_rows)  # valid: within mask_t, and a valid position
         slot = tl.where(ok, slot, 0)
@@ -203,10 +206,11 @@ def prologue_kernel(
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
     """A program normalises (``NORM``) and rotates one block of heads of q or of k for ``BLOCK_T`` tokens, q into
-    ``qo`` and k into ``ko`` (a cache when ``CACHE_MODE`` > 0, whose row strides are ``kc_sb``/``kc_ss``), or copies
-    a block of v's heads into the v cache ``vo`` (row strides ``vc_sb``/``vc_ss``, head stride ``vo_sh``: the two
-    caches' strides may differ). With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's scale is read from a device scalar
-    (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided in)."""
+    ``qo`` and k into ``ko`` (a cache unless ``CACHE_MODE`` is ``CACHE_NONE``, whose row strides are
+    ``kc_sb``/``kc_ss``), or copies a block of v's heads into the v cache ``vo`` (row strides ``vc_sb``/``vc_ss``,
+    head stride ``vo_sh``: the two caches' strides may differ). With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's
+    scale is read from a device scalar (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided
+    in)."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -215,7 +219,7 @@ def prologue_kernel(
     pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                   n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
     valid = valid & mask_t
-    if CACHE_MODE == 0:
+    if CACHE_MODE == CACHE_NONE:
         r0 = b
         r1 = s
         k_ok = mask_t
@@ -223,7 +227,7 @@ def prologue_kernel(
         # Tokens whose rotation is NaN write no cache row: past a position-indexed table, or (multi-axis) invalid
         # on a later axis, as well as invalid on the first.
         row_valid = valid
-        if FREQ_MODE == 1 or FREQ_MODE == 2:
+        if FREQ_MODE == FREQ_TABLE or FREQ_MODE == FREQ_ANGLES:
             if not TABLE_BY_TOKEN:
                 row_valid = row_valid & (pos < table_rows)
         for a in tl.static_range(1, NUM_AXES):
@@ -242,7 +246,7 @@ def prologue_kernel(
         scale = k_scale
         if K_SCALE_PTR:
             scale = scale / tl.load(ks_ptr).to(tl.float32)
-        if CACHE_MODE == 0:
+        if CACHE_MODE == CACHE_NONE:
             k_row = r0 * ko_sb + r1 * ko_ss
         else:
             k_row = r0 * kc_sb + r1 * kc_ss
@@ -535,11 +539,11 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     k_ptr_scale = v_ptr_scale = False
     k_div = v_div = 1.0
     if cache is None:
-        mode, k_target, ko_sh, v_target, vo_sh, v_strides = CACHE_NONE, k_out, named["ko_sh"], dummy, 0, (0, 0, 0)
+        mode, k_target, ko_sh, v_target, vo_sh, v_strides = CACHE_NONE.value, k_out, named["ko_sh"], dummy, 0, (0, 0, 0)
         c_args = (dummy, dummy, 0, 0, 0, 1, 0, 0, 0, 0)
         k_fp8 = v_fp8 = False
     else:
-        mode = CACHE_PAGED if cache.paged else CACHE_ROWS
+        mode = (CACHE_PAGED if cache.paged else CACHE_ROWS).value
         k_target, v_target = cache.views()
         ko_sh, vo_sh = k_target.stride(2), v_target.stride(2)
         v_strides = to_canonical(v, spec.layout).stride()[:3]
