@@ -1,0 +1,403 @@
+"""The attention prologue kernels, built from ``rope_kernel``'s pieces: per-head RMSNorm (optional), RoPE and the
+K/V cache write in one launch (``prologue_kernel``), and the backward of norm + RoPE (``norm_rope_bwd_kernel``).
+
+Work decomposition as ``rope_kernel``: a program owns ``BLOCK_T`` tokens and one block of heads; grid axis 0 holds
+q's head blocks, then k's, then v's (a cache write only), axes 1 and 2 the token blocks. The norm needs a head's
+whole row, so with a norm every column (the pass-through span included) is loaded, normalised in fp32 and stored.
+
+Cache rows: ``CACHE_ROWS`` writes token (b, pos) at ``cache[cb, pos]`` of a [B, max_seq, H, D] view (any strides:
+the head-major [B, H, max_seq, D] cache is a permuted view), where ``cb`` is the token's canonical batch index or,
+for packed varlen tokens, ``cache_batch[t]``; ``CACHE_PAGED`` writes token t at slot ``slot_mapping[t]`` of a
+[num_blocks, block_size, H, D] cache. The k and v caches share that grid of rows, not their strides: each turns a
+row into an address with its own (a padded view, a head-major view, two halves of one buffer). A token whose row
+or slot lies outside the cache (slot -1 included), or whose position is invalid, writes nothing: never an
+out-of-bounds write. float8_e4m3fn caches store ``value / scale`` saturated to +-448 (NaN stays NaN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ropekit.triton.kernel import (
+    FP8_E4M3_MAX,
+    FREQ_ANGLES,
+    FREQ_TABLE,
+    _axis_valid,
+    _head_tile,
+    _load_heads,
+    _pass_columns,
+    _rotation,
+    _round_to_e4m3,
+    _store_pairs,
+    _table_columns,
+    _to_store,
+    _token_block,
+    _token_positions,
+    _turn,
+    _within,
+)
+
+# Cache modes (CACHE_MODE), constexpr globals as kernel.py's modes
+CACHE_NONE = tl.constexpr(0)  # k goes to k_out like q (qk_norm_rope)
+CACHE_ROWS = tl.constexpr(1)  # k and v go to cache[batch, position] ("bshd", "bhsd")
+CACHE_PAGED = tl.constexpr(2)  # k and v go to cache[slot // block_size, slot % block_size] ("paged")
+
+
+@triton.jit
+def _pair_columns(ROT_START: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, HALF_BLOCK: tl.constexpr):
+    """Head columns of the lo and hi element of each pair [1, 1, HALF_BLOCK]."""
+    i = tl.arange(0, HALF_BLOCK)
+    col_lo, col_hi = _table_columns(i, HALF, NEOX, True)
+    return (ROT_START + col_lo)[None, None, :], (ROT_START + col_hi)[None, None, :]
+
+
+@triton.jit
+def _norm_weights(w_ptr, w_offset, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+                  HAS_PASS: tl.constexpr):
+    """fp32 ``w + w_offset`` at the lo, hi and pass-through columns, [1, 1, block] each."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
+    mi = tl.arange(0, HALF_BLOCK)[None, None, :] < HALF
+    w_lo = tl.load(w_ptr + col_lo, mask=mi, other=0.0).to(tl.float32) + w_offset
+    w_hi = tl.load(w_ptr + col_hi, mask=mi, other=0.0).to(tl.float32) + w_offset
+    if HAS_PASS:
+        p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        w_p = tl.load(w_ptr + p, mask=mp, other=0.0).to(tl.float32) + w_offset
+    else:
+        w_p = w_lo
+    return w_lo, w_hi, w_p
+
+
+@triton.jit
+def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexpr):
+    """1 / sqrt(mean(x**2) + eps) over each head row, [BLOCK_T, BLOCK_H, 1]."""
+    if HAS_PASS:  # one cross-thread reduction where the spans share a shape
+        ss = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2) + tl.sum(x_p * x_p, axis=2)
+    else:
+        ss = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2)
+    return (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, :, None]
+
+
+@triton.jit
+def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size,
+                CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr):
+    """(first index, second index, tokens that write) [BLOCK_T] of each token's row in the [B | num_blocks,
+    rows | block_size] grid the two caches share -- each cache turns them into an offset with its own strides:
+    ``CACHE_ROWS`` at (batch, position) with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of
+    ``cache_rows`` slots."""
+    if CACHE_MODE == CACHE_ROWS:
+        if CACHE_BATCH_PER_TOKEN:
+            r0 = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
+        else:
+            r0 = b
+        ok = valid & (pos < cache_rows)
+        r1 = tl.where(ok, pos, 0)
+    else:  # CACHE_PAGED
+        slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
+        ok = valid & (slot >= 0) & (slot < cache_rows)  # valid: within mask_t, and a valid position
+        slot = tl.where(ok, slot, 0)
+        r0 = slot // block_size
+        r1 = slot - r0 * block_size
+    return r0, r1, ok
+
+
+# float8_e4m3fn's NaN bits, S.1111.111, as the fp32 value 1.875 * 2**8 whose conversion yields them
+FP8_E4M3_NAN_BITS_VALUE = tl.constexpr(480.0)
+
+
+@triton.jit
+def _fp8_for_interpreter(y, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """Under the interpreter (``ROUND_FP8``), ``y`` (fp32) as a float8_e4m3fn cache stores it, for a store that
+    converts without saturating or rounding (``FP8`` off): saturated to +-448, rounded to nearest even, and NaN as
+    a value the interpreter's conversion turns into NaN (it turns NaN itself into 384). Compiled kernels convert
+    NaN to NaN themselves: ``y`` unchanged."""
+    if FP8 and ROUND_FP8:
+        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
+        y = _round_to_e4m3(y)
+        y = tl.where(y != y, FP8_E4M3_NAN_BITS_VALUE, y)
+    return y
+
+
+@triton.jit
+def _norm_rope_block(
+    x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, w_ptr, w_offset, eps, scale,
+    b, s, pos, valid, mask_t, h0, H,
+    pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """Normalise (``NORM``) and rotate one [BLOCK_T, BLOCK_H] block of head rows of ``x``; store row (t, h) at
+    ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
+    if NORM:
+        r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+        w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK,
+                                        PASS_BLOCK, HAS_PASS)
+        x_lo = x_lo * r * w_lo
+        x_hi = x_hi * r * w_hi
+        x_p = x_p * r * w_p
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
+        pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+        False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, False)
+    y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
+    h = h0 + tl.arange(0, BLOCK_H)
+    o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
+    om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
+    STORE_FP8: tl.constexpr = FP8 and not ROUND_FP8  # the interpreter's values come ready (_fp8_for_interpreter)
+    _store_pairs(o_ptr, o_base, om, _fp8_for_interpreter(y_lo, FP8, ROUND_FP8),
+                 _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(x_p * scale, FP8, ROUND_FP8),
+                 HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, STORE_FP8, False)
+
+
+@triton.jit
+def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t, h0, H, scale,
+                HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+                ROUND_FP8: tl.constexpr):
+    """Copy one block of head rows of ``x`` to rows ``o_row`` of ``o``: bit for bit in the same dtype, else
+    ``x * scale`` converted (float8_e4m3fn: saturated)."""
+    x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    d = tl.arange(0, D_BLOCK)[None, None, :]
+    x = tl.load(x_ptr + x_base + d, mask=_within(m, d, HEAD_DIM, D_BLOCK))
+    h = h0 + tl.arange(0, BLOCK_H)
+    o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
+    om = _within((o_ok[:, None] & (h < H)[None, :])[:, :, None], d, HEAD_DIM, D_BLOCK)
+    if FP8:
+        STORE_FP8: tl.constexpr = not ROUND_FP8  # the interpreter's values come ready (_fp8_for_interpreter)
+        y = _to_store(_fp8_for_interpreter(x.to(tl.float32) * scale, FP8, ROUND_FP8), o_ptr, STORE_FP8, False)
+    else:
+        y = x.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + o_base + d, y, mask=om)
+
+
+# pos_offset changes on every decode step: not specialised on (see rope_kernel).
+@triton.jit(do_not_specialize=["pos_offset"])
+def prologue_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr, v_ptr, vo_ptr,
+    q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh,
+    v_sb, v_ss, v_sh, vo_sh,
+    HQ, HK, S, num_tokens,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+    q_scale, k_scale, rotary_scale, pos_sa,
+    qw_ptr, kw_ptr, w_offset, eps,
+    cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, kc_sb, kc_ss, vc_sb, vc_ss, ks_ptr, vs_ptr, v_scale,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
+    AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr,
+    K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+):
+    """A program normalises (``NORM``) and rotates one block of heads of q or of k for ``BLOCK_T`` tokens, q into
+    ``qo`` and k into ``ko`` (a cache unless ``CACHE_MODE`` is ``CACHE_NONE``, whose row strides are
+    ``kc_sb``/``kc_ss``), or copies a block of v's heads into the v cache ``vo`` (row strides ``vc_sb``/``vc_ss``,
+    head stride ``vo_sh``: the two caches' strides may differ). With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's
+    scale is read from a device scalar (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided
+    in)."""
+    hb = tl.program_id(0)
+    tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    n_kb = tl.cdiv(HK, BLOCK_HK)
+    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
+    pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                  n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+    valid = valid & mask_t
+    if CACHE_MODE == CACHE_NONE:
+        r0 = b
+        r1 = s
+        k_ok = mask_t
+    else:
+        # Tokens whose rotation is NaN write no cache row: past a position-indexed table, or (multi-axis) invalid
+        # on a later axis, as well as invalid on the first.
+        row_valid = valid
+        if FREQ_MODE == FREQ_TABLE or FREQ_MODE == FREQ_ANGLES:
+            if not TABLE_BY_TOKEN:
+                row_valid = row_valid & (pos < table_rows)
+        for a in tl.static_range(1, NUM_AXES):
+            row_valid = row_valid & _axis_valid(a, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
+        r0, r1, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
+                                   block_size, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
+    if hb < n_qb:
+        _norm_rope_block(
+            q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, q_scale,
+            b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+            pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+            NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, False, ROUND_FP8, BLOCK_HQ,
+            HALF_BLOCK, PASS_BLOCK)
+    elif hb < n_qb + n_kb:
+        scale = k_scale
+        if K_SCALE_PTR:
+            scale = scale / tl.load(ks_ptr).to(tl.float32)
+        if CACHE_MODE == CACHE_NONE:
+            k_row = r0 * ko_sb + r1 * ko_ss
+        else:
+            k_row = r0 * kc_sb + r1 * kc_ss
+        _norm_rope_block(
+            k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
+            b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+            pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+            NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
+            HALF_BLOCK, PASS_BLOCK)
+    else:
+        scale = v_scale
+        if V_SCALE_PTR:
+            scale = 1.0 / tl.load(vs_ptr).to(tl.float32)
+        _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, r0 * vc_sb + r1 * vc_ss, k_ok, vo_sh, b, s, mask_t,
+                    (hb - n_qb - n_kb) * BLOCK_HK, HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
+
+
+@triton.jit
+def _norm_rope_bwd_block(
+    g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_lo, w_hi, w_p, eps, scale,
+    b, s, pos, valid, mask_t, h0, H,
+    pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    PASS_BLOCK: tl.constexpr,
+):
+    """Gradients of one block of head rows of ``y = rotate(x * r * w) * scale`` (``w``: the weights plus their
+    offset at the lo, hi and pass-through columns, loaded once by the caller): the rotation's
+    transpose first (the same rotation, conjugated), then the norm's backward. ``dx`` goes to ``dx_ptr``; returns
+    the block's weight-gradient terms ``g * x * r`` at the lo, hi and pass-through columns, per row (the caller
+    sums them once, after its loop: a sum over heads here would cross warps on every token block)."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    g_base, m = _head_tile(b, s, mask_t, h0, H, g_sb, g_ss, g_sh, BLOCK_H)
+    g_lo, g_hi, g_p = _load_heads(g_ptr, g_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
+    x_base, _ = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
+    x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                                  HAS_PASS, True)
+    c_lo, c_hi, s_a, s_b = _rotation(
+        b, s, pos, valid, mask_t, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale * scale,
+        pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+        True, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, False)
+    # d loss / d(normalised x): the conjugate rotation of the output gradient
+    n_lo, n_hi = _turn(g_lo, g_hi, c_lo, c_hi, s_a, s_b)
+    n_p = g_p * scale
+    r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+    xh_lo, xh_hi, xh_p = x_lo * r, x_hi * r, x_p * r
+    dh_lo, dh_hi, dh_p = n_lo * w_lo, n_hi * w_hi, n_p * w_p
+    dot = tl.sum(dh_lo * xh_lo, axis=2) + tl.sum(dh_hi * xh_hi, axis=2)
+    if HAS_PASS:
+        dot += tl.sum(dh_p * xh_p, axis=2)
+    mean = (dot / HEAD_DIM)[:, :, None]
+    dx_base, _ = _head_tile(b, s, mask_t, h0, H, dx_sb, dx_ss, dx_sh, BLOCK_H)
+    _store_pairs(dx_ptr, dx_base, m, r * (dh_lo - xh_lo * mean), r * (dh_hi - xh_hi * mean), r * (dh_p - xh_p * mean),
+                HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, False, False)
+    # The weight's gradient: rows outside the block (NaN rotations of padded tokens included) contribute nothing.
+    dw_lo = tl.where(m, n_lo * xh_lo, 0.0)
+    dw_hi = tl.where(m, n_hi * xh_hi, 0.0)
+    dw_p = dw_lo  # no pass-through columns: unused
+    if HAS_PASS:
+        dw_p = tl.where(m, n_p * xh_p, 0.0)
+    return dw_lo, dw_hi, dw_p
+
+
+@triton.jit
+def _norm_rope_bwd_heads(
+    g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps, scale,
+    dw_ptr, dw_row, h0, H, S, num_tokens, n_token_blocks,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr,
+    TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr,
+    AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """One block of heads over every ``num_programs(1)``-th token block from ``program_id(1)`` on: the gradients
+    of its rows, and the sum of their weight-gradient terms, stored once as row ``dw_row`` of ``dw_ptr``. The
+    program loops (rather than one program per token block writing a partial row) so that the partial rows are a
+    few hundred, not one per token block, and their sum is deterministic."""
+    HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
+    HALF: tl.constexpr = ROT_DIM // 2
+    # per-row accumulators, in the tiles' own layout: summed over tokens and heads once, after the loop
+    acc_lo = tl.zeros([BLOCK_T, BLOCK_H, HALF_BLOCK], tl.float32)
+    acc_hi = tl.zeros([BLOCK_T, BLOCK_H, HALF_BLOCK], tl.float32)
+    acc_p = tl.zeros([BLOCK_T, BLOCK_H, PASS_BLOCK], tl.float32)
+    w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
+                                    HAS_PASS)
+    for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
+        t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
+        pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
+                                      n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
+        d_lo, d_hi, d_p = _norm_rope_bwd_block(
+            g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_lo, w_hi, w_p, eps,
+            scale, b, s, pos, valid & mask_t, mask_t, h0, H,
+            pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG, NUM_AXES,
+            AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_H, HALF_BLOCK, PASS_BLOCK)
+        acc_lo += d_lo
+        acc_hi += d_hi
+        if HAS_PASS:
+            acc_p += d_p
+    col_lo, col_hi = _pair_columns(ROT_START, HALF, NEOX, HALF_BLOCK)
+    i = tl.arange(0, HALF_BLOCK)
+    row = dw_ptr + dw_row * HEAD_DIM
+    tl.store(row + tl.reshape(col_lo, [HALF_BLOCK]), tl.sum(tl.sum(acc_lo, axis=1), axis=0), mask=i < HALF)
+    tl.store(row + tl.reshape(col_hi, [HALF_BLOCK]), tl.sum(tl.sum(acc_hi, axis=1), axis=0), mask=i < HALF)
+    if HAS_PASS:
+        p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        tl.store(row + tl.reshape(p, [PASS_BLOCK]), tl.sum(tl.sum(acc_p, axis=1), axis=0),
+                 mask=tl.reshape(mp, [PASS_BLOCK]))
+
+
+@triton.jit(do_not_specialize=["pos_offset"])
+def norm_rope_bwd_kernel(
+    gq_ptr, q_ptr, dq_ptr, gk_ptr, k_ptr, dk_ptr, dwq_ptr, dwk_ptr,
+    gq_sb, gq_ss, gq_sh, q_sb, q_ss, q_sh, dq_sb, dq_ss, dq_sh,
+    gk_sb, gk_ss, gk_sh, k_sb, k_ss, k_sh, dk_sb, dk_ss, dk_sh,
+    HQ, HK, S, num_tokens,
+    pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+    freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
+    q_scale, k_scale, rotary_scale, pos_sa,
+    qw_ptr, kw_ptr, w_offset, eps, n_token_blocks,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+    POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
+    TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
+    AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
+    AXIS_BOUND_3: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """The backward of ``prologue_kernel`` with a norm and no cache. Grid (head blocks of q then k, G): a program
+    handles one block of heads for every G-th token block and writes its weight-gradient sum to row
+    ``program_id(1) * n_blocks + head block`` of ``dwq``/``dwk`` ([G * n_blocks, D])."""
+    hb = tl.program_id(0)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    n_kb = tl.cdiv(HK, BLOCK_HK)
+    g = tl.program_id(1).to(tl.int64)
+    if hb < n_qb:
+        _norm_rope_bwd_heads(
+            gq_ptr, gq_sb, gq_ss, gq_sh, q_ptr, q_sb, q_ss, q_sh, dq_ptr, dq_sb, dq_ss, dq_sh, qw_ptr, w_offset, eps,
+            q_scale, dwq_ptr, g * n_qb + hb, hb * BLOCK_HQ, HQ, S, num_tokens, n_token_blocks,
+            pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+            FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HQ,
+            HALF_BLOCK, PASS_BLOCK)
+    else:
+        _norm_rope_bwd_heads(
+            gk_ptr, gk_sb, gk_ss, gk_sh, k_ptr, k_sb, k_ss, k_sh, dk_ptr, dk_sb, dk_ss, dk_sh, kw_ptr, w_offset, eps,
+            k_scale, dwk_ptr, g * n_kb + (hb - n_qb), (hb - n_qb) * BLOCK_HK, HK, S, num_tokens, n_token_blocks,
+            pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
+            freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
+            FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HK,
+            HALF_BLOCK, PASS_BLOCK)
