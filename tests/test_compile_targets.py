@@ -4,7 +4,7 @@ machine without a GPU.
 The interpreter runs the kernel's Python, not Triton's compiler: what only compilation sees (a global value Triton
 refuses, an op it cannot lower, a register spill, inline assembly for the wrong target) would otherwise reach users
 first. Triton ships ptxas and its AMD linker, so the whole pipeline down to the cubin / hsaco runs here. Each target
-gets the constexprs the launcher would choose on that GPU (``launcher.fast_trig``: the NVIDIA-only hardware sin/cos
+gets the constexprs the launcher would choose on that GPU (``heuristics.fast_trig``: the NVIDIA-only hardware sin/cos
 is off on ROCm). A few specialisations are compiled, spanning the constexpr branches, in a subprocess without
 ``TRITON_INTERPRET`` (under it, ``triton.jit`` builds interpreter functions instead).
 """
@@ -19,6 +19,7 @@ import torch
 
 from ropekit._spec import BACKWARD, FORWARD
 from ropekit._validation import validate
+from ropekit.triton import heuristics as H
 from ropekit.triton import kernel as K
 from ropekit.triton import launcher as L
 
@@ -48,7 +49,7 @@ def _compile_for(target: str, q, k, config, **api_kwargs):
         _, args, constexprs, num_warps = L.kernel_launch(q, k, torch.empty_like(q), out_k, spec, config=config)
     finally:
         _config.exact_angles = previous
-    consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=L.fast_trig("cuda", hip_version))
+    consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=H.fast_trig("cuda", hip_version))
     return _compile_kernel(target, K.rope_kernel, args, consts, num_warps)
 
 
@@ -111,10 +112,10 @@ def _compile_prologue(target: str, case: str):
             if case.startswith("bwd-large"):
                 partial = case.endswith("partial")  # rotary 64 of 128 columns, at the back: a third accumulator
                 spec = validate(q4, k4, rotary_dim=64, rotary_at="back") if partial else validate(q4, k4)
-                config = P.norm_block_config(*shape, "backward", partial=partial)
+                config = H.norm_block_config(*shape, "backward", partial=partial)
                 P.launch_norm_rope_bwd(q4, q4, k4, k4, spec, w, w, 0.0, 1e-6, config=config)
             else:
-                config = P.norm_block_config(*shape, "forward")
+                config = H.norm_block_config(*shape, "forward")
                 P.launch_prologue(q4, k4, torch.empty_like(q4), torch.empty_like(k4), validate(q4, k4),
                                   q_weight=w, k_weight=w, config=config)
         else:
@@ -131,7 +132,7 @@ def _compile_prologue(target: str, case: str):
             P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, q_weight=w, k_weight=w)
     finally:
         L._launch = original
-    consts = dict(seen["consts"], FAST_TRIG=L.fast_trig("cuda", TARGETS[target][1]))
+    consts = dict(seen["consts"], FAST_TRIG=H.fast_trig("cuda", TARGETS[target][1]))
     if "ROUND_FP8" in consts:
         consts["ROUND_FP8"] = False  # the GPU's own conversion (the software rounding is the interpreter's)
     return _compile_kernel(target, seen["fn"], seen["args"], consts, seen["num_warps"])
@@ -240,9 +241,9 @@ def test_prologue_kernels_compile_for_each_target(case, target, compile_results)
 
 
 def test_hardware_sin_cos_only_on_nvidia():
-    assert L.fast_trig("cuda", None)  # CUDA build of torch, NVIDIA GPU
-    assert not L.fast_trig("cuda", "6.2")  # ROCm build: its GPUs are "cuda" devices too
-    assert not L.fast_trig("cpu", None)  # the interpreter
+    assert H.fast_trig("cuda", None)  # CUDA build of torch, NVIDIA GPU
+    assert not H.fast_trig("cuda", "6.2")  # ROCm build: its GPUs are "cuda" devices too
+    assert not H.fast_trig("cpu", None)  # the interpreter
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from ropekit._spec import BACKWARD
 from ropekit._validation import validate
 from ropekit.reference import rope_reference
 from ropekit.testing import exact_angles, kernels_on_cpu, max_relative_error, max_relative_tolerance
-from ropekit.triton import launcher
+from ropekit.triton import heuristics, launcher
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 FP32 = max_relative_tolerance(torch.float32, "triton-interpreter")
@@ -85,16 +85,16 @@ def test_backward_in_place_and_plans_equal_the_float64_path():
 
 def test_the_choice_follows_the_device(monkeypatch):
     monkeypatch.setattr(ropekit._config, "exact_angles", None)
-    assert not launcher.integer_angles(torch.device("cpu"))  # the interpreter: float64, as measured
-    monkeypatch.setattr(launcher, "_fast_float64", lambda index: False)
-    assert launcher.integer_angles(torch.device("cuda", 0))
-    monkeypatch.setattr(launcher, "_fast_float64", lambda index: True)
-    assert not launcher.integer_angles(torch.device("cuda", 0))
+    assert not heuristics.integer_angles(torch.device("cpu"))  # the interpreter: float64, as measured
+    monkeypatch.setattr(heuristics, "fast_float64", lambda index: False)
+    assert heuristics.integer_angles(torch.device("cuda", 0))
+    monkeypatch.setattr(heuristics, "fast_float64", lambda index: True)
+    assert not heuristics.integer_angles(torch.device("cuda", 0))
     monkeypatch.setattr(ropekit._config, "exact_angles", "integer")
-    assert launcher.integer_angles(torch.device("cpu"))
+    assert heuristics.integer_angles(torch.device("cpu"))
     monkeypatch.setattr(ropekit._config, "exact_angles", "fp16")
     with pytest.raises(ValueError, match="exact_angles"):
-        launcher.integer_angles(torch.device("cpu"))
+        heuristics.integer_angles(torch.device("cpu"))
 
 
 def test_float64_frequencies_keep_the_float64_path():

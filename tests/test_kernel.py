@@ -248,7 +248,7 @@ def test_stride_unit_is_what_every_row_stride_shares_up_to_16_bytes():
 def test_block_config_shapes():
     """The heuristic's programs: one token of 8 heads at D 128 (2 KB), 64 B per thread; 16 B per thread for
     streaming calls on large grids and for decode grids, and half the heads per program for the smallest ones."""
-    from ropekit.triton.launcher import block_config
+    from ropekit.triton.heuristics import block_config
 
     sms4 = 4 * 132
     assert block_config(32768, 32, 8, 128, 2, sms4) == (1, 8, 8, 1)
@@ -302,9 +302,9 @@ def test_block_config_shapes():
 def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch, tokens, interleaved_warps):
     """``kernel_launch`` asks for the interleaved-sections shape for interleaved M-RoPE only: on a 132-SM card,
     more warps than the contiguous and 1-D calls (which share theirs) at 16 and 24 decode tokens, fewer at 32."""
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, launcher
 
-    monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
+    monkeypatch.setattr(heuristics, "num_programs_wanted", lambda device: 4 * 132)
     q, k = make_qk(tokens, 1, 32, 8, 128, dtype=torch.bfloat16)
     positions = torch.randint(0, 100, (3, tokens, 1))
 
@@ -320,12 +320,12 @@ def test_kernel_launch_gives_interleaved_sections_their_decode_shape(monkeypatch
 
 
 def test_kernel_launch_takes_the_small_grid_shape_for_2_byte_computed_angles(monkeypatch):
-    """``kernel_launch`` halves the heads of one-token decode programs (launcher.SMALL_GRID_SM_FRACTION) on a
+    """``kernel_launch`` halves the heads of one-token decode programs (heuristics.SMALL_GRID_SM_FRACTION) on a
     132-SM card for bf16/fp16 calls whose angles the kernel computes (1-D or multi-axis positions, inv_freq), not
     for fp32 or cos/sin tables, where it measured slower, nor for per-token angles (not measured)."""
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, launcher
 
-    monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
+    monkeypatch.setattr(heuristics, "num_programs_wanted", lambda device: 4 * 132)
     positions = torch.randint(0, 100, (3, 1, 1))
     cos = torch.rand(1, 1, 128)
 
@@ -374,31 +374,31 @@ def test_small_grid_shape_equals_the_8_head_shape(case):
 def test_norm_kernels_block_shapes_on_large_grids():
     """Norm launches on a CUDA device never take the streaming shape: qk_norm_rope's forward with range positions
     2 tokens x 16 heads x 4 warps, its backward 16 heads x 2 warps, cache writes and gathered positions the plain
-    default (prologue.norm_block_config); decode grids keep the latency shape."""
-    from ropekit.triton import launcher, prologue
+    default (heuristics.norm_block_config); decode grids keep the latency shape."""
+    from ropekit.triton import heuristics
 
     big = (16384, 32, 8, 128, 2, 4 * 132)
-    assert prologue.norm_block_config(*big, "forward") == (2, 16, 8, 4)
-    assert prologue.norm_block_config(*big, "backward") == (1, 16, 8, 2)
-    assert prologue.norm_block_config(*big, "default") == (1, 8, 8, 1)
-    assert launcher.block_config(*big, stream=True) == (1, 8, 8, 4)  # what a range-position launch would stream
-    assert prologue.norm_block_config(64, 32, 8, 128, 2, 4 * 132, "default") == (1, 8, 8, 4)  # latency-bound
+    assert heuristics.norm_block_config(*big, "forward") == (2, 16, 8, 4)
+    assert heuristics.norm_block_config(*big, "backward") == (1, 16, 8, 2)
+    assert heuristics.norm_block_config(*big, "default") == (1, 8, 8, 1)
+    assert heuristics.block_config(*big, stream=True) == (1, 8, 8, 4)  # what a range-position launch would stream
+    assert heuristics.norm_block_config(64, 32, 8, 128, 2, 4 * 132, "default") == (1, 8, 8, 4)  # latency-bound
     # pass-through columns: the default shapes, the backward with twice the warps (its third accumulator spills
     # registers at 32 elements per thread; test_compile_targets checks the spill count)
-    assert prologue.norm_block_config(*big, "forward", partial=True) == (1, 8, 8, 1)
-    assert prologue.norm_block_config(*big, "backward", partial=True) == (1, 8, 8, 2)
+    assert heuristics.norm_block_config(*big, "forward", partial=True) == (1, 8, 8, 1)
+    assert heuristics.norm_block_config(*big, "backward", partial=True) == (1, 8, 8, 2)
 
 
 def test_full_table_block_rule_is_for_cuda_only():
     """CPU runs (the interpreter) keep the launcher's own large programs with full-width tables too."""
-    from ropekit.triton import kernel, launcher
+    from ropekit.triton import heuristics, kernel, launcher
 
     q, k = torch.randn(2, 5, 7, 256), torch.randn(2, 5, 2, 256)
     angles = torch.rand(5, 256)
     spec = validate(q, k, cos=angles.cos(), sin=angles.sin())  # full width: a value per column
     _, args, constexprs, _ = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), spec)
     named = dict(zip(kernel.rope_kernel.arg_names, (*args, *constexprs)))
-    plain = launcher.block_config(10, 7, 2, 256, 4, 1, launcher.INTERPRETER_TILE_BYTES)
+    plain = heuristics.block_config(10, 7, 2, 256, 4, 1, heuristics.INTERPRETER_TILE_BYTES)
     assert (named["BLOCK_T"], named["BLOCK_HQ"], named["BLOCK_HK"]) == plain[:3]
 
 
@@ -438,7 +438,7 @@ def test_launcher_refuses_2_to_the_31_tokens_before_launching():
 
 def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
     # More token blocks than CUDA's second grid axis holds: they go over axes 1 and 2, wasting at most n_z - 1.
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, launcher
 
     seen = {}
     monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev: seen.update(grid=grid))
@@ -446,7 +446,7 @@ def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
         q = torch.zeros(1, 1, 1, 2).expand(tokens, 1, 1, 2)  # no memory behind the batch dimension
         launch_rope(q, None, q, None, _spec_for(q), config=(1, 1, 1, 1))
         n_heads, n_y, n_z = seen["grid"]
-        assert n_heads == 1 and n_y <= launcher.MAX_GRID_Y
+        assert n_heads == 1 and n_y <= heuristics.MAX_GRID_Y
         assert tokens <= n_y * n_z < tokens + n_z
 
 

@@ -242,15 +242,15 @@ def test_axes_expanded_from_one_row_run_as_one_d_positions(device, section_layou
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("section_layout", sorted(LAYOUTS))
 def test_constant_axis_stride_equals_the_runtime_stride(device, section_layout, monkeypatch):
-    """Multi-axis calls of at most ``launcher.AXIS_STRIDE_CONSTANT_TOKENS`` tokens take the positions' axis stride
+    """Multi-axis calls of at most ``heuristics.AXIS_STRIDE_CONSTANT_TOKENS`` tokens take the positions' axis stride
     as a compile-time constant (``POS_AXIS_STRIDE``); larger calls, 1-D positions and axes expanded from one row
     pass 0 (the runtime stride). The two give the same bits and match the float64 reference, for positions
     stored axis-major, token-major (axis stride 1) and as a slice of a wider buffer, fresh inputs on each call."""
     from ropekit._validation import validate
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, launcher
 
     sections = _sections(device, section_layout)
-    D, limit = 2 * sum(sections), launcher.AXIS_STRIDE_CONSTANT_TOKENS
+    D, limit = 2 * sum(sections), heuristics.AXIS_STRIDE_CONSTANT_TOKENS
     kw = dict(sections=sections, section_layout=section_layout)
 
     def axis_stride(tokens, positions, **extra):
@@ -275,11 +275,11 @@ def test_constant_axis_stride_equals_the_runtime_stride(device, section_layout, 
                 spec = validate(q, k, positions=positions, **kw)
                 outs = []
                 for bound in (limit, 0):  # the constant stride, then the runtime one
-                    monkeypatch.setattr(launcher, "AXIS_STRIDE_CONSTANT_TOKENS", bound)
+                    monkeypatch.setattr(heuristics, "AXIS_STRIDE_CONSTANT_TOKENS", bound)
                     q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
                     launcher.launch_rope(q, k, q_out, k_out, spec)
                     outs.append((q_out, k_out))
-                monkeypatch.setattr(launcher, "AXIS_STRIDE_CONSTANT_TOKENS", limit)
+                monkeypatch.setattr(heuristics, "AXIS_STRIDE_CONSTANT_TOKENS", limit)
                 for got, runtime, ref in zip(*outs, want):
                     assert torch.equal(got, runtime)
                     assert_close_to_ref(got, ref, q.dtype)
@@ -323,19 +323,19 @@ def test_interleaved_decode_block_shapes_equal_reference(tokens):
     (``PAIR_AXES_BYTES_PER_THREAD``) from there to the end of the latency-bound range. Each shape against the
     float64 reference, so every shape is checked where it runs."""
     from ropekit._validation import validate
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, launcher
 
     q, k = make_qk(tokens, 1, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     positions = torch.randint(0, 1 << 24, (3, tokens, 1), device="cuda")
     kw = dict(positions=positions, sections=(24, 20, 20), section_layout="interleaved", base=5e6)
     warps = {layout: launcher.kernel_launch(q, k, q, k, validate(q, k, **dict(kw, section_layout=layout)))[3]
              for layout in ("interleaved", "contiguous")}
-    wanted = launcher._num_programs_wanted(q.device)
+    wanted = heuristics.num_programs_wanted(q.device)
     programs = tokens * 5  # 8 heads a program: 4 q + 1 k blocks a token
-    small_grid = launcher.SMALL_GRID_SM_FRACTION * tokens * 10 <= wanted  # half the heads: 8 q + 2 k blocks
-    latency_bound = programs < launcher.LATENCY_BOUND_FACTOR * wanted
-    fraction = (launcher.PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION if tokens <= launcher.AXIS_STRIDE_CONSTANT_TOKENS
-                else launcher.PAIR_AXES_SM_FRACTION)
+    small_grid = heuristics.SMALL_GRID_SM_FRACTION * tokens * 10 <= wanted  # half the heads: 8 q + 2 k blocks
+    latency_bound = programs < heuristics.LATENCY_BOUND_FACTOR * wanted
+    fraction = (heuristics.PAIR_AXES_CONSTANT_STRIDE_SM_FRACTION
+                if tokens <= heuristics.AXIS_STRIDE_CONSTANT_TOKENS else heuristics.PAIR_AXES_SM_FRACTION)
     filled = fraction * programs >= wanted
     if not latency_bound or (small_grid and not filled):
         assert warps["interleaved"] == warps["contiguous"], warps
@@ -399,12 +399,12 @@ PER_AXIS_CASES = sorted({(s, lay) for s, lay in AXIS_CASES + INVALID_AXIS_CASES 
                          ids=[f"{'-'.join(map(str, s))}-{lay}" for s, lay in PER_AXIS_CASES])
 def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, section_layout, monkeypatch):
     """2-byte multi-axis calls on small decode grids read each axis's position once a token and select it per pair
-    (``POS_PER_AXIS``, ``launcher.block_plan``); elsewhere, and in fp32, each pair loads its own. The
+    (``POS_PER_AXIS``, ``heuristics.block_plan``); elsewhere, and in fp32, each pair loads its own. The
     two give the same bits and match the float64 reference, and a position invalid on any axis -- one a pair reads
     or one no pair reads -- makes its token NaN in both; both layouts, fresh inputs for every axis."""
     from ropekit._validation import validate
-    from ropekit.triton import launcher
-    from ropekit.triton.launcher import block_plan
+    from ropekit.triton import heuristics, launcher
+    from ropekit.triton.heuristics import block_plan
 
     A, D, S = len(sections), 2 * sum(sections), 4
     kw = dict(sections=sections, section_layout=section_layout)
@@ -421,7 +421,7 @@ def test_positions_loaded_per_axis_equal_the_per_pair_loads(device, sections, se
                 def plan(*args, _on=per_axis, **kwargs):
                     return block_plan(*args, **kwargs)[0], _on
 
-                monkeypatch.setattr(launcher, "block_plan", plan)
+                monkeypatch.setattr(heuristics, "block_plan", plan)
                 assert _launch_constexprs(q, k, positions=good, **kw)["POS_PER_AXIS"] == per_axis
                 assert not _launch_constexprs(q.float(), k.float(), positions=good, **kw)["POS_PER_AXIS"]
                 q_out, k_out = torch.full_like(q, 12345.0), torch.full_like(k, 12345.0)
@@ -445,9 +445,9 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
     programs: two heads a thread). Contiguous sections load once per axis on grids below 88 programs up to 32
     tokens, 1-D positions and fp32 never."""
     from ropekit._validation import validate
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, launcher
 
-    monkeypatch.setattr(launcher, "_num_programs_wanted", lambda device: 4 * 132)
+    monkeypatch.setattr(heuristics, "num_programs_wanted", lambda device: 4 * 132)
     D = 128
     seen = set()
     for tokens in range(1, 161):
@@ -458,8 +458,8 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
         named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
         per_thread = named["BLOCK_T"] * named["BLOCK_HQ"] * D * 2 // (32 * warps)
         programs = grid[0] * grid[1] * grid[2]
-        decode = programs < launcher.LATENCY_BOUND_FACTOR * 4 * 132
-        two_heads = decode and per_thread == launcher.PAIR_AXES_BYTES_PER_THREAD
+        decode = programs < heuristics.LATENCY_BOUND_FACTOR * 4 * 132
+        two_heads = decode and per_thread == heuristics.PAIR_AXES_BYTES_PER_THREAD
         assert named["POS_PER_AXIS"] == (decode and not two_heads), (tokens, programs, per_thread)
         programs_of_8_heads = tokens * (-(-hq // 8) + -(-hk // 8))  # before the small-grid shape halves them
         two_heads_from = 4 * 132 // (4 if tokens <= 32 else 6)

@@ -147,7 +147,7 @@ def test_rope_kv_write_compiled_equals_eager():
 def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(device, monkeypatch):
     # The backward's programs loop over token blocks and write one weight-gradient row each; one program or many
     # (every token block its own) must give the same gradients up to the order of an fp32 sum.
-    from ropekit.triton import prologue
+    from ropekit.triton import heuristics, prologue
 
     with _context(device):
         B, S, HQ, HK, D = 3, 5, 4, 2, 16
@@ -158,7 +158,7 @@ def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(
         spec = validate(q, k, positions=torch.randint(0, 9, (B, S), device=dev), rotary_dim=8)
         outs = {}
         for per_sm in (0, 1000):
-            monkeypatch.setattr(prologue, "BWD_PROGRAMS_PER_SM", per_sm)
+            monkeypatch.setattr(heuristics, "BWD_PROGRAMS_PER_SM", per_sm)
             outs[per_sm] = prologue.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6)
         for a, b in zip(outs[0], outs[1000]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -185,14 +185,14 @@ def test_readme_decode_example_runs_and_writes_each_sequences_row():
 @pytest.mark.parametrize("config", [(1, 8, 8, 1), (2, 16, 8, 4), (1, 16, 8, 2), (4, 8, 8, 4), (1, 8, 8, 2)])
 @pytest.mark.parametrize("rotary", [{}, {"rotary_dim": 16, "rotary_at": "back"}], ids=["full", "partial"])
 def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config, rotary, monkeypatch):
-    # The shapes prologue.norm_block_config picks on a GPU for large grids (and one more), forced on small inputs
+    # The shapes heuristics.norm_block_config picks on a GPU for large grids (and one more), forced on small inputs
     # with a partial head block (12 query heads, 4 key heads): the forward with and without a cache row write, and
     # the backward, each against the float64 path. One backward program per head block, so each loops over every
     # token block and its weight-gradient accumulators carry across iterations.
     from ropekit.reference import rms_norm_reference
-    from ropekit.triton import prologue
+    from ropekit.triton import heuristics, prologue
 
-    monkeypatch.setattr(prologue, "BWD_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(heuristics, "BWD_PROGRAMS_PER_SM", 0)
     with _context(device):
         dev = _dev(device)
         B, S, HQ, HK, D = 2, 5, 12, 4, 32

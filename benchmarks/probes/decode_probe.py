@@ -40,8 +40,9 @@ import triton.language as tl
 from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._validation import validate
+from ropekit.triton.heuristics import block_config, num_programs_wanted
 from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
-from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
+from ropekit.triton.launcher import launch_rope
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def main(args: argparse.Namespace) -> None:
         offsets = torch.randint(0, 8192, (T,), device="cuda")
         emb = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16)
         variants = {"copy-q": lambda: qo.copy_(q)}
-        default = block_config(T, HQ, HK, D, 2, _num_programs_wanted(q.device))
+        default = block_config(T, HQ, HK, D, 2, num_programs_wanted(q.device))
         variants["copy q+k, 1 program/token"] = lambda: copy_qk(q, k, qo, ko, None)
         # ropekit's grid: its default heads per program (8 at head_dim 128)
         variants[f"copy q+k, {default[1]} heads/program"] = lambda: copy_qk(q, k, qo, ko, default[1])

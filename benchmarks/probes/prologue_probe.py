@@ -402,14 +402,14 @@ def norm_sweep(batch: int, per_token: bool) -> None:
     for key, compiled in launcher._COMPILED.items():
         print(f"  {key[0].fn.__name__} {key[-3]}: {getattr(compiled, 'n_regs', '?')} registers, "
               f"{getattr(compiled, 'n_spills', '?')} spills", flush=True)
-    from ropekit.triton import prologue
+    from ropekit.triton import heuristics
 
-    default_programs = prologue.BWD_PROGRAMS_PER_SM
+    default_programs = heuristics.BWD_PROGRAMS_PER_SM
     by_programs = {}
     for per_sm in (1, 2, 4, 8, 16, 32, 128):
-        prologue.BWD_PROGRAMS_PER_SM = per_sm
+        heuristics.BWD_PROGRAMS_PER_SM = per_sm
         by_programs[per_sm] = _cold_us({"bwd": bwd[None]})["bwd"]
-    prologue.BWD_PROGRAMS_PER_SM = default_programs
+    heuristics.BWD_PROGRAMS_PER_SM = default_programs
     print(f"  bwd {batch}x4096 by BWD_PROGRAMS_PER_SM: { {k: round(v, 1) for k, v in by_programs.items()} }",
           flush=True)
     for label, fns in ((f"qk_norm_rope fwd {batch}x4096", fwd), (f"qk_norm_rope bwd {batch}x4096", bwd)):

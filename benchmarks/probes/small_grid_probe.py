@@ -1,7 +1,7 @@
-"""Small decode grids on a CUDA GPU: half the heads per program (``launcher.block_config``'s ``small_grid`` shape)
+"""Small decode grids on a CUDA GPU: half the heads per program (``heuristics.block_config``'s ``small_grid`` shape)
 against the 8-heads-a-program decode shape at the same warps, for every model shape, dtype and angle source, by
 kernel device time and CUDA-graph replay (half / wide). The outputs of the two shapes must be equal bit for bit.
-Backs ``launcher.SMALL_GRID_SM_FRACTION`` and which calls pass ``small_grid``.
+Backs ``heuristics.SMALL_GRID_SM_FRACTION`` and which calls pass ``small_grid``.
 
     python benchmarks/probes/small_grid_probe.py [--tokens 1,2,4,8,16] [--shapes llama8b,qwen2vl,...]
 """
@@ -32,20 +32,20 @@ import torch
 from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._validation import validate
-from ropekit.triton import launcher
+from ropekit.triton import heuristics, launcher
 
 
 def _shapes(T: int, hq: int, hk: int, D: int, elem_size: int) -> dict:
     """{"wide": config, "half": config}: the decode shape without ``small_grid`` and the halved one at any grid
     size (the fraction set to 1 so that only the head counts limit it)."""
-    wanted = launcher._num_programs_wanted(torch.device("cuda"))
-    saved = launcher.SMALL_GRID_SM_FRACTION
-    launcher.SMALL_GRID_SM_FRACTION = 1
-    try:
-        half = launcher.block_config.__wrapped__(T, hq, hk, D, elem_size, wanted, small_grid=True)
+    wanted = heuristics.num_programs_wanted(torch.device("cuda"))
+    saved = heuristics.SMALL_GRID_SM_FRACTION
+    heuristics.SMALL_GRID_SM_FRACTION = 1
+    try:  # past block_plan's cache, which holds plans made with the shipped fraction
+        half = heuristics.block_plan.__wrapped__(T, hq, hk, D, elem_size, wanted, small_grid=True)[0]
     finally:
-        launcher.SMALL_GRID_SM_FRACTION = saved
-    return {"wide": launcher.block_config(T, hq, hk, D, elem_size, wanted), "half": half}
+        heuristics.SMALL_GRID_SM_FRACTION = saved
+    return {"wide": heuristics.block_config(T, hq, hk, D, elem_size, wanted), "half": half}
 
 
 def _calls(T: int, hq: int, hk: int, D: int, dtype: torch.dtype) -> tuple[dict, dict]:

@@ -36,7 +36,8 @@ from triton.testing import do_bench
 import ropekit
 from ropekit._validation import validate
 from ropekit.integrations.transformers import apply_rotary_pos_emb
-from ropekit.triton.launcher import _num_programs_wanted, block_config, launch_rope
+from ropekit.triton.heuristics import block_config, num_programs_wanted
+from ropekit.triton.launcher import launch_rope
 
 MODELS = {"llama3-8b": (32, 8, 128), "hd256": (16, 8, 256), "mha16-d64": (16, 16, 64)}
 
@@ -54,7 +55,7 @@ def _ablations(qv, kv, cos_hf, sin_hf, B, S, HQ, HK, D) -> dict:
     half = spec(cos=cos_hf[..., :D // 2].contiguous(), sin=sin_hf[..., :D // 2].contiguous())
     half_row0 = spec(cos=half.cos[:, :1].expand_as(half.cos), sin=half.sin[:, :1].expand_as(half.sin))
     exact = spec(base=10000.0)
-    table_cfg = block_config(B * S, HQ, HK, D, 2, _num_programs_wanted(qv.device), full_table=True)
+    table_cfg = block_config(B * S, HQ, HK, D, 2, num_programs_wanted(qv.device), full_table=True)
     rows = {
         f"drop-in {table_cfg}": lambda: launch_rope(qv, kv, qo, ko, full),
         "  every token reads row 0": lambda: launch_rope(qv, kv, qo, ko, row0),
@@ -107,7 +108,7 @@ def main(args: argparse.Namespace) -> None:
                 continue
             spec = validate(qv, kv, cos=cos_hf, sin=sin_hf, style="neox", layout="bhsd", rotary_dim=D)
             qo, ko = torch.empty_like(qv), torch.empty_like(kv)
-            default = block_config(B * S, HQ, HK, D, 2, _num_programs_wanted(q.device), full_table=True)
+            default = block_config(B * S, HQ, HK, D, 2, num_programs_wanted(q.device), full_table=True)
             timed = {}
             for bt in (1, 2, 4, 8):
                 for bh in (2, 4, 8, 16):

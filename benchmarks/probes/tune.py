@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> None:
         t_copy = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
         print(f"{name:<38} {'copy':<14} {t_copy * 1e3:>9.1f} {1.0:>7.3f} {nbytes / t_copy / 1e6:>7.0f}")
         qo, ko = torch.empty_like(q), torch.empty_like(k)
-        from ropekit.triton.launcher import _num_programs_wanted, block_config
+        from ropekit.triton.heuristics import block_config, num_programs_wanted
 
         variants = [("tile " + str(tile), dict(tile_bytes=tile)) for tile in tiles]
         if cases.index((name, B, S, HQ, HK, D, dtype, extra)) < args.sweep:
@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
                             continue
                         cfg = (bt, bh, min(bh, triton.next_power_of_2(HK)), nw)
                         variants.append((f"T{bt} H{bh} w{nw}", dict(config=cfg)))
-        default = block_config(B * S, HQ, HK, D, q.element_size(), _num_programs_wanted(q.device))
+        default = block_config(B * S, HQ, HK, D, q.element_size(), num_programs_wanted(q.device))
         print(f"{'':<38} config before the per-card stream rule (BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) = {default}")
         best = None
         for label, extra_kw in variants:

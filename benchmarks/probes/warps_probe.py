@@ -2,8 +2,8 @@
 (half the pairs a thread) and half the heads at the same warps, for 1-D positions and multi-axis positions (the
 model's section layout), by kernel device time and CUDA-graph replay, each over the launcher's shape of the same
 call. The last column is the multi-axis call over the 1-D call, both at the launcher's shape (issue #13's ratio).
-The outputs of every shape of a call must be equal bit for bit. Backs ``launcher.PAIR_AXES_LATENCY_BYTES_PER_THREAD``
-and ``launcher.PAIR_AXES_SM_FRACTION``.
+The outputs of every shape of a call must be equal bit for bit. Backs ``heuristics.PAIR_AXES_LATENCY_BYTES_PER_THREAD``
+and ``heuristics.PAIR_AXES_SM_FRACTION``.
 
     python benchmarks/probes/warps_probe.py [--tokens 8,12,16,20,24,32] [--shapes qwen3vl8b,qwen3vl32b,...]
 """

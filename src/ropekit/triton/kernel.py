@@ -55,7 +55,7 @@ _MAX_POSITION = tl.constexpr(2**31 - 1)
 def _sincos_reduced(angle, FAST_TRIG: tl.constexpr):
     """fp32 (cos, sin) of a float64 angle, reduced to [-pi, pi] in float64 first.
 
-    With ``FAST_TRIG`` (NVIDIA GPUs only: inline PTX; see ``launcher.fast_trig``) the reduced angle goes to the
+    With ``FAST_TRIG`` (NVIDIA GPUs only: inline PTX; see ``heuristics.fast_trig``) the reduced angle goes to the
     hardware approximations ``cos.approx``/``sin.approx``, whose absolute error on [-pi, pi] is below 2**-20.9
     (~5e-7): within the 2e-6 budget once the reduction is exact, and several times cheaper than the libdevice
     functions, which matters at head_dim 256 and in decode. The interpreter (and other targets, ROCm included)
@@ -238,7 +238,7 @@ def _pair_positions(b, s, mask_t, i, pos_ptr, pos_sa, pos_sb, pos_ss, HALF: tl.c
     the data loads after the selects, which wait for every axis's load, so a program paid the position round
     trip and then the data round trip. The token's validity is then the minimum over its pairs (a reduction off
     the angle path), plus a load for any axis no pair reads (a section of 0 pairs). With ``POS_PER_AXIS`` (small
-    multi-axis decode grids, ``launcher.block_plan``) each axis's position is loaded once a token at
+    multi-axis decode grids, ``heuristics.block_plan``) each axis's position is loaded once a token at
     an address every thread shares, which issues without waiting for the per-pair axis math, and each pair
     selects its own. The position is exact in int32: a valid one is at most 2**31 - 1, and a token invalid on
     any axis is NaN."""
@@ -548,7 +548,7 @@ def _in_elements(sb, ss, sh, UNIT: tl.constexpr):
 
 
 # pos_offset changes on every decode step: specialising on its value (== 1, divisible by 16) would compile new
-# variants and make a kernel bound once (ropekit.triton.launcher.bind_rope) wrong for other offsets.
+# variants and make a kernel bound once (ropekit.triton.bound.bind_rope) wrong for other offsets.
 @triton.jit(do_not_specialize=["pos_offset"])
 def rope_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr,
@@ -571,7 +571,7 @@ def rope_kernel(
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
     of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
     their alignment. ``POS_AXIS_STRIDE`` > 0 is ``pos_sa`` as a compile-time constant (small multi-axis calls,
-    ``launcher.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset.
+    ``heuristics.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset.
     ``POS_PER_AXIS``: multi-axis positions loaded once per axis and selected per pair (:func:`_pair_positions`)."""
     if POS_AXIS_STRIDE > 0:
         pos_sa = POS_AXIS_STRIDE

@@ -1,6 +1,6 @@
 """Launchers of the attention prologue kernels (:mod:`ropekit.triton.prologue_kernels`): ``launch_prologue``
-(norm + RoPE, and the K/V cache write) and ``launch_norm_rope_bwd`` (the backward of norm + RoPE), with their block
-shapes and the launch recorder of the eager fast path.
+(norm + RoPE, and the K/V cache write) and ``launch_norm_rope_bwd`` (the backward of norm + RoPE), and the launch
+recorder of the eager fast path. Their block shapes come from :mod:`ropekit.triton.heuristics`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import torch
 
 from ropekit._spec import CacheSpec, RopeSpec, to_canonical
-from ropekit.triton import launcher
+from ropekit.triton import heuristics, launcher
 from ropekit.triton.prologue_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS, norm_rope_bwd_kernel, prologue_kernel
 
 
@@ -34,15 +34,6 @@ PROLOGUE = _roles(prologue_kernel)
 RECORDER = threading.local()
 NORM_ROPE_BWD = _roles(norm_rope_bwd_kernel)
 
-# Backward programs per program the launcher wants on the device (launcher._num_programs_wanted, 4 per SM): each
-# loops over token blocks and writes one partial weight-gradient row, which a torch sum then adds up. Backward
-# including that sum, Qwen3-8B on the H100 (triton.testing.do_bench, cold L2, after the per-row accumulators of
-# ae76efe): 4x4096 227 / 211 / 210 / 219 us and 8x4096 409 / 390 / 383 / 389 us at 4 / 8 / 16 / 32 (the sweep
-# prologue_probe.py --norm-sweep prints); fewer programs leave SMs idle, more make the sum longer (11264 rows of
-# 128 take 21 us to sum, 2816 rows 13 us).
-BWD_PROGRAMS_PER_SM = 16
-
-
 def _rope_arguments(args: tuple, constexprs: tuple) -> dict:
     """``rope_kernel``'s launch by parameter name, its row strides in elements (it takes them in units)."""
     named = dict(zip(launcher.kernel.rope_kernel.arg_names, (*args, *constexprs)))
@@ -61,67 +52,18 @@ _ROPE_CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS
 
 
 def _grid_dims(q, k, spec: RopeSpec) -> tuple[int, int, int, int, int]:
-    """(tokens, HQ, HK, head_dim, element size): what block_config reads of a call."""
+    """(tokens, HQ, HK, head_dim, element size): what the block shapes read of a call."""
     B, S, HQ, D = to_canonical(q, spec.layout).shape
     return B * S, HQ, to_canonical(k, spec.layout).shape[2], D, q.element_size()
 
 
-def _latency_config(dims: tuple, min_programs: int):
-    """The block shape of a latency-bound (decode) grid: one token and at most ``LATENCY_HEADS`` heads per
-    program with ``LATENCY_WARPS`` warps -- more, smaller programs than rope_kernel's decode shape, which the
-    norm's cross-thread reduction and the cache rows favour (prologue_probe.py --sweep: Qwen3-8B decode of one
-    token 1.71 against 1.96 us on the H200, Llama-3-8B 1.58 against 1.60 us). None elsewhere: the default."""
-    T, HQ, HK, _, _ = dims
-    bt, bhq, bhk, _ = launcher.block_config(*dims, min_programs)
-    programs = launcher._cdiv(T, bt) * (launcher._cdiv(HQ, bhq) + launcher._cdiv(HK, bhk))
-    if programs >= launcher.LATENCY_BOUND_FACTOR * min_programs:
-        return None
-    return 1, min(bhq, LATENCY_HEADS), min(bhk, LATENCY_HEADS), LATENCY_WARPS
-
-
-LATENCY_HEADS = 4
-LATENCY_WARPS = 4
-# Norm kernels on large grids (prologue_probe.py on the H100, Qwen3-8B; the sweeps are in the results folders):
-# * never the streaming shape (16 B per thread, launcher.STREAM_*): the norm's row reductions want more bytes in
-#   flight per thread. rope_kv_write prefill of 8192 tokens at an int offset: 1.07x (fp8 cache) / 1.02x (bf16) the
-#   copy with it, 0.999x / 1.006x with the default shape (1 token, 8 heads, 1 warp);
-# * qk_norm_rope's forward with positions as a range or per-sequence offsets: 2 tokens x 16 heads x 4 warps, 117 /
-#   228 us at 4x4096 / 8x4096 against 128 / 249 us for the streaming shape (a copy of its bytes: 116 / 226 us).
-#   With gathered positions the same shape measured 1.04x against 1.005-1.014x for the default (prefill sweep), so
-#   those keep the default;
-# * the backward: 16 heads x 2 warps, 220 / 390 us against 229 / 399 us.
-# Both larger shapes were measured with full rotary only. With pass-through columns the backward holds a third
-# accumulator per element and spills registers on sm_90 at 32 elements per thread (bf16 head_dim 128 / rotary 64
-# at the default shape: 64 bytes; head_dim 192 / 64 and 256 / 128 likewise; ptxas -v), so partial rotary takes
-# the default shapes, the backward with twice the warps (16 elements per thread: 108-168 registers, no spills).
-NORM_FWD_TILE_BYTES = 8192
-NORM_HEAD_TILE_ELEMS = 2048
-
-
-def norm_block_config(num_tokens: int, hq: int, hk: int, head_dim: int, elem_size: int, min_programs: int,
-                      kind: str, partial: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) of a norm kernel's launch: ``kind`` "forward" (qk_norm_rope's,
-    positions as a range or per-sequence offsets), "backward", or "default" (cache writes, gathered positions);
-    ``partial`` (pass-through columns): the default shape, with twice the warps for the backward."""
-    dims = (num_tokens, hq, hk, head_dim, elem_size, min_programs)
-    if partial or kind == "default":
-        bt, bhq, bhk, warps = launcher.block_config(*dims)
-        return bt, bhq, bhk, min(8, 2 * warps) if partial and kind == "backward" else warps
-    tile_bytes = NORM_FWD_TILE_BYTES if kind == "forward" else launcher.TILE_BYTES
-    return launcher.block_config(*dims, tile_bytes, head_tile_elems=NORM_HEAD_TILE_ELEMS)
-
-
 def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_programs: int):
     """The block shape ``launch_prologue`` takes on a CUDA device with ``min_programs`` wanted (None: the launcher's
-    own choice): decode grids the latency shape; with a norm, ``norm_block_config``'s "forward" shape for
-    qk_norm_rope with range or per-sequence positions, else its "default"."""
+    own choice); see :func:`ropekit.triton.heuristics.prologue_config`."""
     dims = _grid_dims(q, k, spec)
-    config = _latency_config(dims, min_programs)
-    if config is not None or not norm:
-        return config
-    gathered = spec.positions is not None or spec.cu_seqlens is not None
-    return norm_block_config(*dims, min_programs, "default" if cache or gathered else "forward",
-                             partial=spec.rotary_dim != dims[3])
+    return heuristics.prologue_config(dims, min_programs, norm=norm, cache=cache,
+                                      gathered=spec.positions is not None or spec.cu_seqlens is not None,
+                                      partial=spec.rotary_dim != dims[3])
 
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
@@ -132,7 +74,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = prologue_block_config(q, k, spec, norm=q_weight is not None, cache=cache is not None,
-                                       min_programs=launcher._num_programs_wanted(q.device))
+                                       min_programs=heuristics.num_programs_wanted(q.device))
     if q_weight is not None:  # the kernel indexes the weights densely
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     launch = launcher.kernel_launch(q, k, q_out, k if cache is not None else k_out, spec, config=config)
@@ -164,7 +106,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
         v_ptr_scale = isinstance(cache.v_scale, torch.Tensor)
         k_div = 1.0 if k_ptr_scale else 1.0 / cache.k_scale
         v_div = 1.0 if v_ptr_scale else 1.0 / cache.v_scale
-        grid = (grid[0] + launcher._cdiv(named["HK"], named["BLOCK_HK"]), grid[1], grid[2])  # v's head blocks
+        grid = (grid[0] + heuristics.cdiv(named["HK"], named["BLOCK_HK"]), grid[1], grid[2])  # v's head blocks
     prologue_args = (
         named["q_ptr"], named["qo_ptr"], named["k_ptr"], k_target, v if v is not None else dummy, v_target,
         named["q_sb"], named["q_ss"], named["q_sh"], named["qo_sb"], named["qo_ss"], named["qo_sh"],
@@ -178,7 +120,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     const.update(NORM=q_weight is not None, CACHE_MODE=mode,
                  CACHE_BATCH_PER_TOKEN=cache is not None and cache.cache_batch is not None,
                  K_SCALE_PTR=k_ptr_scale, V_SCALE_PTR=v_ptr_scale, K_FP8=k_fp8, V_FP8=v_fp8,
-                 ROUND_FP8=q.device.type != "cuda", D_BLOCK=launcher._next_pow2(named["HEAD_DIM"]))
+                 ROUND_FP8=q.device.type != "cuda", D_BLOCK=heuristics.next_pow2(named["HEAD_DIM"]))
     constexprs = tuple(const[n] for n in PROLOGUE.constexprs)
     launcher._launch(grid, prologue_args, constexprs, num_warps, q.device, PROLOGUE)
     _record((grid, prologue_args, constexprs, num_warps, PROLOGUE, q.device))
@@ -192,20 +134,18 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
     if config is None and q.is_cuda:  # the interpreter takes the launcher's own (large) programs
         dims = _grid_dims(q, k, spec)
-        config = norm_block_config(*dims, launcher._num_programs_wanted(q.device), "backward",
-                                   partial=spec.rotary_dim != dims[3])
+        config = heuristics.norm_block_config(*dims, heuristics.num_programs_wanted(q.device), "backward",
+                                              partial=spec.rotary_dim != dims[3])
     launch = launcher.kernel_launch(grad_q, grad_k, dq, dk, spec, config=config)
     if launch is None:
         zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
         return dq.zero_(), dk.zero_(), zq, zq.clone()
     grid, args, constexprs, num_warps = launch
     named = _rope_arguments(args, constexprs)
-    n_tb = launcher._cdiv(named["num_tokens"], named["BLOCK_T"])
-    n_qb = launcher._cdiv(named["HQ"], named["BLOCK_HQ"])
-    n_kb = launcher._cdiv(named["HK"], named["BLOCK_HK"])
-    # Programs per head block: enough to fill the device, each looping over its share of the token blocks.
-    groups = min(n_tb, max(1, launcher._cdiv(BWD_PROGRAMS_PER_SM * launcher._num_programs_wanted(q.device),
-                                             n_qb + n_kb)))
+    n_tb = heuristics.cdiv(named["num_tokens"], named["BLOCK_T"])
+    n_qb = heuristics.cdiv(named["HQ"], named["BLOCK_HQ"])
+    n_kb = heuristics.cdiv(named["HK"], named["BLOCK_HK"])
+    groups = heuristics.bwd_program_groups(n_tb, n_qb + n_kb, q.device)
     grid = (n_qb + n_kb, groups, 1)
     D = named["HEAD_DIM"]
     dwq = torch.empty(groups * n_qb, D, dtype=torch.float32, device=q.device)
