@@ -22,6 +22,7 @@ from ropekit._validation import validate
 from ropekit.triton import heuristics as H
 from ropekit.triton import kernel as K
 from ropekit.triton import launcher as L
+from ropekit.triton import runtime as R
 
 triton = pytest.importorskip("triton")
 
@@ -49,7 +50,7 @@ def _compile_for(target: str, q, k, config, **api_kwargs):
         _, args, constexprs, num_warps = L.kernel_launch(q, k, torch.empty_like(q), out_k, spec, config=config)
     finally:
         _config.exact_angles = previous
-    consts = dict(zip(L._CONSTEXPR_NAMES, constexprs), FAST_TRIG=H.fast_trig("cuda", hip_version))
+    consts = dict(zip(L.ROPE.constexprs, constexprs), FAST_TRIG=H.fast_trig("cuda", hip_version))
     return _compile_kernel(target, K.rope_kernel, args, consts, num_warps)
 
 
@@ -91,14 +92,15 @@ def _compile_prologue(target: str, case: str):
     forward and backward at the block shapes their launchers pick for large grids on a GPU."""
     from ropekit._spec import CacheArgs, RopeArgs
     from ropekit._validation import validate_args, validate_kv_write
-    from ropekit.triton import prologue as P
+    from ropekit.triton import prologue_launcher as P
 
     seen = {}
 
-    def capture(grid, args, constexprs, num_warps, device, roles=L.ROPE):
-        seen.update(fn=roles.fn, args=args, consts=dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
+    def capture(call):
+        seen.update(fn=call.roles.fn, args=call.args, consts=dict(zip(call.roles.constexprs, call.constexprs)),
+                    num_warps=call.num_warps)
 
-    original, L._launch = L._launch, capture
+    original, R.run = R.run, capture
     try:
         q, k, v = torch.randn(4, 8, 128, dtype=torch.bfloat16), *(torch.randn(4, 2, 128, dtype=torch.bfloat16)
                                                                  for _ in range(2))
@@ -131,7 +133,7 @@ def _compile_prologue(target: str, case: str):
             spec = validate_args(q4, k4, rope_args)
             P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, q_weight=w, k_weight=w)
     finally:
-        L._launch = original
+        R.run = original
     consts = dict(seen["consts"], FAST_TRIG=H.fast_trig("cuda", TARGETS[target][1]))
     if "ROUND_FP8" in consts:
         consts["ROUND_FP8"] = False  # the GPU's own conversion (the software rounding is the interpreter's)

@@ -11,7 +11,7 @@ from ropekit._spec import BACKWARD
 from ropekit._validation import validate
 from ropekit.reference import rope_reference
 from ropekit.testing import exact_angles, kernels_on_cpu, max_relative_error, max_relative_tolerance
-from ropekit.triton import heuristics, launcher
+from ropekit.triton import heuristics, kernel, launcher
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 FP32 = max_relative_tolerance(torch.float32, "triton-interpreter")
@@ -102,6 +102,6 @@ def test_float64_frequencies_keep_the_float64_path():
     q = torch.randn(1, 4, 1, 16)
     spec = validate(q, None, positions=7, inv_freq=torch.rand(8, dtype=torch.float64))
     with exact_angles("integer"):
-        launch = launcher.kernel_launch(q, None, torch.empty_like(q), None, spec)
-    names = dict(zip(launcher._CONSTEXPR_NAMES, launch[2]))
-    assert names["FREQ_MODE"] == launcher.kernel.FREQ_INV_FREQ
+        launch = launcher.rope_arguments(q, None, torch.empty_like(q), None, spec)
+    names = launch[2]
+    assert names["FREQ_MODE"] == kernel.FREQ_INV_FREQ.value

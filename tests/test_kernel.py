@@ -190,19 +190,18 @@ def test_conjugate_undoes_forward_in_kernel():
 
 def test_launch_cache_key_covers_every_argument(monkeypatch):
     # The cached-launch key classifies each kernel's arguments by name; every runtime argument has one class.
-    from ropekit.triton import launcher, prologue
+    from ropekit.triton import launcher, prologue_launcher, runtime
 
     seen = {}
-    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev, roles=launcher.ROPE:
-                        seen.setdefault(roles.fn, args))
+    monkeypatch.setattr(runtime, "run", lambda call: seen.setdefault(call.roles.fn, call.args))
     q, k = make_qk(1, 2, 2, 1, 8)
     run_kernel(q, k, positions=torch.tensor([[3, 4]]))
     w = torch.ones(8)
-    prologue.launch_prologue(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, positions=3),
-                             q_weight=w, k_weight=w)
-    prologue.launch_norm_rope_bwd(q, q, k, k, validate(q, k, positions=3), w, w, 0.0, 1e-6)
+    prologue_launcher.launch_prologue(q, k, torch.empty_like(q), torch.empty_like(k), validate(q, k, positions=3),
+                                      q_weight=w, k_weight=w)
+    prologue_launcher.launch_norm_rope_bwd(q, q, k, k, validate(q, k, positions=3), w, w, 0.0, 1e-6)
     assert len(seen) == 3
-    for roles in (launcher.ROPE, prologue.PROLOGUE, prologue.NORM_ROPE_BWD):
+    for roles in (launcher.ROPE, prologue_launcher.PROLOGUE, prologue_launcher.NORM_ROPE_BWD):
         args = seen[roles.fn]
         assert len(args) == len(roles.fn.arg_names) - len(roles.constexprs)
         assert all(isinstance(args[i], torch.Tensor) for i in roles.pointers)
@@ -220,7 +219,7 @@ def test_launch_cache_holds_one_entry_per_compiled_variant():
         q, k = make_qk(1, S, 2, 1, 8)
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         grid, args, constexprs, nw = launcher.kernel_launch(q, k, qo, ko, validate(q, k, inv_freq=torch.ones(4)))
-        return launcher._cache_key(args, constexprs, nw, None)
+        return launcher.ROPE.key(args, constexprs, nw, None)
 
     assert len({key(S) for S in range(17, 400, 4)}) == 1  # odd lengths: no stride or count divisible by 16
     assert key(16) != key(17)
@@ -331,9 +330,8 @@ def test_kernel_launch_takes_the_small_grid_shape_for_2_byte_computed_angles(mon
 
     def heads_and_warps(dtype, **kw):
         q, k = make_qk(1, 1, 32, 8, 128, dtype=dtype)
-        _, _, constexprs, warps = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k),
-                                                         validate(q, k, **kw))
-        named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
+        _, _, named, warps = launcher.rope_arguments(q, k, torch.empty_like(q), torch.empty_like(k),
+                                                     validate(q, k, **kw))
         return named["BLOCK_HQ"], named["BLOCK_HK"], warps
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -403,10 +401,10 @@ def test_full_table_block_rule_is_for_cuda_only():
 
 
 def test_prologue_launch_picks_its_block_shape_by_norm_cache_and_positions():
-    """launch_prologue's choice on a CUDA device (prologue.prologue_block_config, evaluated here for CPU tensors
+    """launch_prologue's choice on a CUDA device (prologue_launcher.prologue_block_config, evaluated for CPU tensors
     with an H100's programs wanted): the norm's shapes only with a norm, the larger forward shape only without a
     cache and with range positions, the latency shape for decode grids."""
-    from ropekit.triton import prologue
+    from ropekit.triton import prologue_launcher
 
     wanted = 4 * 132
     q, k = torch.empty(4, 4096, 32, 128, dtype=torch.bfloat16), torch.empty(4, 4096, 8, 128, dtype=torch.bfloat16)
@@ -414,7 +412,7 @@ def test_prologue_launch_picks_its_block_shape_by_norm_cache_and_positions():
     gathered = validate(q, k, positions=torch.zeros(4, 4096, dtype=torch.long), base=1e6)
 
     def pick(spec, norm, cache, q=q, k=k):
-        return prologue.prologue_block_config(q, k, spec, norm=norm, cache=cache, min_programs=wanted)
+        return prologue_launcher.prologue_block_config(q, k, spec, norm=norm, cache=cache, min_programs=wanted)
 
     assert pick(ranged, norm=True, cache=False) == (2, 16, 8, 4)
     assert pick(gathered, norm=True, cache=False) == (1, 8, 8, 1)
@@ -438,10 +436,10 @@ def test_launcher_refuses_2_to_the_31_tokens_before_launching():
 
 def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
     # More token blocks than CUDA's second grid axis holds: they go over axes 1 and 2, wasting at most n_z - 1.
-    from ropekit.triton import heuristics, launcher
+    from ropekit.triton import heuristics, runtime
 
     seen = {}
-    monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, nw, dev: seen.update(grid=grid))
+    monkeypatch.setattr(runtime, "run", lambda call: seen.update(grid=call.grid))
     for tokens in (65535, 65536, 131071, 200003):
         q = torch.zeros(1, 1, 1, 2).expand(tokens, 1, 1, 2)  # no memory behind the batch dimension
         launch_rope(q, None, q, None, _spec_for(q), config=(1, 1, 1, 1))

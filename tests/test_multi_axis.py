@@ -33,12 +33,12 @@ def _sections(device: str, section_layout: str) -> tuple[int, ...]:
 
 
 def _launch_constexprs(q: torch.Tensor, k: torch.Tensor, **kwargs) -> dict:
-    """The constexprs ``launcher.kernel_launch`` gives the call ``apply_rope(q, k, **kwargs)``, by name."""
+    """The constexprs ``launcher.rope_arguments`` gives the call ``apply_rope(q, k, **kwargs)``, by name."""
     from ropekit._validation import validate
-    from ropekit.triton.launcher import _CONSTEXPR_NAMES, kernel_launch
+    from ropekit.triton.launcher import rope_arguments
 
     spec = validate(q, k, **kwargs)
-    return dict(zip(_CONSTEXPR_NAMES, kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), spec)[2]))
+    return rope_arguments(q, k, torch.empty_like(q), torch.empty_like(k), spec)[2]
 
 
 def _hf_merge(freqs: torch.Tensor, sections, section_layout: str) -> torch.Tensor:
@@ -454,8 +454,7 @@ def test_no_decode_grid_takes_two_heads_a_thread_with_per_axis_loads(monkeypatch
         q, k = make_qk(tokens, 1, hq, hk, D, dtype=torch.bfloat16)
         positions = torch.randint(0, 100, (3, tokens, 1))
         spec = validate(q, k, positions=positions, sections=(24, 20, 20), section_layout="interleaved")
-        grid, _, constexprs, warps = launcher.kernel_launch(q, k, torch.empty_like(q), torch.empty_like(k), spec)
-        named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
+        grid, _, named, warps = launcher.rope_arguments(q, k, torch.empty_like(q), torch.empty_like(k), spec)
         per_thread = named["BLOCK_T"] * named["BLOCK_HQ"] * D * 2 // (32 * warps)
         programs = grid[0] * grid[1] * grid[2]
         decode = programs < heuristics.LATENCY_BOUND_FACTOR * 4 * 132

@@ -147,7 +147,7 @@ def test_rope_kv_write_compiled_equals_eager():
 def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(device, monkeypatch):
     # The backward's programs loop over token blocks and write one weight-gradient row each; one program or many
     # (every token block its own) must give the same gradients up to the order of an fp32 sum.
-    from ropekit.triton import heuristics, prologue
+    from ropekit.triton import heuristics, prologue_launcher
 
     with _context(device):
         B, S, HQ, HK, D = 3, 5, 4, 2, 16
@@ -159,7 +159,7 @@ def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(
         outs = {}
         for per_sm in (0, 1000):
             monkeypatch.setattr(heuristics, "BWD_PROGRAMS_PER_SM", per_sm)
-            outs[per_sm] = prologue.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6)
+            outs[per_sm] = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6)
         for a, b in zip(outs[0], outs[1000]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert torch.equal(outs[0][0], outs[1000][0])  # dq is per element: the same bits
@@ -190,7 +190,7 @@ def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config, r
     # the backward, each against the float64 path. One backward program per head block, so each loops over every
     # token block and its weight-gradient accumulators carry across iterations.
     from ropekit.reference import rms_norm_reference
-    from ropekit.triton import heuristics, prologue
+    from ropekit.triton import heuristics, prologue_launcher
 
     monkeypatch.setattr(heuristics, "BWD_PROGRAMS_PER_SM", 0)
     with _context(device):
@@ -207,19 +207,19 @@ def test_norm_kernels_at_large_grid_block_shapes_match_float64(device, config, r
         ref_grads = torch.autograd.grad((ref_q, ref_k), leaves, (gq.double().cpu(), gk.double().cpu()))
         spec = validate(q, k, positions=pos, **rotary)
         q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-        prologue.launch_prologue(q, k, q_out, k_out, spec, q_weight=qw, k_weight=kw, config=config)
+        prologue_launcher.launch_prologue(q, k, q_out, k_out, spec, q_weight=qw, k_weight=kw, config=config)
         torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k_out.cpu().double(), ref_k.detach(), rtol=1e-5, atol=1e-5)
 
         caches = [torch.full((B, 64, HK, D), float("nan"), device=dev) for _ in range(2)]
         q4, k4, v4, rope_args, cache = validate_kv_write(q, k, CacheArgs(v, *caches), RopeArgs(positions=pos))
         q_out.fill_(float("nan"))
-        prologue.launch_prologue(q4, k4, q_out, None, validate_args(q4, k4, rope_args._replace(**rotary)),
+        prologue_launcher.launch_prologue(q4, k4, q_out, None, validate_args(q4, k4, rope_args._replace(**rotary)),
                                  v=v4, cache=cache, q_weight=qw, k_weight=kw, config=config)
         rows = caches[0][torch.arange(B, device=dev)[:, None], pos]  # [B, S, HK, D]
         torch.testing.assert_close(q_out.cpu().double(), ref_q.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rows.cpu().double(), ref_k.detach(), rtol=1e-5, atol=1e-5)
 
-        grads = prologue.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=config)
+        grads = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=config)
         for got, want in zip(grads, ref_grads):
             torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)

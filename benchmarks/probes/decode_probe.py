@@ -155,10 +155,10 @@ def main(args: argparse.Namespace) -> None:
     if args.dump:
         import os
 
-        from ropekit.triton.launcher import _COMPILED
+        from ropekit.triton.runtime import compiled_kernels
 
         os.makedirs(args.dump, exist_ok=True)
-        for i, (key, compiled) in enumerate(_COMPILED.items()):
+        for i, (key, compiled) in enumerate(compiled_kernels().items()):
             with open(os.path.join(args.dump, f"rope_kernel_{i}.ptx"), "w") as f:
                 f.write(f"// constexprs, num_warps: {key[-3:]}\n" + compiled.asm["ptx"])
 

@@ -327,7 +327,7 @@ def sweep(batch: int) -> None:
     """Device time per kernel, host time per call, and block shapes of the raw launchers."""
     from ropekit._spec import CacheArgs, RopeArgs
     from ropekit._validation import validate_args, validate_kv_write
-    from ropekit.triton.prologue import launch_prologue
+    from ropekit.triton.prologue_launcher import launch_prologue
 
     decode_shapes = [(1, bh, min(bh, 8), nw) for bh in (2, 4, 8) for nw in (1, 2, 4)]
     shapes = [(bt, bh, min(bh, 8), nw) for bt in (1, 2, 4) for bh in (8, 16) for nw in (2, 4, 8)]
@@ -376,7 +376,7 @@ def norm_sweep(batch: int, per_token: bool) -> None:
     """qk_norm_rope's forward and backward kernels by block shape (raw launchers, cold L2), positions 0..4095 per
     sequence as a range or as a per-token tensor."""
     from ropekit._validation import validate
-    from ropekit.triton.prologue import launch_norm_rope_bwd, launch_prologue
+    from ropekit.triton.prologue_launcher import launch_norm_rope_bwd, launch_prologue
 
     shapes = [(bt, bh, min(bh, 8), nw) for bt in (1, 2, 4) for bh in (8, 16) for nw in (1, 2, 4, 8)]
     m = MODELS["qwen3-8b"]
@@ -395,15 +395,13 @@ def norm_sweep(batch: int, per_token: bool) -> None:
            for cfg in [None] + shapes}
     src = torch.empty((q.numel() + k.numel()), device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    from ropekit.triton import launcher
+    from ropekit.triton import heuristics, runtime
 
     fwd[None]()
     bwd[None]()
-    for key, compiled in launcher._COMPILED.items():
+    for key, compiled in runtime.compiled_kernels().items():
         print(f"  {key[0].fn.__name__} {key[-3]}: {getattr(compiled, 'n_regs', '?')} registers, "
               f"{getattr(compiled, 'n_spills', '?')} spills", flush=True)
-    from ropekit.triton import heuristics
-
     default_programs = heuristics.BWD_PROGRAMS_PER_SM
     by_programs = {}
     for per_sm in (1, 2, 4, 8, 16, 32, 128):
@@ -445,7 +443,7 @@ def decode_gap(tokens: list[int]) -> None:
     from ropekit._spec import CacheArgs, RopeArgs
     from ropekit._validation import validate, validate_args, validate_kv_write
     from ropekit.triton.launcher import launch_rope
-    from ropekit.triton.prologue import launch_prologue
+    from ropekit.triton.prologue_launcher import launch_prologue
 
     padded = _padded_copy_kernel()
     print("rope_kv_write decode: replay/device us (replay x copy)", flush=True)
@@ -511,7 +509,7 @@ def prefill_sweep(T: int = 8192) -> None:
     """rope_kv_write prefill (one sequence of T tokens at offset 1000) by block shape, raw launcher, cold L2."""
     from ropekit._spec import CacheArgs, RopeArgs
     from ropekit._validation import validate_args, validate_kv_write
-    from ropekit.triton.prologue import launch_prologue
+    from ropekit.triton.prologue_launcher import launch_prologue
 
     shapes = [None, (1, 8, 8, 1), (1, 8, 8, 4), (2, 8, 8, 2), (1, 16, 8, 2), (2, 16, 8, 4), (4, 8, 8, 4)]
     for name, m in MODELS.items():

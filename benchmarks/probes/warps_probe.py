@@ -57,8 +57,7 @@ def _calls(T: int, hq: int, hk: int, D: int, layout: str, sections: tuple, dtype
              layout: validate(q, k, positions=ids, sections=sections, section_layout=layout, base=5e5)}
     calls, shapes = {}, {}
     for call, spec in specs.items():
-        _, _, constexprs, warps = launcher.kernel_launch(q, k, qo, ko, spec)
-        named = dict(zip(launcher._CONSTEXPR_NAMES, constexprs))
+        _, _, named, warps = launcher.rope_arguments(q, k, qo, ko, spec)
         bt, bhq, bhk = named["BLOCK_T"], named["BLOCK_HQ"], named["BLOCK_HK"]
         shapes[call] = (bt, bhq, bhk, warps)
         configs = {"launcher": None, "2x warps": (bt, bhq, bhk, min(8, 2 * warps)),

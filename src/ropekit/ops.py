@@ -114,7 +114,7 @@ def norm_rotate(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec
     """The body of ``ropekit::qk_norm_rope``: [q_out, k_out], new tensors in q's and k's dtypes."""
     if not uses_kernels(q):
         return _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec)
-    from ropekit.triton.prologue import launch_prologue
+    from ropekit.triton.prologue_launcher import launch_prologue
 
     q_out, k_out = _new_outputs(q, k, None)
     launch_prologue(q, k, q_out, k_out, spec, q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset,
@@ -130,7 +130,7 @@ def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: flo
                     spec: RopeSpec) -> list[Tensor]:
     """The body of ``ropekit::qk_norm_rope_backward``: [dq, dk, dq_weight, dk_weight] in the inputs' dtypes."""
     if uses_kernels(q):
-        from ropekit.triton.prologue import launch_norm_rope_bwd
+        from ropekit.triton.prologue_launcher import launch_norm_rope_bwd
 
         # the kernel takes any strides but the last
         grad_q = grad_q if grad_q.stride(-1) == 1 else grad_q.contiguous()
@@ -174,7 +174,7 @@ def write_kv(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec
              cache: CacheSpec) -> Tensor:
     """The body of ``ropekit::rope_kv_write``: the rotated q (a new tensor); k and v written into the caches."""
     if uses_kernels(q):
-        from ropekit.triton.prologue import launch_prologue
+        from ropekit.triton.prologue_launcher import launch_prologue
 
         q_out = q.new_empty(q.shape)
         launch_prologue(q, k, q_out, None, spec, v=v, cache=cache, q_weight=q_weight, k_weight=k_weight,

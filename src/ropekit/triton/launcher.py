@@ -1,25 +1,29 @@
-"""Launcher of :func:`ropekit.triton.kernel.rope_kernel`: strides and modes, no copies; the block shapes come from
-:mod:`ropekit.triton.heuristics`.
+"""Launcher of :func:`ropekit.triton.kernel.rope_kernel`: its arguments and constexprs, by name, from a call's
+tensors and its validated :class:`ropekit._spec.RopeSpec` (the arguments of ``ropekit::rope``); no copies.
 
 ``launch_rope`` writes into the given outputs (which may be the inputs: in place) and allocates nothing, so it is
-CUDA-graph capturable. It takes a validated :class:`ropekit._spec.RopeSpec` (the arguments of ``ropekit::rope``).
-Benchmarks may call it directly to skip the dispatcher. :mod:`ropekit.triton.bound` binds a compiled launch for
-the eager fast path.
+CUDA-graph capturable. Benchmarks may call it directly to skip the dispatcher. The block shape comes from
+:mod:`ropekit.triton.heuristics`, the launch itself goes through :func:`ropekit.triton.runtime.launch`, and
+:mod:`ropekit.triton.bound` binds a compiled launch for the eager fast path.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import torch
 
 from ropekit._spec import MAX_AXES, RopeSpec, to_canonical
-from ropekit.triton import heuristics, kernel
+from ropekit.triton import heuristics, kernel, runtime
 from ropekit.triton.heuristics import TILE_BYTES
 
 _FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ.value, "table": kernel.FREQ_TABLE.value,
                "angles": kernel.FREQ_ANGLES.value}
+
+ROPE = runtime.KernelRoles(kernel.rope_kernel, ("q_scale", "k_scale", "rotary_scale"), ("pos_offset",))
+#: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
+ROW_STRIDES = tuple(f"{t}_s{d}" for t in ("q", "qo", "k", "ko") for d in ("b", "s", "h"))
+
 
 def stride_unit(*tensors: torch.Tensor) -> int:
     """The unit, in elements, in which ``rope_kernel`` takes the row strides (dims 0-2) of ``tensors`` and
@@ -58,14 +62,24 @@ def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_
                 config: tuple[int, int, int, int] | None = None) -> None:
     """Rotate ``q`` (and ``k``) as ``spec`` says into ``q_out`` (and ``k_out``); outputs may alias their inputs
     exactly. ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only)."""
-    launch = kernel_launch(q, k, q_out, k_out, spec, tile_bytes, config)
+    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config)
     if launch is not None:
-        _launch(*launch, q.device)
+        runtime.launch(ROPE, *launch, q.device)
 
 
 def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
-    """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments; None when
-    there is nothing to rotate."""
+    """(grid, args, constexprs, num_warps) of :func:`rope_arguments`, the arguments and constexprs in
+    ``rope_kernel``'s order (what its compiled handle takes); None when there is nothing to rotate."""
+    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config)
+    if launch is None:
+        return None
+    grid, args, constexprs, num_warps = launch
+    return (grid, *ROPE.ordered(args, constexprs), num_warps)
+
+
+def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
+    """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments, ``args`` and
+    ``constexprs`` as dicts by parameter name; None when there is nothing to rotate."""
     (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, sections, section_layout, layout, style,
      freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
@@ -131,131 +145,57 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     n_tb = heuristics.cdiv(num_tokens, block_t)
     n_z = heuristics.cdiv(n_tb, heuristics.MAX_GRID_Y)
     grid = (n_hb, heuristics.cdiv(n_tb, n_z), n_z)
-    dummy = q
+    dummy = q  # stands for absent tensors (never read)
     unit = stride_unit(qc, qoc, kc, koc)
-    args = (
-        qc, qoc, kc, koc,
-        *(stride // unit for t in (qc, qoc, kc, koc) for stride in t.stride()[:3]),
-        HQ, HK, S, num_tokens,
-        pos_t, pos_sb, pos_ss,
-        seq_offsets if seq_offsets is not None else dummy, pos_offset,
-        cu_seqlens if cu_seqlens is not None else dummy, n_seqs, n_search_steps,
-        inv_freq if inv_freq is not None else dummy,
-        cos if cos is not None else dummy, sin if sin is not None else dummy,
-        t_sb, t_sr, t_sc, table_rows,
-        q_scale, k_scale, rotary_scale, pos_sa,
-    )
-    constexprs = (
-        D, rotary_dim, rotary_start, style == "neox", pos_mode, seq_offsets is not None,
-        freq_mode_id, table_by_token, table_full, conjugate, has_k, copy_pass_q, copy_pass_k,
-        block_t, block_hq, block_hk, heuristics.next_pow2(rotary_dim // 2),
-        heuristics.next_pow2(max(D - rotary_dim, 1)), heuristics.fast_trig(q.device.type, torch.version.hip),
-        *axes, unit, pos_sa if stride_constant else 0,
-        axis_loads,
-    )
+    (q_sb, q_ss, q_sh), (qo_sb, qo_ss, qo_sh) = qc.stride()[:3], qoc.stride()[:3]
+    (k_sb, k_ss, k_sh), (ko_sb, ko_ss, ko_sh) = kc.stride()[:3], koc.stride()[:3]
+    args = {
+        "q_ptr": qc, "qo_ptr": qoc, "k_ptr": kc, "ko_ptr": koc,
+        # ROW_STRIDES, in units of STRIDE_UNIT elements
+        "q_sb": q_sb // unit, "q_ss": q_ss // unit, "q_sh": q_sh // unit,
+        "qo_sb": qo_sb // unit, "qo_ss": qo_ss // unit, "qo_sh": qo_sh // unit,
+        "k_sb": k_sb // unit, "k_ss": k_ss // unit, "k_sh": k_sh // unit,
+        "ko_sb": ko_sb // unit, "ko_ss": ko_ss // unit, "ko_sh": ko_sh // unit,
+        "HQ": HQ, "HK": HK, "S": S, "num_tokens": num_tokens,
+        "pos_ptr": pos_t, "pos_sb": pos_sb, "pos_ss": pos_ss,
+        "seq_off_ptr": seq_offsets if seq_offsets is not None else dummy, "pos_offset": pos_offset,
+        "cu_ptr": cu_seqlens if cu_seqlens is not None else dummy, "n_seqs": n_seqs, "n_search_steps": n_search_steps,
+        "freq_ptr": inv_freq if inv_freq is not None else dummy,
+        "cos_ptr": cos if cos is not None else dummy, "sin_ptr": sin if sin is not None else dummy,
+        "t_sb": t_sb, "t_sr": t_sr, "t_sc": t_sc, "table_rows": table_rows,
+        "q_scale": q_scale, "k_scale": k_scale, "rotary_scale": rotary_scale, "pos_sa": pos_sa,
+    }
+    num_axes, interleaved, bound_1, bound_2, bound_3 = axes
+    constexprs = {
+        "HEAD_DIM": D, "ROT_DIM": rotary_dim, "ROT_START": rotary_start, "NEOX": style == "neox",
+        "POS_MODE": pos_mode, "HAS_SEQ_OFFSETS": seq_offsets is not None, "FREQ_MODE": freq_mode_id,
+        "TABLE_BY_TOKEN": table_by_token, "TABLE_FULL": table_full, "CONJUGATE": conjugate, "HAS_K": has_k,
+        "COPY_PASS_Q": copy_pass_q, "COPY_PASS_K": copy_pass_k,
+        "BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk,
+        "HALF_BLOCK": heuristics.next_pow2(rotary_dim // 2), "PASS_BLOCK": heuristics.next_pow2(max(D - rotary_dim, 1)),
+        "FAST_TRIG": heuristics.fast_trig(q.device.type, torch.version.hip),
+        "NUM_AXES": num_axes, "AXES_INTERLEAVED": interleaved, "AXIS_BOUND_1": bound_1, "AXIS_BOUND_2": bound_2,
+        "AXIS_BOUND_3": bound_3, "STRIDE_UNIT": unit, "POS_AXIS_STRIDE": pos_sa if stride_constant else 0,
+        "POS_PER_AXIS": axis_loads,
+    }
     return grid, args, constexprs, num_warps
 
 
-_CONSTEXPR_NAMES = ("HEAD_DIM", "ROT_DIM", "ROT_START", "NEOX", "POS_MODE", "HAS_SEQ_OFFSETS", "FREQ_MODE",
-                    "TABLE_BY_TOKEN", "TABLE_FULL", "CONJUGATE", "HAS_K", "COPY_PASS_Q", "COPY_PASS_K", "BLOCK_T",
-                    "BLOCK_HQ", "BLOCK_HK", "HALF_BLOCK", "PASS_BLOCK", "FAST_TRIG", "NUM_AXES", "AXES_INTERLEAVED",
-                    "AXIS_BOUND_1", "AXIS_BOUND_2", "AXIS_BOUND_3", "STRIDE_UNIT", "POS_AXIS_STRIDE",
-                    "POS_PER_AXIS")
-#: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
-ROW_STRIDES = tuple(f"{t}_s{d}" for t in ("q", "qo", "k", "ko") for d in ("b", "s", "h"))
+# --- names the eager fast path and bound.py import from here --------------------------------------------------------
+# moved to runtime; re-exported until _fastpath and bound.py switch
+_COMPILED = runtime._COMPILED
+_current_device = runtime.current_device
+_current_raw_stream = runtime.current_raw_stream
+_launch_hooks_idle = runtime.launch_hooks_idle
+_run_compiled = runtime.run_compiled
 
 
-class KernelRoles:
-    """A kernel's runtime arguments by role, as positions in its signature (derived from its parameter names, so
-    that a new argument cannot shift a hard-coded index): pointers (names ending in ``_ptr``), the ints Triton
-    specialises on (all but ``floats`` and ``dynamic`` ones), and the constexprs, which its compiled handle takes
-    positionally after the runtime arguments."""
-
-    def __init__(self, fn, constexprs: tuple[str, ...], floats: tuple[str, ...], dynamic: tuple[str, ...]):
-        names = fn.arg_names
-        if tuple(names[-len(constexprs):]) != constexprs:
-            raise ImportError(f"{fn.__name__}'s constexpr parameters changed: update its KernelRoles")
-        self.fn, self.constexprs = fn, constexprs
-        self.index = {name: i for i, name in enumerate(names)}
-        self.pointers = tuple(i for i, n in enumerate(names) if n.endswith("_ptr"))
-        self.ints = tuple(i for i, n in enumerate(names[:-len(constexprs)])
-                          if i not in self.pointers and n not in floats and n not in dynamic)
-
-    def key(self, args, constexprs, num_warps, device_index) -> tuple:
-        """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
-        compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
-        (:func:`_int_class`), the constexprs, the warp count and the device."""
-        ptrs = [args[i] for i in self.pointers]
-        return (self.fn, *[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
-                *[_int_class(args[i]) for i in self.ints], constexprs, num_warps, device_index)
+# moved to runtime; re-exported until _fastpath and bound.py switch
+def _launch(grid, args, constexprs, num_warps, device, roles: runtime.KernelRoles = ROPE) -> None:
+    """:func:`ropekit.triton.runtime.run` of a launch in the kernel's order (not recorded)."""
+    runtime.run(runtime.Launch(grid, args, constexprs, num_warps, roles, device))
 
 
-ROPE = KernelRoles(kernel.rope_kernel, _CONSTEXPR_NAMES, ("q_scale", "k_scale", "rotary_scale"), ("pos_offset",))
-POINTER_ARGS = tuple(kernel.rope_kernel.arg_names[i] for i in ROPE.pointers)
-_MAX_COMPILED = 256
-_COMPILED: OrderedDict = OrderedDict()
-# What Triton's own launch path reads to pick the device (no torch.cuda wrapper).
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-# What Triton's own launch path reads for the stream (its CUDA driver calls this torch function).
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-try:
-    from triton import knobs as _knobs
-
-    _RUNTIME_KNOBS = _knobs.runtime
-except ImportError:  # older Triton: hooks live on CompiledKernel
-    from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
-
-
-def _launch_hooks_idle() -> bool:
-    """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
-    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
-    return (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True))
-
-
-def _run_compiled(compiled, grid, args, constexprs, device_index: int) -> None:
-    """Launch an already compiled (and once launched) kernel through Triton's compiled launcher directly: what
-    ``compiled[grid](...)`` ends in, without its per-call set-up; through ``compiled[grid]`` when a profiler hooked
-    Triton's launches or this Triton lacks the attributes."""
-    if _current_raw_stream is not None and _launch_hooks_idle() and getattr(compiled, "function", None) is not None:
-        compiled.run(*grid, _current_raw_stream(device_index), compiled.function, compiled.packed_metadata, None,
-                     None, None, *args, *constexprs)
-    else:
-        compiled[grid](*args, *constexprs)
-
-
-def _int_class(v: int) -> int:
-    """What Triton specialises an int argument on: == 1, divisible by 16, and whether it needs 64 bits."""
-    return (v == 1) + 2 * (v & 15 == 0) + 4 * (not -(2**31) <= v < 2**31)
-
-
-def _cache_key(args, constexprs, num_warps, device_index) -> tuple:
-    return ROPE.key(args, constexprs, num_warps, device_index)
-
-
-def _launch(grid, args, constexprs, num_warps, device, roles: KernelRoles = ROPE) -> None:
-    """Launch ``roles.fn`` (``rope_kernel`` unless said); on CUDA, keep the compiled kernel per specialisation
-    and call it directly.
-
-    ``kernel[grid](...)`` re-binds and re-hashes ~50 arguments on every call (tens of microseconds of host
-    time); the cached handle skips that. The first call for a specialisation goes through Triton (compiling if
-    needed), so behaviour is Triton's own. The cache is bounded (least recently used out)."""
-    if device.type != "cuda":
-        roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
-        return
-    if device.index is not None and device.index != _current_device():
-        # Triton launches (and compiles) for the current device: make it the tensors' device.
-        with torch.cuda.device(device.index):
-            _launch(grid, args, constexprs, num_warps, device, roles)
-        return
-    key = roles.key(args, constexprs, num_warps, device.index)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        _COMPILED.move_to_end(key)
-        _run_compiled(compiled, grid, args, constexprs, device.index if device.index is not None else _current_device())
-        return
-    compiled = roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
-    if compiled is not None and hasattr(compiled, "__getitem__"):
-        _COMPILED[key] = compiled
-        if len(_COMPILED) > _MAX_COMPILED:
-            _COMPILED.popitem(last=False)
+# derived from the kernel's signature now; kept until _fastpath and bound.py switch
+_CONSTEXPR_NAMES = ROPE.constexprs
+_cache_key = ROPE.key

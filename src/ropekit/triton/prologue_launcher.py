@@ -1,0 +1,156 @@
+"""Launchers of the attention prologue kernels (:mod:`ropekit.triton.prologue_kernels`): ``launch_prologue``
+(norm + RoPE, and the K/V cache write) and ``launch_norm_rope_bwd`` (the backward of norm + RoPE).
+
+Both start from ``rope_kernel``'s launch for the call (:func:`ropekit.triton.launcher.rope_arguments`: positions,
+frequencies, block shape and grid), whose arguments the prologue kernels share by name, and add their own. They
+allocate nothing but the backward's outputs, and launch through :func:`ropekit.triton.runtime.launch`, which
+records the launch for the eager fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit._spec import CacheSpec, RopeSpec, to_canonical
+from ropekit.triton import heuristics, launcher, runtime
+from ropekit.triton.prologue_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS, norm_rope_bwd_kernel, prologue_kernel
+
+_FLOATS = ("q_scale", "k_scale", "rotary_scale", "w_offset", "eps", "v_scale")
+PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",))
+NORM_ROPE_BWD = runtime.KernelRoles(norm_rope_bwd_kernel, _FLOATS, ("pos_offset",))
+
+# rope_kernel's runtime arguments that both prologue kernels take as they are (positions, frequencies, scales).
+_ROPE_ARGS = ("HQ", "HK", "S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr",
+              "n_seqs", "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows",
+              "q_scale", "k_scale", "rotary_scale", "pos_sa")
+
+
+def _rope_launch(q, k, q_out, k_out, spec: RopeSpec, config):
+    """(grid, rope_kernel's runtime arguments by name with its row strides in elements -- it takes them in units
+    of STRIDE_UNIT, the prologue kernels in elements --, its constexprs by name, num_warps); None when there is
+    nothing to rotate."""
+    launch = launcher.rope_arguments(q, k, q_out, k_out, spec, config=config)
+    if launch is None:
+        return None
+    grid, args, constexprs, num_warps = launch
+    args = dict(args)
+    for name in launcher.ROW_STRIDES:
+        args[name] *= constexprs["STRIDE_UNIT"]
+    return grid, args, constexprs, num_warps
+
+
+def _shared_constexprs(roles: runtime.KernelRoles, rope_constexprs: dict) -> dict:
+    """``rope_constexprs`` that the kernel of ``roles`` takes too (every constexpr of the same name)."""
+    return {name: rope_constexprs[name] for name in roles.constexprs if name in rope_constexprs}
+
+
+def _grid_dims(q, k, spec: RopeSpec) -> tuple[int, int, int, int, int]:
+    """(tokens, HQ, HK, head_dim, element size): what the block shapes read of a call."""
+    B, S, HQ, D = to_canonical(q, spec.layout).shape
+    return B * S, HQ, to_canonical(k, spec.layout).shape[2], D, q.element_size()
+
+
+def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_programs: int):
+    """The block shape ``launch_prologue`` takes on a CUDA device with ``min_programs`` wanted (None: the launcher's
+    own choice); see :func:`ropekit.triton.heuristics.prologue_config`."""
+    dims = _grid_dims(q, k, spec)
+    return heuristics.prologue_config(dims, min_programs, norm=norm, cache=cache,
+                                      gathered=spec.positions is not None or spec.cu_seqlens is not None,
+                                      partial=spec.rotary_dim != dims[3])
+
+
+def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
+                    q_weight=None, k_weight=None, weight_offset: float = 0.0, eps: float = 1e-6,
+                    config=None) -> None:
+    """Normalise (with weights) and rotate q into ``q_out`` and k into ``k_out`` -- or, with ``cache``, k and v
+    into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing.
+    ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
+    if config is None and q.is_cuda:
+        config = prologue_block_config(q, k, spec, norm=q_weight is not None, cache=cache is not None,
+                                       min_programs=heuristics.num_programs_wanted(q.device))
+    if q_weight is not None:  # the kernel indexes the weights densely
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    launch = _rope_launch(q, k, q_out, k if cache is not None else k_out, spec, config)
+    if launch is None:
+        return
+    grid, rope, rope_constexprs, num_warps = launch
+    dummy = q  # stands for absent tensors (never read)
+    args = {name: rope[name] for name in (
+        "q_ptr", "qo_ptr", "k_ptr", "q_sb", "q_ss", "q_sh", "qo_sb", "qo_ss", "qo_sh", "k_sb", "k_ss", "k_sh",
+        "ko_sb", "ko_ss", *_ROPE_ARGS)}
+    args.update(v_ptr=v if v is not None else dummy, qw_ptr=q_weight if q_weight is not None else dummy,
+                kw_ptr=k_weight if k_weight is not None else dummy, w_offset=float(weight_offset), eps=float(eps))
+    constexprs = _shared_constexprs(PROLOGUE, rope_constexprs)
+    k_div = 1.0  # what k's cache scale divides it by, unless the kernel reads the scale itself
+    if cache is None:  # k goes to k_out, as q to q_out
+        args.update(ko_ptr=k_out, ko_sh=rope["ko_sh"], vo_ptr=dummy, v_sb=0, v_ss=0, v_sh=0, vo_sh=0,
+                    cb_ptr=dummy, slot_ptr=dummy, slot_sb=0, slot_ss=0, cache_rows=0, block_size=1, kc_sb=0,
+                    kc_ss=0, vc_sb=0, vc_ss=0, ks_ptr=dummy, vs_ptr=dummy, v_scale=1.0)
+        constexprs.update(CACHE_MODE=CACHE_NONE.value, CACHE_BATCH_PER_TOKEN=False, K_SCALE_PTR=False,
+                          V_SCALE_PTR=False, K_FP8=False, V_FP8=False)
+    else:  # k and v go to the caches' rows; each cache keeps its own strides
+        k_target, v_target = cache.views()
+        v_sb, v_ss, v_sh = to_canonical(v, spec.layout).stride()[:3]
+        slots = cache.slots
+        # A scale held in a device tensor is read by the kernel (graph capture); a float is divided in here.
+        k_ptr_scale = isinstance(cache.k_scale, torch.Tensor)
+        v_ptr_scale = isinstance(cache.v_scale, torch.Tensor)
+        k_div = 1.0 if k_ptr_scale else 1.0 / cache.k_scale
+        args.update(
+            ko_ptr=k_target, ko_sh=k_target.stride(2), vo_ptr=v_target, v_sb=v_sb, v_ss=v_ss, v_sh=v_sh,
+            vo_sh=v_target.stride(2),
+            cb_ptr=cache.cache_batch if cache.cache_batch is not None else dummy,
+            slot_ptr=slots if slots is not None else dummy,
+            slot_sb=slots.stride(0) if slots is not None else 0, slot_ss=slots.stride(1) if slots is not None else 0,
+            cache_rows=cache.rows, block_size=cache.block_size, kc_sb=k_target.stride(0),
+            kc_ss=k_target.stride(1), vc_sb=v_target.stride(0), vc_ss=v_target.stride(1),
+            ks_ptr=cache.k_scale if k_ptr_scale else dummy, vs_ptr=cache.v_scale if v_ptr_scale else dummy,
+            v_scale=1.0 if v_ptr_scale else 1.0 / cache.v_scale)
+        constexprs.update(CACHE_MODE=(CACHE_PAGED if cache.paged else CACHE_ROWS).value,
+                          CACHE_BATCH_PER_TOKEN=cache.cache_batch is not None, K_SCALE_PTR=k_ptr_scale,
+                          V_SCALE_PTR=v_ptr_scale, K_FP8=k_target.dtype == torch.float8_e4m3fn,
+                          V_FP8=v_target.dtype == torch.float8_e4m3fn)
+        grid = (grid[0] + heuristics.cdiv(rope["HK"], rope_constexprs["BLOCK_HK"]), grid[1], grid[2])  # v's blocks
+    args["k_scale"] = rope["k_scale"] * k_div
+    constexprs.update(NORM=q_weight is not None, ROUND_FP8=q.device.type != "cuda",
+                      D_BLOCK=heuristics.next_pow2(rope_constexprs["HEAD_DIM"]))
+    runtime.launch(PROLOGUE, grid, args, constexprs, num_warps, q.device)
+
+
+def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
+                         eps: float, config=None) -> tuple:
+    """(dq, dk, dq_weight, dk_weight) of ``qk_norm_rope`` for the output gradients ``grad_q``/``grad_k`` (last
+    dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
+    if config is None and q.is_cuda:  # the interpreter takes the launcher's own (large) programs
+        dims = _grid_dims(q, k, spec)
+        config = heuristics.norm_block_config(*dims, heuristics.num_programs_wanted(q.device), "backward",
+                                              partial=spec.rotary_dim != dims[3])
+    # rope_kernel's launch for the gradients into dq/dk: its q and k are the gradients, its outputs dq and dk.
+    launch = _rope_launch(grad_q, grad_k, dq, dk, spec, config)
+    if launch is None:
+        zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
+        return dq.zero_(), dk.zero_(), zq, zq.clone()
+    _, rope, rope_constexprs, num_warps = launch
+    n_tb = heuristics.cdiv(rope["num_tokens"], rope_constexprs["BLOCK_T"])
+    n_qb = heuristics.cdiv(rope["HQ"], rope_constexprs["BLOCK_HQ"])
+    n_kb = heuristics.cdiv(rope["HK"], rope_constexprs["BLOCK_HK"])
+    groups = heuristics.bwd_program_groups(n_tb, n_qb + n_kb, q.device)
+    grid = (n_qb + n_kb, groups, 1)
+    D = rope_constexprs["HEAD_DIM"]
+    dwq = torch.empty(groups * n_qb, D, dtype=torch.float32, device=q.device)
+    dwk = torch.empty(groups * n_kb, D, dtype=torch.float32, device=q.device)
+    qc, kc = to_canonical(q, spec.layout), to_canonical(k, spec.layout)
+    # The kernel's gradients (g*), inputs and outputs (d*): rope_kernel's launch had the gradients as its q and k,
+    # and dq and dk as its outputs.
+    args = {name: rope[name] for name in _ROPE_ARGS}
+    for x, xc in (("q", qc), ("k", kc)):
+        args[f"g{x}_ptr"], args[f"{x}_ptr"], args[f"d{x}_ptr"] = rope[f"{x}_ptr"], xc, rope[f"{x}o_ptr"]
+        for d, stride in zip(("sb", "ss", "sh"), xc.stride()[:3]):
+            args[f"g{x}_{d}"], args[f"{x}_{d}"], args[f"d{x}_{d}"] = rope[f"{x}_{d}"], stride, rope[f"{x}o_{d}"]
+    args.update(dwq_ptr=dwq, dwk_ptr=dwk, qw_ptr=q_weight, kw_ptr=k_weight, w_offset=float(weight_offset),
+                eps=float(eps), n_token_blocks=n_tb)
+    runtime.launch(NORM_ROPE_BWD, grid, args, _shared_constexprs(NORM_ROPE_BWD, rope_constexprs), num_warps,
+                   q.device)
+    return dq, dk, dwq.sum(0), dwk.sum(0)

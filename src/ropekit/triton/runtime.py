@@ -1,0 +1,166 @@
+"""Running kernels: the one launch function, the compiled-kernel cache and the launch recorder.
+
+Every launcher hands its launch to :func:`launch` with the kernel's arguments and constexprs by parameter name;
+:class:`KernelRoles` puts them in the kernel's order (the only place that knows it) and :func:`run` launches the
+result, a :class:`Launch`: through the Triton interpreter for CPU tensors, and on CUDA through a compiled kernel
+kept per specialisation, which skips Triton's per-call argument binding (tens of microseconds of host time).
+
+While ``RECORDER.launches`` is a list (per thread: autograd runs backward on its own threads), :func:`launch`
+appends each :class:`Launch` it made; the eager fast path (:mod:`ropekit._fastpath`) records its plans that way.
+The list holds the call's tensors; whoever set it drops it after use.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["RECORDER", "KernelRoles", "Launch", "compiled_kernels", "current_device", "current_raw_stream", "launch",
+           "launch_hooks_idle", "run", "run_compiled"]
+
+_MAX_COMPILED = 256  # compiled specialisations kept (least recently used out)
+_COMPILED: OrderedDict = OrderedDict()
+
+# What Triton's own launch path reads to pick the device (no torch.cuda wrapper).
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# What Triton's own launch path reads for the stream (its CUDA driver calls this torch function); None without CUDA.
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+try:
+    from triton import knobs as _knobs
+
+    _RUNTIME_KNOBS = _knobs.runtime
+except ImportError:  # older Triton: hooks live on CompiledKernel
+    from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
+
+RECORDER = threading.local()
+
+
+def _is_constexpr(annotation) -> bool:
+    # ``tl.constexpr``, or its name as a string where the kernel's module postpones annotations
+    return "constexpr" in (annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
+
+
+def _getter(names: tuple[str, ...]):
+    """A function from a dict to the tuple of its values at ``names``, in that order."""
+    get = operator.itemgetter(*names)
+    return (lambda d: (get(d),)) if len(names) == 1 else get
+
+
+def _int_class(v: int) -> int:
+    """What Triton specialises an int argument on: == 1, divisible by 16, and whether it needs 64 bits."""
+    return (v == 1) + 2 * (v & 15 == 0) + 4 * (not -(2**31) <= v < 2**31)
+
+
+class KernelRoles:
+    """A kernel's parameters by role, found from its signature (so that a new parameter cannot shift a hard-coded
+    index): the runtime arguments (``runtime``) and the constexprs (``constexprs``, annotated ``tl.constexpr``; a
+    compiled handle takes them positionally after the runtime arguments), positions of the pointers (names ending
+    in ``_ptr``) and of the ints Triton specialises on (all but the ``floats`` and the ``dynamic`` ones)."""
+
+    def __init__(self, fn, floats: tuple[str, ...], dynamic: tuple[str, ...]):
+        names = tuple(fn.arg_names)
+        annotations = fn.fn.__annotations__
+        constexprs = tuple(n for n in names if _is_constexpr(annotations.get(n, "")))
+        if names[len(names) - len(constexprs):] != constexprs:
+            raise ImportError(f"{fn.__name__}'s constexpr parameters must come after its runtime arguments")
+        self.fn, self.constexprs = fn, constexprs
+        self.runtime = names[:len(names) - len(constexprs)]
+        self._runtime_values, self._constexpr_values = _getter(self.runtime), _getter(constexprs)
+        self.index = {name: i for i, name in enumerate(names)}
+        self.pointers = tuple(i for i, n in enumerate(names) if n.endswith("_ptr"))
+        self.ints = tuple(i for i, n in enumerate(self.runtime)
+                          if i not in self.pointers and n not in floats and n not in dynamic)
+
+    def ordered(self, args: Mapping[str, Any], constexprs: Mapping[str, Any]) -> tuple[tuple, tuple]:
+        """``args`` and ``constexprs`` (by parameter name) in the kernel's order; every parameter named once."""
+        if len(args) != len(self.runtime) or len(constexprs) != len(self.constexprs):
+            given, wanted = {*args, *constexprs}, {*self.runtime, *self.constexprs}
+            raise TypeError(f"{self.fn.__name__}: missing {sorted(wanted - given)}, unknown {sorted(given - wanted)}")
+        return self._runtime_values(args), self._constexpr_values(constexprs)
+
+    def key(self, args, constexprs, num_warps, device_index) -> tuple:
+        """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
+        compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
+        (:func:`_int_class`), the constexprs, the warp count and the device."""
+        ptrs = [args[i] for i in self.pointers]
+        return (self.fn, *[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
+                *[_int_class(args[i]) for i in self.ints], constexprs, num_warps, device_index)
+
+
+class Launch(NamedTuple):
+    """One kernel launch, its arguments and constexprs in the kernel's order: what :func:`run` launches and
+    ``RECORDER`` holds."""
+
+    grid: tuple
+    args: tuple
+    constexprs: tuple
+    num_warps: int
+    roles: KernelRoles
+    device: torch.device
+
+
+def launch(roles: KernelRoles, grid: tuple, args: Mapping[str, Any], constexprs: Mapping[str, Any],
+           num_warps: int, device: torch.device) -> None:
+    """Launch ``roles.fn`` with its runtime arguments and constexprs by parameter name, and record the launch
+    while ``RECORDER.launches`` is a list."""
+    call = Launch(grid, *roles.ordered(args, constexprs), num_warps, roles, device)
+    run(call)
+    launches = getattr(RECORDER, "launches", None)
+    if launches is not None:
+        launches.append(call)
+
+
+def run(call: Launch) -> None:
+    """Launch ``call``: through ``fn[grid]`` for tensors off CUDA (the interpreter); on CUDA through the compiled
+    kernel of its specialisation, cached after the first launch, which goes through Triton (compiling if
+    needed), so behaviour is Triton's own."""
+    grid, args, constexprs, num_warps, roles, device = call
+    if device.type != "cuda":
+        roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
+        return
+    if device.index is not None and device.index != current_device():
+        # Triton launches (and compiles) for the current device: make it the tensors' device.
+        with torch.cuda.device(device.index):
+            run(call)
+        return
+    key = roles.key(args, constexprs, num_warps, device.index)
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        _COMPILED.move_to_end(key)
+        run_compiled(compiled, grid, args, constexprs, device.index if device.index is not None else current_device())
+        return
+    compiled = roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
+    if compiled is not None and hasattr(compiled, "__getitem__"):
+        _COMPILED[key] = compiled
+        if len(_COMPILED) > _MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+
+
+def compiled_kernels() -> Mapping:
+    """The compiled-kernel cache, read only: :meth:`KernelRoles.key` -> Triton's compiled kernel, least recently
+    used first."""
+    return types.MappingProxyType(_COMPILED)
+
+
+def launch_hooks_idle() -> bool:
+    """No launch hooks installed in Triton (None, or an empty hook chain in Triton >= 3.4)."""
+    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    return (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True))
+
+
+def run_compiled(compiled, grid, args, constexprs, device_index: int) -> None:
+    """Launch an already compiled (and once launched) kernel through Triton's compiled launcher directly: what
+    ``compiled[grid](...)`` ends in, without its per-call set-up; through ``compiled[grid]`` when a profiler hooked
+    Triton's launches or this Triton lacks the attributes."""
+    if current_raw_stream is not None and launch_hooks_idle() and getattr(compiled, "function", None) is not None:
+        compiled.run(*grid, current_raw_stream(device_index), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *constexprs)
+    else:
+        compiled[grid](*args, *constexprs)
