@@ -94,6 +94,17 @@ def _check_grads(got, want, dtype):
         torch.testing.assert_close(g, w, rtol=tol.rtol, atol=tol.atol * LAYERS)
 
 
+def _checkpointed_equals_plain(layer, q, k, reset: bool) -> None:
+    """The checkpointed layers' gradients equal the plain layers', with fresh plans and then with the plans the
+    first round recorded."""
+    _fastpath.clear()
+    want = _layers(layer, q, k, checkpointed=False)
+    _fastpath.clear()
+    for _round in range(2):
+        got = _layers(layer, q, k, checkpointed=True, reset_between=reset)
+        _check_grads(got, want, q.dtype)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reset", [False, True], ids=["plans-then-recompute", "plans-forgotten-before-backward"])
 @pytest.mark.parametrize("case", ROPE_CASES)
@@ -104,13 +115,7 @@ def test_apply_rope_under_non_reentrant_checkpointing(case, reset, device):
         def layer(a, b):
             return ropekit.apply_rope(a, b, **options)
 
-        _fastpath.clear()
-        want = _layers(layer, q, k, checkpointed=False)
-        for round_ in range(2):  # fresh plans, then plans recorded by the previous round
-            if round_ == 0:
-                _fastpath.clear()
-            got = _layers(layer, q, k, checkpointed=True, reset_between=reset)
-            _check_grads(got, want, q.dtype)
+        _checkpointed_equals_plain(layer, q, k, reset)
 
 
 NORM_CASES = ["base", "ids", "offset", "multi-axis", "varlen"]
@@ -129,13 +134,7 @@ def test_qk_norm_rope_under_non_reentrant_checkpointing(case, reset, device):
         def layer(a, b):
             return ropekit.qk_norm_rope(a, b, q_weight, k_weight, **options)
 
-        _fastpath.clear()
-        want = _layers(layer, q, k, checkpointed=False)
-        for round_ in range(2):  # fresh plans, then plans recorded by the previous round
-            if round_ == 0:
-                _fastpath.clear()
-            got = _layers(layer, q, k, checkpointed=True, reset_between=reset)
-            _check_grads(got, want, q.dtype)
+        _checkpointed_equals_plain(layer, q, k, reset)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -80,8 +80,13 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
     """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments, ``args`` and
     ``constexprs`` as dicts by parameter name; None when there is nothing to rotate."""
-    (positions, seq_offsets, cu_seqlens, inv_freq, cos, sin, pos_offset, sections, section_layout, layout, style,
-     freq_mode, rotary_dim, rotary_start, table_by_token, q_scale, k_scale, rotary_scale, conjugate, _) = spec
+    # fields by name: a new RopeSpec field must not shift these
+    positions, seq_offsets, cu_seqlens = spec.positions, spec.seq_offsets, spec.cu_seqlens
+    inv_freq, cos, sin, freq_mode = spec.inv_freq, spec.cos, spec.sin, spec.freq_mode
+    pos_offset, table_by_token, sections, section_layout = (spec.pos_offset, spec.table_by_token, spec.sections,
+                                                            spec.section_layout)
+    layout, style, rotary_dim, rotary_start = spec.layout, spec.style, spec.rotary_dim, spec.rotary_start
+    q_scale, k_scale, rotary_scale, conjugate = spec.q_scale, spec.k_scale, spec.rotary_scale, spec.conjugate
     qc, qoc = to_canonical(q, layout), to_canonical(q_out, layout)
     B, S, HQ, D = qc.shape
     has_k = k is not None
