@@ -48,6 +48,12 @@ RULES = {
     "ropekit._validation": _except(*VALIDATION),
     "ropekit.reference": _except(*SPEC, "ropekit.reference"),
     "ropekit.triton.kernel": ALL,  # no ropekit module (ropekit.triton's __init__ and the kernel only)
+    "ropekit.triton.runtime": ALL,  # the launch machinery knows no kernel and no spec
+    "ropekit.triton.heuristics": _except(*LEAVES),  # device queries and block plans: the process switches only
+    # kernels import only the rope kernel's building blocks: no launcher, runtime or heuristics
+    "ropekit.triton.prologue_kernels": (*_except("ropekit.triton"), "ropekit.triton.launcher",
+                                        "ropekit.triton.prologue_launcher", "ropekit.triton.runtime",
+                                        "ropekit.triton.heuristics", "ropekit.triton.bound"),
     "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound", "ropekit.triton.prologue"),
     "ropekit.triton.prologue": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound"),
     "ropekit.triton.bound": _except(*SPEC, "ropekit.triton"),

@@ -11,7 +11,7 @@
   use (MPS, XPU, ...), so that CPU-only CI tests it; see :func:`ropekit.testing.float32_path_on_cpu`.
 * ``exact_angles``: how the kernels reduce in-kernel angles exactly: None (by device: float64 on GPUs with fast
   float64, 64-bit integer turns on the others; float64 under the interpreter -- see
-  ``ropekit.triton.launcher.integer_angles``), ``"float64"`` or ``"integer"``. ``ROPEKIT_EXACT_ANGLES`` sets it at
+  ``ropekit.triton.heuristics.integer_angles``), ``"float64"`` or ``"integer"``. ``ROPEKIT_EXACT_ANGLES`` sets it at
   import; :func:`ropekit.testing.exact_angles` for a block.
 """
 
