@@ -53,10 +53,8 @@ RULES = {
     # kernels import only the rope kernel's building blocks: no launcher, runtime or heuristics
     "ropekit.triton.prologue_kernels": (*_except("ropekit.triton"), "ropekit.triton.launcher",
                                         "ropekit.triton.prologue_launcher", "ropekit.triton.runtime",
-                                        "ropekit.triton.heuristics", "ropekit.triton.bound"),
-    "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound", "ropekit.triton.prologue"),
-    "ropekit.triton.prologue": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.bound"),
-    "ropekit.triton.bound": _except(*SPEC, "ropekit.triton"),
+                                        "ropekit.triton.heuristics"),
+    "ropekit.triton.launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.prologue_launcher"),
     "ropekit.ops": ("ropekit.autograd", "ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.webgpu",
                     *ABOVE_API),
     "ropekit.autograd": ("ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.webgpu", *ABOVE_API),

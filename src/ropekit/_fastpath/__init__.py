@@ -4,7 +4,7 @@ A call's *signature* is everything validation and the kernel's specialisation de
 shape, strides, dtype, device and 16-byte alignment, and every other option, but not data pointers or an int
 position offset. The first call of a signature goes through the full path (:func:`ropekit._validation.validate_args`,
 :func:`ropekit.autograd.rotate`) and is noted; the second also records a :class:`Plan` holding the compiled kernel
-bound to its grid and arguments (:class:`ropekit.triton.bound.BoundLaunch`), so a signature seen once -- packed
+bound to its grid and arguments (:class:`ropekit.triton.runtime.Replay`), so a signature seen once -- packed
 sequences whose token count changes every step -- costs only the note. Later calls of a recorded signature skip
 validation and argument building: they read the data pointers, allocate the outputs and launch. Calls that need
 autograd (out of place) get plans of their own, replayed through :class:`PlannedRope`, whose backward is the

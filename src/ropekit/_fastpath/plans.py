@@ -143,14 +143,14 @@ def _keep(plans: OrderedDict, key, plan, limit: int | None = None) -> None:
 def _recording():
     """Within the block (on this thread) the prologue's launchers record their launches in the yielded list, which
     holds the call's tensors: dropped on the way out."""
-    from ropekit.triton import prologue
+    from ropekit.triton.runtime import RECORDER
 
     launches = []
-    prologue.RECORDER.launches = launches
+    RECORDER.launches = launches
     try:
         yield launches
     finally:
-        prologue.RECORDER.launches = None
+        RECORDER.launches = None
 
 
 def _prologue_call(plans: OrderedDict, sig, call, full):
@@ -198,76 +198,59 @@ def _call_signature(values: tuple, names: tuple, scalars: tuple, grad_ok: bool):
     return (tuple(parts), aliasing, scalars, grad), tensors
 
 class _Replay:
-    """A prologue-kernel launch the full path made (recorded by :func:`_recording`), replayed with a later call's
-    tensors: each pointer argument is refilled from the call's tensors (the index, in ``sources``, of the one it
-    pointed at when recorded), allocated afresh per call (``scratch``: arguments the launcher allocates itself, by
-    name), or kept (the default frequencies of ``base=``, which validation caches). Everything else is the recorded
-    value, which the call's signature fixes."""
+    """A prologue-kernel launch the full path made (recorded by :func:`_recording`) as a
+    :class:`ropekit.triton.runtime.Replay`, and where a later call's values for its open slots come from: each
+    pointer argument from the call's tensors (the index, in ``sources``, of the one it pointed at when recorded),
+    allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name), or kept (the default
+    frequencies of ``base=``, which validation caches); the int position offset, where the signature has one."""
 
-    __slots__ = ("grid", "args", "slots", "scratch", "consts", "constexprs", "num_warps", "roles", "compiled",
-                 "device_index")
+    __slots__ = ("launch", "sources", "scratch", "roles", "constexprs", "pos_offset")
 
     @classmethod
-    def record(cls, launch: tuple, sources: list, keep_freq: bool, scratch: tuple = ()):
-        """The replay of ``launch`` (grid, args, constexprs, num_warps, roles, device), or None where a pointer
-        argument is a copy validation made of a call's tensor (no later call could refill it)."""
-        grid, args, constexprs, num_warps, roles, device = launch
+    def record(cls, launch, sources: list, keep_freq: bool, scratch: tuple = ()):
+        """The replay of ``launch`` (a :class:`ropekit.triton.runtime.Launch`), or None where a pointer argument is
+        a copy validation made of a call's tensor (no later call could refill it) or the kernel is not compiled."""
+        from ropekit.triton import runtime
+
+        roles, args = launch.roles, launch.args
         by_ptr = {}
         for j, t in enumerate(sources):
             if t is not None:
                 by_ptr.setdefault(t.data_ptr(), j)
-        r = cls()
-        r.args = list(args)
-        slots, r.scratch = [], []
+        open_slots, from_sources, fresh = [], [], []
         for i in roles.pointers:
             name = roles.fn.arg_names[i]
             if name in scratch:
-                r.scratch.append((i, tuple(args[i].shape), args[i].dtype))
-                r.args[i] = None
+                open_slots.append(name)
+                fresh.append((tuple(args[i].shape), args[i].dtype))
                 continue
             j = by_ptr.get(args[i].data_ptr())
             if j is not None:
-                slots.append((i, j))
-                r.args[i] = None
+                open_slots.append(name)
+                from_sources.append(j)
             elif not (keep_freq and name == "freq_ptr" and args[i] is not None and args[i].dim() == 1):
                 return None
-        r.slots, r.scratch = tuple(slots), tuple(r.scratch)
-        # the constants' tensors stay alive with the replay (on CUDA its arguments hold their addresses only)
-        r.consts = tuple(a for i, a in enumerate(r.args) if i in roles.pointers and a is not None)
-        r.grid, r.constexprs, r.num_warps, r.roles = grid, constexprs, num_warps, roles
-        r.compiled = r.device_index = None
-        if device.type == "cuda":
-            from ropekit.triton import launcher
-
-            r.device_index = device.index if device.index is not None else torch.cuda.current_device()
-            r.compiled = launcher._COMPILED.get(roles.key(args, constexprs, num_warps, device.index))
-            if r.compiled is None:
-                return None
-            r.args = [a.data_ptr() if isinstance(a, Tensor) else a for a in r.args]
+        # open slots in the order __call__ passes them: the call's tensors, the scratch, the offset
+        names = [n for n in open_slots if n not in scratch] + [n for n in open_slots if n in scratch]
+        names.append("pos_offset")
+        r = cls()
+        r.pos_offset = args[roles.index["pos_offset"]]
+        r.launch = runtime.Replay.of(launch, tuple(names))
+        if r.launch is None:
+            return None
+        r.sources, r.scratch = tuple(from_sources), tuple(fresh)
+        r.roles, r.constexprs = roles, launch.constexprs
         return r
 
     def __call__(self, sources: list, pos_offset: int | None = None) -> list:
-        """Launch with ``sources`` (and this call's int position offset, where the signature has one); returns the
-        scratch tensors it allocated."""
-        from ropekit.triton import launcher
-
-        args = self.args.copy()
-        if pos_offset is not None:
-            args[self.roles.index["pos_offset"]] = pos_offset
+        """Launch with ``sources`` (and this call's int position offset, where the signature has one: else the
+        recorded one); returns the scratch tensors it allocated."""
         device = sources[0].device
-        scratch = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in self.scratch]
-        cuda = self.compiled is not None
-        for i, j in self.slots:
-            args[i] = sources[j].data_ptr() if cuda else sources[j]
-        for (i, _, _), t in zip(self.scratch, scratch):
-            args[i] = t.data_ptr() if cuda else t
-        if not cuda:  # the interpreter: the launcher's own CPU path
-            launcher._launch(self.grid, args, self.constexprs, self.num_warps, device, self.roles)
-        elif launcher._current_device() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
-        else:
-            launcher._run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+        scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.scratch]
+        handle = self.launch.handle
+        if pos_offset is None:
+            pos_offset = self.pos_offset
+        self.launch(*[handle(sources[j]) for j in self.sources], *[handle(t) for t in scratch], pos_offset)
         return scratch
 
 def _layout(t: Tensor) -> tuple:

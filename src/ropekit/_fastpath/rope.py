@@ -103,6 +103,11 @@ def _sighted(key, q, k, args, spec, outs, mode) -> None:
     _note(_SEEN, key, lambda: _remember(key, q, k, args, spec, outs, mode))
 
 
+# The rope kernel's slots a plan fills per call, in the order Plan passes them: the data pointers and the offset.
+VARYING_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "ko_ptr", "pos_ptr", "seq_off_ptr", "cu_ptr", "freq_ptr", "cos_ptr",
+                "sin_ptr", "pos_offset")
+
+
 class Plan:
     """The bound launch of one call signature and where each of the kernel's positions .. sin pointer slots comes
     from: an index into the call's handles (q's for an absent tensor, the launcher's dummy), or ``~j`` for the
@@ -192,7 +197,7 @@ class PlannedRope(torch.autograd.Function):
 def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, outs: tuple, mode: Mode) -> None:
     """Keep a plan for ``key`` after a call of it ran the full path successfully with ``spec`` and produced
     ``outs``; skip signatures a plan cannot replay (a spec tensor that is a copy of the user's, not a view)."""
-    from ropekit.triton.bound import bind_rope
+    from ropekit.triton import launcher, runtime
 
     # The call's handle index of each tensor option, as signature() lays them out.
     handle_index = {}
@@ -225,14 +230,15 @@ def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, 
     if saved is None:
         return
     q_out, k_out = outs
-    launch = bind_rope(q, k, q_out, k_out, spec)
+    launch = launcher.kernel_launch(q, k, q_out, k_out, spec)
+    if launch is None:  # nothing to rotate
+        return
+    launch = runtime.Replay.of(runtime.Launch(*launch, launcher.ROPE, q.device), VARYING_ARGS)
     if launch is None:
         return
     plan = Plan()
     plan.launch, plan.slots, plan.grad, plan.saved = launch, tuple(slots), key[1], saved
-    # What the launch takes for a tensor: its address on CUDA (a C call, no Python frame), the tensor under the
-    # interpreter.
-    plan.handle = Tensor.data_ptr if q.is_cuda else _same
+    plan.handle = launch.handle  # what the launch takes for a tensor: its address on CUDA, itself under the interpreter
     plan.consts = tuple(consts)
     plan.const_handles = tuple(plan.handle(t) for t in consts)
     plan.int_offset = args.positions is not None and not isinstance(args.positions, Tensor)
@@ -247,6 +253,3 @@ def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, 
     plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
     _keep(_PLANS, key, plan)
 
-
-def _same(t: Tensor) -> Tensor:
-    return t

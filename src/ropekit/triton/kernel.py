@@ -548,7 +548,7 @@ def _in_elements(sb, ss, sh, UNIT: tl.constexpr):
 
 
 # pos_offset changes on every decode step: specialising on its value (== 1, divisible by 16) would compile new
-# variants and make a kernel bound once (ropekit.triton.bound.bind_rope) wrong for other offsets.
+# variants and make a launch replayed by the fast path (ropekit.triton.runtime.Replay) wrong for other offsets.
 @triton.jit(do_not_specialize=["pos_offset"])
 def rope_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr,

@@ -3,8 +3,8 @@ tensors and its validated :class:`ropekit._spec.RopeSpec` (the arguments of ``ro
 
 ``launch_rope`` writes into the given outputs (which may be the inputs: in place) and allocates nothing, so it is
 CUDA-graph capturable. Benchmarks may call it directly to skip the dispatcher. The block shape comes from
-:mod:`ropekit.triton.heuristics`, the launch itself goes through :func:`ropekit.triton.runtime.launch`, and
-:mod:`ropekit.triton.bound` binds a compiled launch for the eager fast path.
+:mod:`ropekit.triton.heuristics`, the launch itself goes through :func:`ropekit.triton.runtime.launch`; the
+eager fast path replays it through :class:`ropekit.triton.runtime.Replay`.
 """
 
 from __future__ import annotations
@@ -184,23 +184,3 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         "POS_PER_AXIS": axis_loads,
     }
     return grid, args, constexprs, num_warps
-
-
-# --- names the eager fast path and bound.py import from here --------------------------------------------------------
-# moved to runtime; re-exported until _fastpath and bound.py switch
-_COMPILED = runtime._COMPILED
-_current_device = runtime.current_device
-_current_raw_stream = runtime.current_raw_stream
-_launch_hooks_idle = runtime.launch_hooks_idle
-_run_compiled = runtime.run_compiled
-
-
-# moved to runtime; re-exported until _fastpath and bound.py switch
-def _launch(grid, args, constexprs, num_warps, device, roles: runtime.KernelRoles = ROPE) -> None:
-    """:func:`ropekit.triton.runtime.run` of a launch in the kernel's order (not recorded)."""
-    runtime.run(runtime.Launch(grid, args, constexprs, num_warps, roles, device))
-
-
-# derived from the kernel's signature now; kept until _fastpath and bound.py switch
-_CONSTEXPR_NAMES = ROPE.constexprs
-_cache_key = ROPE.key

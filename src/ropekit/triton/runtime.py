@@ -7,7 +7,8 @@ kept per specialisation, which skips Triton's per-call argument binding (tens of
 
 While ``RECORDER.launches`` is a list (per thread: autograd runs backward on its own threads), :func:`launch`
 appends each :class:`Launch` it made; the eager fast path (:mod:`ropekit._fastpath`) records its plans that way.
-The list holds the call's tensors; whoever set it drops it after use.
+The list holds the call's tensors; whoever set it drops it after use. A :class:`Replay` is the one way to launch a
+recorded launch again with other tensors: the eager fast path's plans hold one each.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["RECORDER", "KernelRoles", "Launch", "compiled_kernels", "current_device", "current_raw_stream", "launch",
-           "launch_hooks_idle", "run", "run_compiled"]
+__all__ = ["RECORDER", "KernelRoles", "Launch", "Replay", "compiled_kernels", "current_device", "current_raw_stream",
+           "launch", "launch_hooks_idle", "run", "run_compiled"]
 
 _MAX_COMPILED = 256  # compiled specialisations kept (least recently used out)
 _COMPILED: OrderedDict = OrderedDict()
@@ -164,3 +165,62 @@ def run_compiled(compiled, grid, args, constexprs, device_index: int) -> None:
                      None, None, *args, *constexprs)
     else:
         compiled[grid](*args, *constexprs)
+
+
+class Replay:
+    """A :class:`Launch` made once, launched again with new values in its *open* slots (named when it is made:
+    the data pointers, say, and an int position offset) and every other argument as recorded, which the caller's
+    call signature fixes. No tensor of the recording call is kept in an open slot.
+
+    A call passes the open slots' values in the order they were named: for a pointer slot the tensor's address
+    (an int, :attr:`handle` of the tensor) on CUDA, the tensor itself under the interpreter. On CUDA it runs the
+    compiled kernel directly (:func:`run_compiled`): no argument binding, hashing or pointer-attribute query. The
+    caller guarantees that the tensors behind the addresses have the shapes, strides, dtypes, device and 16-byte
+    alignment of the recorded ones."""
+
+    __slots__ = ("grid", "args", "open", "constexprs", "num_warps", "roles", "compiled", "device_index", "keep",
+                 "handle")
+
+    @classmethod
+    def of(cls, call: Launch, open_slots: tuple[str, ...]) -> Replay | None:
+        """The replay of ``call`` with ``open_slots`` (parameter names) left open, or None on CUDA where its
+        specialisation is not compiled yet or this Triton lacks the compiled launcher's attributes."""
+        roles = call.roles
+        r = cls()
+        r.open = tuple(roles.index[name] for name in open_slots)
+        args = list(call.args)
+        for i in r.open:
+            args[i] = None
+        r.grid, r.constexprs, r.num_warps, r.roles = call.grid, call.constexprs, call.num_warps, roles
+        r.compiled = r.device_index = None
+        r.keep = ()
+        r.handle = _same
+        if call.device.type == "cuda":
+            compiled = _COMPILED.get(roles.key(call.args, call.constexprs, call.num_warps, call.device.index))
+            if (compiled is None or current_raw_stream is None
+                    or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+                return None
+            r.compiled = compiled
+            r.device_index = call.device.index if call.device.index is not None else current_device()
+            # the fixed tensors (cached default frequencies) stay alive with the replay, which holds their addresses
+            r.keep = tuple(a for a in args if isinstance(a, torch.Tensor))
+            args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+            r.handle = torch.Tensor.data_ptr
+        r.args = args
+        return r
+
+    def __call__(self, *values) -> None:
+        args = self.args.copy()
+        for i, v in zip(self.open, values):
+            args[i] = v
+        if self.compiled is None:  # the interpreter
+            run(Launch(self.grid, tuple(args), self.constexprs, self.num_warps, self.roles, torch.device("cpu")))
+        elif current_device() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+        else:
+            run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)
+
+
+def _same(t):
+    return t
