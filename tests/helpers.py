@@ -1,5 +1,5 @@
-"""The test helpers live in :mod:`ropekit.testing`; this keeps ``from helpers import assert_close_to_ref`` working
-for the tests that still import it with a ``{dtype: dict(rtol, atol)}`` table of their own."""
+"""What several test files share: the routes a test runs on, float64 oracles, and ``assert_close_to_ref`` taking a
+``{dtype: dict(rtol, atol)}`` table (the general helpers live in :mod:`ropekit.testing`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from ropekit import testing
+from ropekit._spec import BACKWARD, FORWARD
+from ropekit._validation import validate
+from ropekit.reference import rope_reference
 
 
 def assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
@@ -41,3 +44,9 @@ def route_context(route: str):
 
 def route_device(route: str) -> str:
     return "cuda" if route == "cuda" else "cpu"
+
+
+def reference_rope(q, k, conjugate=False, **kwargs):
+    """The float64 reference of ``apply_rope(q, k, **kwargs)`` (of ``rope_backward`` with ``conjugate``)."""
+    spec = validate(q, k, **kwargs, mode=BACKWARD if conjugate else FORWARD)
+    return rope_reference(q, k, spec._replace(out_dtype=torch.float64))

@@ -1,4 +1,6 @@
-"""Public API on CPU: dtypes, autograd, in-place semantics, torch.library/compile, and the bad-input table."""
+"""The public rotation (``apply_rope``, ``apply_rope_``, ``rope_backward``) against the float64 reference: dtypes,
+autograd, in-place semantics, torch.library/compile and the bad-input table on CPU; then the same on CUDA (marked
+``gpu``), with CUDA graphs and no host syncs."""
 
 import math
 import re
@@ -8,25 +10,16 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from ropekit._spec import BACKWARD, FORWARD
+from helpers import reference_rope
 from ropekit._validation import validate
-from ropekit.reference import rope_reference
-from ropekit.testing import assert_close_to_ref, make_qk
-
-
-def _ref(q, k, conjugate=False, **kwargs):
-    """The float64 reference of ``apply_rope(q, k, **kwargs)`` (of ``rope_backward`` with ``conjugate``)."""
-    spec = validate(q, k, **kwargs, mode=BACKWARD if conjugate else FORWARD)
-    return rope_reference(q, k, spec._replace(out_dtype=torch.float64))
-
-
+from ropekit.testing import assert_close_to_ref, make_qk, tolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_output_dtype_and_single_rounding(dtype):
     q, k = make_qk(2, 9, 4, 2, 32, dtype=dtype)
     q_rot, k_rot = ropekit.apply_rope(q, k, positions=7, q_scale=0.3)
-    ref_q, ref_k = _ref(q, k, positions=7, q_scale=0.3)
+    ref_q, ref_k = reference_rope(q, k, positions=7, q_scale=0.3)
     assert_close_to_ref(q_rot, ref_q, dtype, backend="cpu")
     assert_close_to_ref(k_rot, ref_k, dtype, backend="cpu")
 
@@ -246,7 +239,7 @@ def test_bad_input_raises_and_writes_nothing(case, fn):
 
 def test_eager_plans_only_for_plain_cuda_tensors():
     """The fast path of repeated eager calls (ropekit._fastpath) never engages on CPU, for tensor subclasses, or
-    under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_gpu_eager_plans.)"""
+    under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_fast_path.py.)"""
     from ropekit import _fastpath
     from ropekit._spec import FORWARD, RopeArgs
 
@@ -308,7 +301,7 @@ def test_prologue_functions_forward_every_option(monkeypatch):
 def test_out_dtype_rounds_once_and_in_place_refuses_another_dtype():
     q, k = make_qk(2, 5, 4, 2, 16, dtype=torch.bfloat16)
     q_rot, k_rot = ropekit.apply_rope(q, k, positions=5, out_dtype=torch.float32)
-    ref_q, ref_k = _ref(q, k, positions=5)
+    ref_q, ref_k = reference_rope(q, k, positions=5)
     assert q_rot.dtype == k_rot.dtype == torch.float32
     assert_close_to_ref(q_rot, ref_q, torch.float32, backend="cpu")
     assert_close_to_ref(k_rot, ref_k, torch.float32, backend="cpu")
@@ -321,3 +314,140 @@ def test_out_dtype_rounds_once_and_in_place_refuses_another_dtype():
     for bad in (torch.int32, "float32", 4):
         with pytest.raises(TypeError, match="out_dtype"):
             ropekit.apply_rope(q, out_dtype=bad)
+
+
+# ------------------------------------------------------------------------------------------------ on CUDA
+
+API_CASES = [
+    ("bshd-neox-bf16", "bshd", torch.bfloat16, dict(positions=17)),
+    ("bhsd-interleaved-fp16", "bhsd", torch.float16, dict(style="interleaved", positions=3)),
+    ("sbhd-fp32-partial", "sbhd", torch.float32, dict(rotary_dim=32, q_scale=0.125)),
+    ("thd-varlen", "thd", torch.bfloat16, dict(cu_seqlens="cu", positions="offsets")),
+    ("per-token", "bshd", torch.float32, dict(positions="ids")),
+    ("mla-back", "bshd", torch.bfloat16, dict(rotary_dim=16, rotary_at="back")),
+]
+
+
+def _resolve(kwargs, B, S):
+    special = {
+        "cu": lambda: torch.tensor([0, 5, 5, B * S], device="cuda", dtype=torch.int32),
+        "offsets": lambda: torch.tensor([0, 100, 7], device="cuda"),
+        "ids": lambda: torch.randint(0, 1 << 20, (B, S), device="cuda"),
+    }
+    return {k: (special[v]() if isinstance(v, str) and v in special else v) for k, v in kwargs.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", API_CASES, ids=[c[0] for c in API_CASES])
+def test_api_on_cuda_matches_reference(case):
+    _, layout, dtype, kwargs = case
+    B, S = 2, 33
+    kwargs = _resolve(kwargs, B, S)
+    for _ in range(3):  # the first call compiles, later ones reuse the cached kernel handle: fresh data each time
+        q, k = make_qk(B, S, 8, 2, 64, dtype=dtype, device="cuda", layout=layout)
+        q_rot, k_rot = ropekit.apply_rope(q, k, layout=layout, **kwargs)
+        cpu_kwargs = {key: (v.cpu() if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+        ref_q, ref_k = reference_rope(q.cpu(), k.cpu(), layout=layout, **cpu_kwargs)
+        assert q_rot.is_cuda and q_rot.shape == q.shape and q_rot.is_contiguous()
+        assert_close_to_ref(q_rot, ref_q, dtype)
+        assert_close_to_ref(k_rot, ref_k, dtype)
+
+
+@pytest.mark.gpu
+def test_autograd_on_cuda():
+    q, k = make_qk(2, 16, 8, 2, 64, device="cuda")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    q_rot, k_rot = ropekit.apply_rope(q, k, positions=9, q_scale=0.5, style="interleaved")
+    gq, gk = torch.randn_like(q_rot), torch.randn_like(k_rot)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (gq, gk))
+    want_q, want_k = reference_rope(gq.cpu(), gk.cpu(), positions=9, q_scale=0.5, style="interleaved", conjugate=True)
+    assert_close_to_ref(dq, want_q, torch.float32)
+    assert_close_to_ref(dk, want_k, torch.float32)
+
+
+@pytest.mark.gpu
+def test_opcheck_on_cuda():
+    q, k = make_qk(2, 8, 4, 2, 32, device="cuda")
+    spec = validate(q, k, positions=torch.tensor([3, 4], device="cuda"))
+    opcheck(torch.ops.ropekit.rope.default, (q.requires_grad_(True), k, *spec))
+    q2, k2 = make_qk(2, 8, 4, 2, 32, device="cuda")
+    opcheck(torch.ops.ropekit.rope_.default, (q2, k2, *spec))
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_on_cuda_no_graph_break():
+    q, k = make_qk(2, 16, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    pos = torch.randint(0, 4096, (2, 16), device="cuda")
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True)
+    def f(a, b, p):
+        a2, b2 = ropekit.apply_rope(a * 2, b, positions=p, q_scale=0.125)
+        return a2, a2.float() + 1, b2
+
+    got = f(q, k, pos)
+    want = ropekit.apply_rope(q * 2, k, positions=pos, q_scale=0.125)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[0].float() + 1)
+    torch.testing.assert_close(got[2], want[1], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_compile_backward_on_cuda():
+    q, k = make_qk(2, 16, 8, 2, 64, device="cuda")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: [t.sum() for t in ropekit.apply_rope(a, b, positions=5)], fullgraph=True)
+    sq, sk = f(q, k)
+    (sq + 2 * sk).backward()
+    want_q = ropekit.rope_backward(torch.ones_like(q), positions=5)
+    torch.testing.assert_close(q.grad, want_q, **tolerance(torch.float32)._asdict())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    q, k = make_qk(4, 1, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    pos = torch.tensor([5, 100, 7, 2**20], device="cuda")
+    for _ in range(2):  # warm up: compile the kernel, fill caches
+        ropekit.apply_rope_(q.clone(), k.clone(), positions=pos)
+    static_q, static_k = q.clone(), k.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q, out_k = ropekit.apply_rope(static_q, static_k, positions=pos)
+    for _ in range(3):
+        new_q, new_k = make_qk(4, 1, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+        static_q.copy_(new_q)
+        static_k.copy_(new_k)
+        pos.copy_(torch.randint(0, 1 << 22, (4,), device="cuda"))
+        graph.replay()
+        want_q, want_k = ropekit.apply_rope(new_q, new_k, positions=pos)
+        torch.testing.assert_close(out_q, want_q, rtol=0, atol=0)
+        torch.testing.assert_close(out_k, want_k, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [
+    dict(positions="ids"), dict(positions="offsets3"), dict(layout="thd", cu_seqlens="cu"),
+    dict(positions="ids", cos="table", sin="table"),
+])
+def test_no_host_sync_and_no_extra_allocation(kwargs):
+    B, S = 3, 8
+    layout = kwargs.get("layout", "bshd")
+    q, k = make_qk(B, S, 8, 2, 64, device="cuda", layout=layout)
+    table = torch.randn(64, 32, device="cuda")
+    special = {"ids": torch.randint(0, 64, (B, S), device="cuda"), "offsets3": torch.tensor([1, 2, 3], device="cuda"),
+               "cu": torch.tensor([0, 10, B * S], device="cuda"), "table": table}
+    kwargs = {key: special.get(v, v) if isinstance(v, str) else v for key, v in kwargs.items()}
+    ropekit.apply_rope_(q, k, **kwargs)  # warm up
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ropekit.apply_rope_(q, k, **kwargs)
+        q_rot, k_rot = ropekit.apply_rope(q, k, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    allocated = torch.cuda.memory_allocated() - before
+    assert allocated <= q_rot.untyped_storage().nbytes() + k_rot.untyped_storage().nbytes() + 1024

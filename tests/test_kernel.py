@@ -448,6 +448,22 @@ def test_token_blocks_past_grid_axis_limit_are_split_evenly(monkeypatch):
         assert tokens <= n_y * n_z < tokens + n_z
 
 
+@pytest.mark.gpu
+def test_token_blocks_over_two_grid_axes_on_cuda():
+    # One token per program and more tokens than grid axis 1 holds: programs on axis 2 rotate the right tokens,
+    # and the ones past the end write nothing.
+    T = 3 * 65535 + 7
+    q = torch.randn(T, 1, 1, 8, device="cuda")
+    pos = torch.randint(0, 1 << 16, (T, 1), device="cuda")
+    spec = validate(q, None, positions=pos)
+    out = torch.full((T + 64, 1, 1, 8), float("nan"), device="cuda")
+    launch_rope(q, None, out[:T], None, spec, config=(1, 1, 1, 1))
+    ref = rope_reference(q.cpu(), None, validate(q.cpu(), None, positions=pos.cpu())._replace(
+        out_dtype=torch.float64))[0]
+    assert_close_to_ref(out[:T], ref, torch.float32)
+    assert torch.isnan(out[T:]).all()
+
+
 PARTIAL_BLOCK_CASES = [
     ("per-seq-offsets", 5, 1, dict(positions=lambda: _dev(torch.tensor([3, 0, 70, 9, 1])))),
     ("per-token", 1, 7, dict(positions=lambda: _dev(torch.randint(0, 500, (1, 7), dtype=torch.int32)))),

@@ -12,7 +12,7 @@ import torch
 
 import ropekit
 from helpers import ROUTES, route_context, route_device
-from ropekit.testing import assert_close_to_ref, kernel_backend
+from ropekit.testing import assert_close_to_ref, kernel_backend, make_qk
 
 
 def _backend(route: str) -> str:
@@ -142,3 +142,22 @@ def test_offsets_near_int64_max_raise(route, offset, packed):
         q, kw = torch.randn(2, 4, 2, 16, device=device), {}
     with route_context(route), pytest.raises(ValueError, match="positions"):
         ropekit.apply_rope(q, positions=torch.tensor([0, offset], device=device), **kw, **check)
+
+
+@pytest.mark.gpu
+def test_check_positions_on_cuda_raises():
+    q, k = make_qk(2, 4, 4, 2, 32, device="cuda")
+    table = torch.randn(6, 16, device="cuda")
+    bad = torch.tensor([[0, 1, 2, 6], [0, 1, 2, 3]], device="cuda")
+    before = q.clone()
+    with pytest.raises(IndexError, match="table has 6 rows"):
+        ropekit.apply_rope_(q, k, positions=bad, cos=table, sin=table, check_positions=True)
+    assert torch.equal(q, before)
+    with pytest.raises(IndexError, match=">= 0"):
+        ropekit.apply_rope(q, k, positions=-bad, check_positions=True)
+    q_thd = torch.randn(8, 4, 32, device="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ropekit.apply_rope(q_thd, layout="thd", cu_seqlens=torch.tensor([0, 9], device="cuda"),
+                           check_positions=True)
+    out = ropekit.apply_rope(q, k, positions=bad, cos=table, sin=table)[0]  # default: the bad token is NaN
+    assert torch.isnan(out[0, 3]).all() and not torch.isnan(out[1]).any()
