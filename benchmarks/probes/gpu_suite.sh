@@ -21,10 +21,10 @@ for step in "${steps[@]}"; do
       # the whole suite: most test files hold GPU tests, and a hand-kept list of files misses new ones
       python -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$LOGS/tests.log" | tail -12
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    memcheck)  # kernel, eager-plan, differential, multi-axis and prologue-op tests under compute-sanitizer, one
+    memcheck)  # kernel, fast-path (eager plans), multi-axis and prologue-op tests under compute-sanitizer, one
       # allocation per tensor so that a read or write past any tensor is reported
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-        python -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_gpu_eager_plans.py \
+        python -m pytest -q -p no:cacheprovider tests/test_kernel.py \
         tests/test_fast_path.py tests/test_reliability.py tests/test_multi_axis.py tests/test_prologue.py \
         tests/test_prologue_ops.py tests/test_prologue_fast_path.py -k "cuda or not cpu" 2>&1 \
         | tee "$LOGS/memcheck.log" | tail -4
