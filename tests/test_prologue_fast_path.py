@@ -1,10 +1,12 @@
 """The attention prologue's eager fast path against its full path, call after call with fresh data:
 rope_kv_write's plans (``ropekit._fastpath.KvPlan``: the same q and the same cache bytes) and qk_norm_rope's
 (``NormPlan``: the same outputs and gradients, bit for bit, with gradients arriving in several layouts), for every
-kind of argument a plan refills; and the calls a plan must hand back to the full path."""
-
+kind of argument a plan refills; the calls a plan must hand back to the full path; and no call's tensors kept alive
+after it returns."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -118,6 +120,49 @@ def test_aliasing_differently_gets_its_own_plan():
         for _ in range(2):
             ropekit.rope_kv_write(q, k, v, *caches, positions=ids.clone(), slot_mapping=ids, cache_layout="paged")
         assert len(_fastpath._KV_PLANS) == 2
+
+
+def _small_qkv(T: int, HQ: int, HK: int, D: int):
+    return torch.randn(T, HQ, D), torch.randn(T, HK, D), torch.randn(T, HK, D)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_a_plan_refuses_int_offsets_past_a_position_table():
+    """A replayed plan hands an int offset past the cos/sin table back to the full path, which raises, instead of
+    writing NaN rows into the cache."""
+    T, HQ, HK, D = 2, 2, 1, 8
+    q, k, v = _small_qkv(T, HQ, HK, D)
+    cos, sin = torch.rand(4, D // 2), torch.rand(4, D // 2)
+    kc, vc = torch.zeros(T, 16, HK, D), torch.zeros(T, 16, HK, D)
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        for p in (0, 1, 2):
+            ropekit.rope_kv_write(q, k, v, kc, vc, positions=p, cos=cos, sin=sin)
+        assert len(_fastpath._KV_PLANS) == 1
+        with pytest.raises(IndexError):
+            ropekit.rope_kv_write(q, k, v, kc, vc, positions=9, cos=cos, sin=sin)
+    assert torch.equal(kc[:, 9], torch.zeros(T, HK, D))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_the_last_launch_does_not_keep_a_call_s_tensors_alive():
+    """Once rope_kv_write returns, nothing in ropekit holds its caches (the launch a plan is recorded from is
+    dropped after use)."""
+    T, HQ, HK, D = 2, 2, 1, 8
+    q, k, v = _small_qkv(T, HQ, HK, D)
+    kc, vc = torch.zeros(T, 8, HK, D), torch.zeros(T, 8, HK, D)
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        ropekit.rope_kv_write(q, k, v, kc, vc, positions=0)
+        ref = weakref.ref(kc)
+        del kc
+        q4, k4 = q.unsqueeze(1), k.unsqueeze(1)
+        outs = ropekit.qk_norm_rope(q4, k4, torch.ones(D), torch.ones(D), positions=0)
+        refs = [weakref.ref(t) for t in (q4, k4, *outs)]
+        del q4, k4, outs
+        gc.collect()
+        assert ref() is None
+        assert all(r() is None for r in refs)
 
 
 def _norm_case(name: str, dev: str):

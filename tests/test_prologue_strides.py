@@ -5,17 +5,21 @@ the float64 reference -- and nothing else of the caches' buffers, padding includ
 The kernels run under the Triton interpreter on CPU (``kernels_on_cpu``) and on CUDA. The oracle is the float64 CPU
 path on float64 copies of the inputs, writing into float64 buffers of the same geometry; every buffer starts
 poisoned (NaN; float8: e4m3fn's NaN byte), so a row written where it should not be, or not written, shows.
+
+Strided norm weights and frequencies too: the kernels index them densely, so they are read as contiguous copies.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 import ropekit
-from helpers import KERNEL_ROUTES, route_context, route_device
+from helpers import INTERPRETED, KERNEL_ROUTES, route_context, route_device
 from ropekit import _fastpath
-from ropekit.testing import tolerance
+from ropekit.testing import kernels_on_cpu, tolerance
 
 FP8 = torch.float8_e4m3fn
 FP8_NAN_BYTE = 0x7F
@@ -227,3 +231,30 @@ def test_plans_are_per_v_cache_strides(route, layout):
         _run_and_check(route, layout, "contiguous", "padded-heads", torch.float16, calls=3)
         assert len(_fastpath._KV_PLANS) == 3
         _fastpath.clear()
+
+
+def _strided(n):
+    return torch.randn(2 * n)[::2]  # a [n] view with stride 2
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_strided_norm_weights_and_frequencies():
+    """Norm weights and inv_freq that are strided views: the kernels index them densely, so they are read as
+    contiguous copies (forward, backward and rope_kv_write agree with the torch path)."""
+    torch.manual_seed(0)
+    T, HQ, HK, D = 2, 2, 1, 8
+    q, k, v = (torch.randn(T, h, D).unsqueeze(1) for h in (HQ, HK, HK))
+    qw, kw, inv = _strided(D).requires_grad_(), _strided(D).requires_grad_(), _strided(D // 2).abs()
+    outs = {}
+    for route in ("torch", "kernels"):
+        ctx = kernels_on_cpu() if route == "kernels" else contextlib.nullcontext()
+        with ctx:
+            qn, kn = ropekit.qk_norm_rope(q, k, qw, kw, positions=3)
+            grads = torch.autograd.grad((qn * 1.5).sum() + (kn * 0.5).sum(), (qw, kw))
+            with torch.no_grad():
+                kc, vc = torch.zeros(T, 8, HK, D), torch.zeros(T, 8, HK, D)
+                qr = ropekit.rope_kv_write(q, k, v, kc, vc, positions=2, q_weight=qw, k_weight=kw)
+                qf = ropekit.apply_rope(q, k, inv_freq=inv, positions=5)[0]
+        outs[route] = (qn, kn, *grads, qr, kc, qf)
+    for a, b in zip(outs["kernels"], outs["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,9 @@
 """rope_kv_write refuses what it cannot write, before anything is written: positions past the caches' rows however
 they are given (per-token, per-sequence offsets, an int offset, with or without packed sequences), v on another
 device, float8 cache scales that are not finite and positive -- wherever the values are on the host (ints, CPU
-tensors, or ``check_positions=True``).
+tensors, or ``check_positions=True``). A token whose device-resident position is invalid writes nothing (its rows
+keep their bytes); caches that share memory with each other or with an input, and inference tensors outside
+inference mode, are refused.
 
 Routes: "cpu" (the float64 path; CPU tensors are host values), "cpu-kernels" (the kernels under the Triton
 interpreter, with the semantics of device tensors: their values are read only with ``check_positions=True``) and
@@ -13,7 +15,9 @@ import pytest
 import torch
 
 import ropekit
-from helpers import ROUTES, route_context, route_device
+from helpers import INTERPRETED, ROUTES, route_context, route_device
+from ropekit import _fastpath
+from ropekit.testing import kernels_on_cpu
 
 FP8 = torch.float8_e4m3fn
 HQ, HK, D, ROWS = 2, 1, 8, 8
@@ -213,3 +217,108 @@ def test_multi_axis_token_positions_without_sections_say_so(route):
         kw = dict(positions=torch.randint(0, 8, (3, 4), device=device), cache_layout="paged",
                   slot_mapping=torch.arange(4, device=device))
         _assert_refused(ValueError, "positions.*sections", [q, k, v, *_rows_caches(2, device)], kw)
+
+
+# --- tokens whose device-resident position is invalid write nothing; caches that overlap are refused ----------
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_paged_cache_skips_tokens_with_invalid_positions():
+    """A token whose (device-resident) position is invalid writes nothing, in paged caches too: its slot keeps its
+    old bytes instead of receiving a NaN k row and its v row."""
+    T = 2
+    q, k, v = _inputs3(T, "cpu")
+    kc, vc = torch.zeros(2, 4, HK, D), torch.zeros(2, 4, HK, D)
+    with kernels_on_cpu(), torch.no_grad():
+        ropekit.rope_kv_write(q, k, v, kc, vc, positions=torch.tensor([-1, 3]), cache_layout="paged",
+                              slot_mapping=torch.tensor([1, 2]))
+    assert torch.equal(kc.view(-1, HK, D)[1], torch.zeros(HK, D))  # token 0: invalid position
+    assert torch.equal(vc.view(-1, HK, D)[1], torch.zeros(HK, D))
+    assert torch.equal(vc.view(-1, HK, D)[2], v[1])  # token 1 written
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_rows_cache_skips_tokens_past_a_position_table():
+    """A position past a cos/sin table is invalid (its rotation is NaN): its cache row is not written."""
+    T = 2
+    q, k, v = _inputs3(T, "cpu")
+    cos, sin = torch.rand(4, D // 2), torch.rand(4, D // 2)
+    kc, vc = torch.zeros(T, 8, HK, D), torch.zeros(T, 8, HK, D)
+    with kernels_on_cpu(), torch.no_grad():
+        ropekit.rope_kv_write(q, k, v, kc, vc, positions=torch.tensor([6, 1]), cos=cos, sin=sin)
+    assert torch.equal(kc[0, 6], torch.zeros(HK, D))
+    assert torch.equal(vc[0, 6], torch.zeros(HK, D))
+    assert not kc[1, 1].isnan().any()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_multi_axis_paged_skips_tokens_invalid_on_a_later_axis():
+    T = 2
+    q, k, v = _inputs3(T, "cpu")
+    kc, vc = torch.zeros(2, 4, HK, D), torch.zeros(2, 4, HK, D)
+    pos = torch.tensor([[1, 2], [-3, 2]])  # [A, T]: token 0 invalid on axis 1
+    with kernels_on_cpu(), torch.no_grad():
+        ropekit.rope_kv_write(q, k, v, kc, vc, positions=pos, sections=(2, 2), cache_layout="paged",
+                              slot_mapping=torch.tensor([1, 2]))
+    assert torch.equal(kc.view(-1, HK, D)[1], torch.zeros(HK, D))
+    assert torch.equal(vc.view(-1, HK, D)[1], torch.zeros(HK, D))
+    assert torch.equal(vc.view(-1, HK, D)[2], v[1])
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_caches_that_share_memory_are_refused():
+    """k_cache and v_cache sharing memory would overwrite each other's rows: a ValueError naming them, before
+    anything is written -- also when a replayed plan meets caches that overlap at another relative offset."""
+    T = 2
+    q, k, v = _inputs3(T, "cpu")
+    c = torch.zeros(T, 8, HK, D)
+    with torch.no_grad(), pytest.raises(ValueError, match="k_cache and v_cache"):
+        ropekit.rope_kv_write(q, k, v, c, c, positions=0)
+    assert not c.any()
+    n = T * 8 * HK * D
+    buf = torch.zeros(2 * n + 4)
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        for _ in range(3):  # disjoint halves of one buffer: recorded on the second call, replayed on the third
+            ropekit.rope_kv_write(q, k, v, buf[:n].view(T, 8, HK, D), buf[n: 2 * n].view(T, 8, HK, D), positions=0)
+        assert len(_fastpath._KV_PLANS) == 1
+        buf.zero_()
+        with pytest.raises(ValueError, match="k_cache and v_cache"):  # same signature, overlapping caches
+            ropekit.rope_kv_write(q, k, v, buf[:n].view(T, 8, HK, D), buf[4: n + 4].view(T, 8, HK, D), positions=0)
+    assert not buf.any()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_caches_overlapping_an_input_are_refused_on_every_route():
+    # A cache that holds q, k or v would change an input while the kernel reads it: refused by name before
+    # anything is written, on the full path and when a plan exists for the signature.
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        buf = torch.randn(2 * 2 * 8 * 2 * 16 + 2 * 4 * 16)
+        k_cache = buf[: 2 * 8 * 2 * 16].view(2, 8, 2, 16)
+        v_cache = buf[2 * 8 * 2 * 16: 2 * 2 * 8 * 2 * 16].view(2, 8, 2, 16)
+        q = torch.randn(2, 4, 16)
+        k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+        for _ in range(3):  # a plan for inputs outside the caches
+            ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=torch.tensor([1, 2]))
+        assert len(_fastpath._KV_PLANS) == 1
+        inside = k_cache[1, 6:8].clone()  # same shape and strides as k: a view into the cache itself
+        inside_view = k_cache[1, 6:8]
+        assert inside_view.shape == k.shape and inside_view.stride() == k.stride()
+        before = (k_cache.clone(), v_cache.clone())
+        with pytest.raises(ValueError, match="k_cache and k share memory"):
+            ropekit.rope_kv_write(q, inside_view, v, k_cache, v_cache, positions=torch.tensor([1, 2]))
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+        assert torch.equal(inside_view, inside)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_inference_caches_outside_inference_mode_are_refused():
+    q, k, v = (torch.randn(2, h, 16) for h in (4, 2, 2))
+    with torch.inference_mode():
+        caches = [torch.zeros(2, 8, 2, 16) for _ in range(2)]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="inference tensor"):
+        ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([0, 1]))
+    with torch.inference_mode():
+        for _ in range(3):  # and work inside it, plans included
+            ropekit.rope_kv_write(q, k, v, *caches, positions=torch.tensor([0, 1]))
+    assert caches[0].abs().sum() > 0
