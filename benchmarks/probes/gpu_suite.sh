@@ -24,9 +24,10 @@ for step in "${steps[@]}"; do
     memcheck)  # kernel, fast-path (eager plans), multi-axis and prologue-op tests under compute-sanitizer, one
       # allocation per tensor so that a read or write past any tensor is reported
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-        python -m pytest -q -p no:cacheprovider tests/test_kernel.py \
-        tests/test_fast_path.py tests/test_reliability.py tests/test_multi_axis.py tests/test_prologue.py \
-        tests/test_prologue_ops.py tests/test_prologue_fast_path.py -k "cuda or not cpu" 2>&1 \
+        python -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_fast_path.py \
+        tests/test_reliability.py tests/test_multi_axis.py tests/test_prologue_qk_norm_rope.py \
+        tests/test_prologue_kv_write.py tests/test_prologue_ops.py tests/test_prologue_fast_path.py \
+        -k "cuda or not cpu" 2>&1 \
         | tee "$LOGS/memcheck.log" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     check) python -m ropekit.cli check 2>&1 | tee "$LOGS/check.log" | tail -4 ;;
