@@ -26,7 +26,8 @@ VALIDATION = (*SPEC, "ropekit._validation")
 # Everything importable from ropekit, bottom to top; subpackages stand for all their modules.
 ALL = (*VALIDATION, "ropekit.reference", "ropekit.triton", "ropekit.ops", "ropekit.autograd", "ropekit._fastpath",
        "ropekit.distributed",
-       "ropekit.api", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations", "ropekit.testing",
+       "ropekit.api", "ropekit.attention", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations",
+       "ropekit.testing",
        "ropekit.check", "ropekit.plot", "ropekit.bench", "ropekit.cli")
 TOP = ("ropekit.check", "ropekit.bench", "ropekit.cli")
 ABOVE_API = ("ropekit.modules", "ropekit.integrations", "ropekit.testing", "ropekit.plot", *TOP)
@@ -60,7 +61,11 @@ RULES = {
     "ropekit.autograd": ("ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
     "ropekit._fastpath": ("ropekit.distributed", "ropekit.api", "ropekit.webgpu", *ABOVE_API),
     "ropekit.distributed": ("ropekit.api", "ropekit.webgpu", *ABOVE_API),
-    "ropekit.api": ABOVE_API,
+    "ropekit.api": ("ropekit.attention", *ABOVE_API),
+    "ropekit.attention": ABOVE_API,
+    "ropekit.triton.attention_kernels": (*_except("ropekit.triton"), "ropekit.triton.launcher",
+                                         "ropekit.triton.prologue_launcher", "ropekit.triton.runtime",
+                                         "ropekit.triton.heuristics"),
     "ropekit.modules": TOP,
     "ropekit.integrations.transformers": TOP,
 }

@@ -1,9 +1,10 @@
 """ropekit: rotary position embeddings for PyTorch.
 
 Public entry points: :func:`apply_rope`, :func:`apply_rope_` (in place), :func:`rope_backward`, the attention
-prologue :func:`qk_norm_rope` (per-head RMSNorm + RoPE) and :func:`rope_kv_write` (+ the KV-cache write),
-:func:`from_hf_config` and :class:`RotaryEmbedding` (frequencies of any transformers model), and
-:func:`ropekit.integrations.transformers.apply_rotary_pos_emb` (a drop-in for transformers' function);
+prologue :func:`qk_norm_rope` (per-head RMSNorm + RoPE) and :func:`rope_kv_write` (+ the KV-cache write), RoPE
+fused into attention :func:`rope_attention`, :func:`from_hf_config` and :class:`RotaryEmbedding` (frequencies of
+any transformers model), and :func:`ropekit.integrations.transformers.apply_rotary_pos_emb` (a drop-in for
+transformers' function);
 :func:`set_fast_path` turns the eager launch plans off (debugging).
 
 The names are imported on first use, so that ``import ropekit.<submodule>`` (and the ``ropekit`` command's
@@ -24,6 +25,7 @@ _EXPORTS = {
     "rope_backward": "ropekit.api",
     "qk_norm_rope": "ropekit.api",
     "rope_kv_write": "ropekit.api",
+    "rope_attention": "ropekit.attention",
     "RopeFrequencies": "ropekit.frequencies",
     "from_hf_config": "ropekit.frequencies",
     "rope_frequencies": "ropekit.frequencies",
@@ -33,12 +35,14 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write",
+           "rope_attention",
            "RopeFrequencies", "from_hf_config",
            "rope_frequencies", "axial_inv_freq", "RotaryEmbedding", "set_fast_path"]
 
 if TYPE_CHECKING:
     from ropekit._config import set_fast_path
     from ropekit.api import apply_rope, apply_rope_, qk_norm_rope, rope_backward, rope_kv_write
+    from ropekit.attention import rope_attention
     from ropekit.frequencies import RopeFrequencies, axial_inv_freq, from_hf_config, rope_frequencies
     from ropekit.modules import RotaryEmbedding
 

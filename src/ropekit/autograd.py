@@ -251,3 +251,24 @@ def write_kv(q: Tensor, k: Tensor, v: Tensor, norm: NormSpec, spec: RopeSpec, ca
         return ops.rope_kv_write(q, k, v, cache.k_cache, cache.v_cache, q_weight, k_weight, weight_offset, eps,
                                  *ops.cache_op_args(cache), *spec)
     return ops.write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, spec, cache)
+
+
+# --- RoPE attention -------------------------------------------------------------------------------------------
+
+def _attention_setup_context(ctx, inputs, output) -> None:
+    q, k, v, angles, *params = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, angles, o, lse)
+    ctx.params = params
+
+
+def _attention_backward(ctx, grad_o, grad_lse):
+    q, k, v, angles, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = ops.rope_attention_backward(grad_o, grad_lse, q, k, v, angles, o, lse, *ctx.params)
+    return dq, dk, dv, None, *[None] * len(ctx.params)
+
+
+torch.library.register_autograd("ropekit::rope_attention", _attention_backward,
+                                setup_context=_attention_setup_context)

@@ -220,3 +220,90 @@ rope_kv_write = torch.library.custom_op(
 @rope_kv_write.register_fake
 def _rope_kv_write_fake(q, *args):
     return q.new_empty(q.shape)
+
+
+# --- RoPE attention -------------------------------------------------------------------------------------------
+
+def _attention_layout(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, layout: str):
+    """q, k, v canonical [B, S, H, D] (views); ``angles`` is canonical already, [B or 1, S, D]."""
+    from ropekit._spec import to_canonical
+
+    return to_canonical(q, layout), to_canonical(k, layout), to_canonical(v, layout), angles
+
+
+def _attention_out(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """(o in ``layout`` with v's head dim, contiguous; lse [B, HQ, S] float32), unwritten."""
+    from ropekit._spec import to_canonical
+
+    shape = list(q.shape)
+    shape[-1] = v.shape[-1]
+    o = q.new_empty(shape)
+    B, S, HQ, _ = to_canonical(q, layout).shape
+    return o, q.new_empty((B, HQ, S), dtype=torch.float32)
+
+
+def _rope_attention(q, k, v, angles, layout, rotary_start, rotary_dim, neox, q_scale, k_scale, qk_mult,
+                    causal) -> tuple[Tensor, Tensor]:
+    o, lse = _attention_out(q, v, layout)
+    qc, kc, vc, table = _attention_layout(q, k, v, angles, layout)
+    from ropekit._spec import to_canonical
+
+    oc = to_canonical(o, layout)
+    if uses_kernels(q):
+        from ropekit.triton.attention_launcher import Rotation, launch_forward
+
+        launch_forward(qc, kc, vc, table, oc, lse, Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
+                       qk_mult, causal)
+    else:
+        from ropekit.reference import rope_attention_reference
+
+        o64, lse64 = rope_attention_reference(qc, kc, vc, table, rotary_start, rotary_dim, neox, q_scale, k_scale,
+                                              qk_mult, causal)
+        oc.copy_(o64)
+        lse.copy_(lse64)
+    return o, lse
+
+
+def _rope_attention_backward(do, dlse, q, k, v, angles, o, lse, layout, rotary_start, rotary_dim, neox, q_scale,
+                             k_scale, qk_mult, causal) -> tuple[Tensor, Tensor, Tensor]:
+    from ropekit._spec import to_canonical
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qc, kc, vc, table = _attention_layout(q, k, v, angles, layout)
+    if uses_kernels(q):
+        from ropekit.triton.attention_launcher import Rotation, launch_backward
+
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        launch_backward(to_canonical(do, layout), None if dlse is None else dlse.float().contiguous(), qc, kc, vc,
+                        table, to_canonical(o, layout), lse, to_canonical(dq, layout), to_canonical(dk, layout),
+                        to_canonical(dv, layout), Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
+                        qk_mult, causal)
+        return dq, dk, dv
+    from ropekit.reference import rope_attention_backward_reference
+
+    grads = rope_attention_backward_reference(to_canonical(do, layout), dlse, qc, kc, vc, table, rotary_start,
+                                              rotary_dim, neox, q_scale, k_scale, qk_mult, causal)
+    for out, g in zip((dq, dk, dv), grads):
+        to_canonical(out, layout).copy_(g)
+    return dq, dk, dv
+
+
+_ATTENTION_ARGS = ("Tensor angles, str layout, int rotary_start, int rotary_dim, bool neox, float q_scale, "
+                   "float k_scale, float qk_mult, bool causal")
+rope_attention = torch.library.custom_op(
+    "ropekit::rope_attention", _rope_attention, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) -> (Tensor, Tensor)")
+rope_attention_backward = torch.library.custom_op(
+    "ropekit::rope_attention_backward", _rope_attention_backward, mutates_args=(),
+    schema=("(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor angles, Tensor o, Tensor lse, "
+            f"{_ATTENTION_ARGS.removeprefix('Tensor angles, ')}) -> (Tensor, Tensor, Tensor)"))
+
+
+@rope_attention.register_fake
+def _rope_attention_fake(q, k, v, angles, layout, *args):
+    return _attention_out(q, v, layout)
+
+
+@rope_attention_backward.register_fake
+def _rope_attention_backward_fake(do, dlse, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

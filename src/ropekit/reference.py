@@ -265,3 +265,79 @@ def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: f
     v_view[first, second] = v_rows if v_view.dtype == v.dtype else to_cache(v_rows.to(math_dtype), v_view.dtype,
                                                                             cache.v_scale)
     return q_rot.to(q_dtype)
+
+
+def _attention_rotation(angles: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool):
+    """(c1, c2, cos, sin): the pairs' columns and their float64 cos/sin [B or 1, S, 1, R/2] from the angle rows."""
+    half = rotary_dim // 2
+    i = torch.arange(half, device=angles.device)
+    c1 = rotary_start + (i if neox else 2 * i)
+    c2 = c1 + (half if neox else 1)
+    return c1, c2, angles[..., c1].double()[:, :, None, :], angles[..., c2].double()[:, :, None, :]
+
+
+def _rotate_pairs(x: torch.Tensor, c1, c2, cos, sin, scale: float, inverse: bool = False) -> torch.Tensor:
+    """``scale * R(+-theta) x`` in float64 on the pairs' columns; other columns scaled only."""
+    x = x.double()
+    x1, x2 = x[..., c1], x[..., c2]
+    sign = -1.0 if inverse else 1.0
+    out = x.clone()
+    out[..., c1] = x1 * cos - sign * x2 * sin
+    out[..., c2] = x2 * cos + sign * x1 * sin
+    return out * scale
+
+
+def _attention_probs(qr, kr, qk_mult: float, causal: bool):
+    """(P [B, H, S, S], lse [B, H, S]) of base-2 scores ``(qr . kr) * qk_mult`` ([B, H, S, D] inputs)."""
+    s = (qr @ kr.transpose(-1, -2)) * (qk_mult * math.log(2.0))  # natural-log scores
+    if causal:
+        S = qr.shape[2]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=qr.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]), lse
+
+
+def rope_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, angles: torch.Tensor,
+                             rotary_start: int, rotary_dim: int, neox: bool, q_scale: float, k_scale: float,
+                             qk_mult: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE attention in float64 on canonical [B, S, H, D] tensors, the math of
+    :mod:`ropekit.triton.attention_kernels`: ``q_r = q_scale * R q``, ``k_r = k_scale * R k`` with the cosine and
+    sine of each pair read from ``angles`` [B or 1, S, D] at the pair's columns; base-2 scores
+    ``t = (q_r . k_r) * qk_mult``, causal (top-left) or not; ``o = softmax_2(t) v`` [B, S, H, Dv] and the
+    natural-log ``lse = ln(sum 2**t)`` [B, H, S], both float64."""
+    c1, c2, cos, sin = _attention_rotation(angles, rotary_start, rotary_dim, neox)
+    group = q.shape[2] // k.shape[2]
+    qr = _rotate_pairs(q, c1, c2, cos, sin, q_scale).transpose(1, 2)
+    kr = _rotate_pairs(k, c1, c2, cos, sin, k_scale).transpose(1, 2).repeat_interleave(group, dim=1)
+    p, lse = _attention_probs(qr, kr, qk_mult, causal)
+    o = p @ v.double().transpose(1, 2).repeat_interleave(group, dim=1)
+    return o.transpose(1, 2), lse
+
+
+def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: int, rotary_dim: int, neox: bool,
+                                      q_scale: float, k_scale: float, qk_mult: float, causal: bool) -> tuple:
+    """(dq, dk, dv) in float64 of :func:`rope_attention_reference` given the gradients of o (``do``, canonical)
+    and of lse (``dlse`` or None), written out: ``dS = P * (dP - rowsum(do * o) + dlse)`` on the natural-log
+    scores, the rotated gradients ``dS k_r`` and ``dS^T q_r`` times ``ln 2 * qk_mult``, then ``R(-theta)`` and the
+    rotation's scale; GQA heads summed into their shared k and v head."""
+    c1, c2, cos, sin = _attention_rotation(angles, rotary_start, rotary_dim, neox)
+    B, S, HQ, _ = q.shape
+    HK = k.shape[2]
+    group = HQ // HK
+    qr = _rotate_pairs(q, c1, c2, cos, sin, q_scale).transpose(1, 2)
+    kr = _rotate_pairs(k, c1, c2, cos, sin, k_scale).transpose(1, 2).repeat_interleave(group, dim=1)
+    vv = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
+    p, _ = _attention_probs(qr, kr, qk_mult, causal)
+    g = do.double().transpose(1, 2)
+    o = p @ vv
+    dp = g @ vv.transpose(-1, -2)
+    delta = (g * o).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.double()
+    ds = p * (dp - delta[..., None]) * (qk_mult * math.log(2.0))
+    dqr = (ds @ kr).transpose(1, 2)
+    dkr = (ds.transpose(-1, -2) @ qr).view(B, HK, group, S, -1).sum(2).transpose(1, 2)
+    dv = (p.transpose(-1, -2) @ g).view(B, HK, group, S, -1).sum(2).transpose(1, 2)
+    dq = _rotate_pairs(dqr, c1, c2, cos, sin, q_scale, inverse=True)
+    dk = _rotate_pairs(dkr, c1, c2, cos, sin, k_scale, inverse=True)
+    return dq, dk, dv

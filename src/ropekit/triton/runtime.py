@@ -86,13 +86,13 @@ class KernelRoles:
             raise TypeError(f"{self.fn.__name__}: missing {sorted(wanted - given)}, unknown {sorted(given - wanted)}")
         return self._runtime_values(args), self._constexpr_values(constexprs)
 
-    def key(self, args, constexprs, num_warps, device_index) -> tuple:
+    def key(self, args, constexprs, num_warps, device_index, num_stages=None) -> tuple:
         """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
         compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
-        (:func:`_int_class`), the constexprs, the warp count and the device."""
+        (:func:`_int_class`), the constexprs, the warp and stage counts and the device."""
         ptrs = [args[i] for i in self.pointers]
         return (self.fn, *[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
-                *[_int_class(args[i]) for i in self.ints], constexprs, num_warps, device_index)
+                *[_int_class(args[i]) for i in self.ints], constexprs, num_warps, device_index, num_stages)
 
 
 class Launch(NamedTuple):
@@ -105,13 +105,14 @@ class Launch(NamedTuple):
     num_warps: int
     roles: KernelRoles
     device: torch.device
+    num_stages: int | None = None  # None: Triton's default
 
 
 def launch(roles: KernelRoles, grid: tuple, args: Mapping[str, Any], constexprs: Mapping[str, Any],
-           num_warps: int, device: torch.device) -> None:
+           num_warps: int, device: torch.device, num_stages: int | None = None) -> None:
     """Launch ``roles.fn`` with its runtime arguments and constexprs by parameter name, and record the launch
     while ``RECORDER.launches`` is a list."""
-    call = Launch(grid, *roles.ordered(args, constexprs), num_warps, roles, device)
+    call = Launch(grid, *roles.ordered(args, constexprs), num_warps, roles, device, num_stages)
     run(call)
     launches = getattr(RECORDER, "launches", None)
     if launches is not None:
@@ -122,22 +123,23 @@ def run(call: Launch) -> None:
     """Launch ``call``: through ``fn[grid]`` for tensors off CUDA (the interpreter); on CUDA through the compiled
     kernel of its specialisation, cached after the first launch, which goes through Triton (compiling if
     needed), so behaviour is Triton's own."""
-    grid, args, constexprs, num_warps, roles, device = call
+    grid, args, constexprs, num_warps, roles, device, num_stages = call
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     if device.type != "cuda":
-        roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
+        roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), **options)
         return
     if device.index is not None and device.index != current_device():
         # Triton launches (and compiles) for the current device: make it the tensors' device.
         with torch.cuda.device(device.index):
             run(call)
         return
-    key = roles.key(args, constexprs, num_warps, device.index)
+    key = roles.key(args, constexprs, num_warps, device.index, num_stages)
     compiled = _COMPILED.get(key)
     if compiled is not None:
         _COMPILED.move_to_end(key)
         run_compiled(compiled, grid, args, constexprs, device.index if device.index is not None else current_device())
         return
-    compiled = roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), num_warps=num_warps)
+    compiled = roles.fn[grid](*args, **dict(zip(roles.constexprs, constexprs)), **options)
     if compiled is not None and hasattr(compiled, "__getitem__"):
         _COMPILED[key] = compiled
         if len(_COMPILED) > _MAX_COMPILED:
@@ -178,8 +180,8 @@ class Replay:
     caller guarantees that the tensors behind the addresses have the shapes, strides, dtypes, device and 16-byte
     alignment of the recorded ones."""
 
-    __slots__ = ("grid", "args", "open", "constexprs", "num_warps", "roles", "compiled", "device_index", "keep",
-                 "handle")
+    __slots__ = ("grid", "args", "open", "constexprs", "num_warps", "num_stages", "roles", "compiled", "device_index",
+                 "keep", "handle")
 
     @classmethod
     def of(cls, call: Launch, open_slots: tuple[str, ...]) -> Replay | None:
@@ -191,12 +193,14 @@ class Replay:
         args = list(call.args)
         for i in r.open:
             args[i] = None
-        r.grid, r.constexprs, r.num_warps, r.roles = call.grid, call.constexprs, call.num_warps, roles
+        r.grid, r.constexprs, r.num_warps, r.num_stages, r.roles = (call.grid, call.constexprs, call.num_warps,
+                                                                    call.num_stages, roles)
         r.compiled = r.device_index = None
         r.keep = ()
         r.handle = _same
         if call.device.type == "cuda":
-            compiled = _COMPILED.get(roles.key(call.args, call.constexprs, call.num_warps, call.device.index))
+            compiled = _COMPILED.get(roles.key(call.args, call.constexprs, call.num_warps, call.device.index,
+                                               call.num_stages))
             if (compiled is None or current_raw_stream is None
                     or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
                 return None
@@ -214,7 +218,8 @@ class Replay:
         for i, v in zip(self.open, values):
             args[i] = v
         if self.compiled is None:  # the interpreter
-            run(Launch(self.grid, tuple(args), self.constexprs, self.num_warps, self.roles, torch.device("cpu")))
+            run(Launch(self.grid, tuple(args), self.constexprs, self.num_warps, self.roles, torch.device("cpu"),
+                       self.num_stages))
         elif current_device() != self.device_index:
             with torch.cuda.device(self.device_index):
                 run_compiled(self.compiled, self.grid, args, self.constexprs, self.device_index)

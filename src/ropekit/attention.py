@@ -1,0 +1,195 @@
+"""Public API: :func:`rope_attention`, RoPE(q) + RoPE(k) + scaled dot-product attention as one op (cuDNN's
+RoPE -> SDPA graph), forward and backward, with the attention scale (and the softmax's 1/ln 2) foldable into the
+rotation's output scales.
+
+The rotation's angles are formed once per token by the core rotation kernel (a unit vector rotated with the call's
+position and frequency options, so every option of :func:`ropekit.apply_rope` gives its exact angles), then
+``ropekit::rope_attention`` rotates q and k tile by tile as its attention kernel loads them: no rotated copy of q
+or k is written (unless ``return_rotated``), no S x S matrix is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ropekit import ops
+from ropekit._spec import FORWARD, LAYOUTS, Positions, RopeArgs, to_canonical
+from ropekit._validation import validate_args
+
+__all__ = ["rope_attention", "FOLDS"]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+class Fold(NamedTuple):
+    """Where a fold preset moves the attention scale ``a``: factors on q's and k's rotation outputs (as powers:
+    ``a ** q_power * (1/ln 2) ** q_log2``), and whether the softmax then runs in base 2."""
+
+    q_power: float
+    k_power: float
+    log2: bool
+
+
+# seed 003's table: "none" keeps a in the attention; "q" moves it into q's rotation; "q_log2" also 1/ln 2, with a
+# base-2 softmax; "symmetric" sqrt(a) into each; "symmetric_log2" that and 1/ln 2 into q's.
+FOLDS = {
+    "none": None,
+    "q": Fold(1.0, 0.0, False),
+    "q_log2": Fold(1.0, 0.0, True),
+    "symmetric": Fold(0.5, 0.5, False),
+    "symmetric_log2": Fold(0.5, 0.5, True),
+}
+
+
+def _check_inputs(q, k, v, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "thd":
+        raise ValueError("rope_attention does not take layout='thd' (packed sequences) yet: pad to [B, S, H, D]")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D in layout {layout!r}, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    (B, S, HQ, D), (Bk, Sk, HK, Dk), (Bv, Sv, HV, DV) = (to_canonical(t, layout).shape for t in (q, k, v))
+    if (Bk, Sk) != (B, S) or (Bv, Sv) != (B, S):
+        raise ValueError(f"q, k and v must have one batch and sequence length, got {(B, S)}, {(Bk, Sk)}, {(Bv, Sv)}")
+    if Dk != D:
+        raise ValueError(f"k's head_dim must be q's ({D}), got {Dk}")
+    if HV != HK:
+        raise ValueError(f"v must have k's number of heads ({HK}), got {HV}")
+    if HK == 0 or HQ % HK:
+        raise ValueError(f"q's heads ({HQ}) must be a multiple of k's ({HK}) (GQA/MQA)")
+    if DV == 0 or D == 0:
+        raise ValueError("head_dim must be positive")
+
+
+def _scales(fold: str, scale: float | None, log2_softmax: bool, q_scale: float, k_scale: float,
+            head_dim: int) -> tuple[float, float, float, bool]:
+    """(q's and k's rotation scales, the attention scale, base-2 softmax) after the fold preset."""
+    if fold not in FOLDS:
+        raise ValueError(f"fold must be one of {tuple(FOLDS)}, got {fold!r}")
+    a = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    for name, value in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    preset = FOLDS[fold]
+    if preset is None:
+        return float(q_scale), float(k_scale), float(a), bool(log2_softmax)
+    if log2_softmax:
+        raise ValueError(f"fold={fold!r} sets the softmax's base itself; leave log2_softmax False")
+    q_factor = a ** preset.q_power * (_LOG2E if preset.log2 else 1.0)
+    return float(q_scale) * q_factor, float(k_scale) * a ** preset.k_power, 1.0, preset.log2
+
+
+def _unit_rows(q: Tensor, args: RopeArgs) -> tuple[Tensor, tuple[int, int, bool]]:
+    """Per-token angles [B or 1, S, D] (float32; float64 for float64 q): the rotation of a unit vector, whose pair
+    (c1, c2) comes out as (cos, sin) -- and (rotary_start, rotary_dim, neox)."""
+    layout = args.layout
+    qc = to_canonical(q, layout)
+    B, S, _, D = qc.shape
+    per_batch = (isinstance(args.positions, Tensor) and args.positions.dim() > 0) or any(
+        t is not None and t.dim() == 3 and t.shape[0] > 1 for t in (args.cos, args.sin, args.angles))
+    rows = B if per_batch else 1
+    shape = {"bshd": (rows, S, 1, D), "bhsd": (rows, 1, S, D), "sbhd": (S, rows, 1, D)}[layout]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    unit = torch.zeros(shape, dtype=dtype, device=q.device)
+    unit_args = args._replace(q_scale=1.0, k_scale=1.0, out_dtype=None)
+    spec = validate_args(unit, None, unit_args, FORWARD)
+    half = spec.rotary_dim // 2
+    first = (torch.arange(half, device=q.device) * (1 if spec.style == "neox" else 2)) + spec.rotary_start
+    unit[..., first] = 1.0
+    from ropekit.api import _rope
+
+    table = _rope(unit, None, FORWARD, unit_args)
+    return to_canonical(table, layout)[:, :, 0], (spec.rotary_start, spec.rotary_dim, spec.style == "neox")
+
+
+def rope_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, is_causal: bool = False,
+    log2_softmax: bool = False, fold: str = "none", return_lse: bool = False, return_rotated: bool = False,
+    positions: Positions = None, inv_freq: Tensor | None = None, base: float = 10000.0, cos: Tensor | None = None,
+    sin: Tensor | None = None, angles: Tensor | None = None, style: str = "neox", layout: str = "bshd",
+    rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
+    rotary_scale: float = 1.0, sections: Sequence[int] | None = None, section_layout: str = "contiguous",
+    check_positions: bool = False,
+):
+    """Attention over rotated queries and keys in one op (seed 003's RoPE -> SDPA graph):
+    ``o = softmax_b(scale * (q_scale R q) (k_scale R k)^T + mask) v`` per head, where R rotates by each token's
+    angles as :func:`apply_rope` with the same keywords, and ``softmax_b`` is the base-e softmax or, with
+    ``log2_softmax=True``, the base-2 one (``2**(s - max) / sum 2**(s - max)``, cuDNN's
+    ``softmax_input_is_log2``). Differentiable in q, k and v (not in positions or frequencies).
+
+    Parameters
+    ----------
+    q : Tensor [B, S, Hq, D] (``layout="bhsd"``: [B, Hq, S, D]; ``"sbhd"``: [S, B, Hq, D])
+    k : Tensor, like q with Hkv heads (Hq a multiple of Hkv: GQA/MQA)
+    v : Tensor, like k with its own head dim Dv (MLA: D 192, Dv 128)
+        float16, bfloat16 or float32 (float64 on CPU), one dtype; any strides with a contiguous last dim. fp32
+        accumulation; the rotated q and k are rounded to the input dtype before the products, as
+        :func:`apply_rope` would store them.
+    scale : float, optional
+        The attention scale ``a``; default ``1/sqrt(D)`` as torch's ``scaled_dot_product_attention``.
+    is_causal : bool
+        Query i attends to keys 0..i (top-left aligned, as torch's ``is_causal``).
+    log2_softmax : bool
+        Base-2 softmax (with ``fold="none"`` only).
+    fold : {"none", "q", "q_log2", "symmetric", "symmetric_log2"}
+        Where the attention scale lives; every preset computes standard attention ``softmax(a (Rq)(Rk)^T) v``.
+        ``"none"``: in the attention. ``"q"``: in q's rotation (q_scale times a; attention scale 1).
+        ``"q_log2"``: q's rotation takes a/ln 2 and the softmax runs in base 2 (the kernel then uses exp2 with no
+        multiply). ``"symmetric"``: sqrt(a) into each rotation. ``"symmetric_log2"``: sqrt(a)/ln 2 into q's,
+        sqrt(a) into k's, base-2 softmax. The backward takes each rotation's scale from its forward (the chain
+        rule does the rest), so o and every gradient agree across presets up to rounding.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scores [B, Hq, S], float32, natural log (whatever the
+        softmax's base); differentiable.
+    return_rotated : bool
+        Also return the rotated, scaled ``q_rot``, ``k_rot`` (cuDNN's user-bound outputs, e.g. for a KV cache), by
+        one more rotation launch.
+
+    Every other keyword is :func:`apply_rope`'s: positions (offset, per-sequence, per-token, multi-axis
+    ``sections``), frequencies (``base``, ``inv_freq``, ``cos``/``sin`` tables, raw ``angles``), ``style``,
+    partial rotary (``rotary_dim``, ``rotary_at="back"`` for MLA's trailing rope columns), ``q_scale``/``k_scale``
+    (cuDNN's ``output_scale``), ``rotary_scale``. Packed sequences (``layout="thd"``, ``cu_seqlens``) are not
+    supported yet.
+
+    Returns ``o`` (q's layout, Dv columns, q's dtype), or a tuple ``(o, lse)``, ``(o, q_rot, k_rot)`` or
+    ``(o, lse, q_rot, k_rot)`` as asked. Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument.
+
+    >>> o = ropekit.rope_attention(q, k, v, positions=position_ids, base=500000.0, is_causal=True, fold="q_log2")
+    """
+    _check_inputs(q, k, v, layout)
+    D = to_canonical(q, layout).shape[3]
+    q_eff, k_eff, a, log2 = _scales(fold, scale, log2_softmax, q_scale, k_scale, D)
+    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
+                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_eff, k_scale=k_eff,
+                    rotary_scale=rotary_scale, sections=sections, section_layout=section_layout,
+                    check_positions=check_positions)
+    table, (rotary_start, rot_dim, neox) = _unit_rows(q, args)
+    qk_mult = a * (1.0 if log2 else _LOG2E)
+    q_in, k_in, v_in = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o, lse = ops.rope_attention(q_in, k_in, v_in, table, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
+                                bool(is_causal))
+    outs = [o]
+    if return_lse:
+        outs.append(lse)
+    if return_rotated:
+        from ropekit.api import _rope
+
+        outs.extend(_rope(q, k, FORWARD, args))
+    return outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,0 +1,322 @@
+"""RoPE fused into attention (:func:`ropekit.rope_attention`): flash-attention kernels that rotate q and k as they
+load them, forward and backward.
+
+Tensors arrive canonical, ``[B, S, H, D]`` with any strides but a contiguous last dim. The rotation's angles come
+as one float32 row per token (``tab``: the core kernel's rotation of a unit vector, so every position mode and
+frequency source of :func:`ropekit.apply_rope` gives the same exact angles here): for the pair ``(c1, c2)`` of
+rotated columns, ``tab[c1]`` is its cosine and ``tab[c2]`` its sine, in both pairings. ``q_r = q_scale * R(theta) q``
+and ``k_r = k_scale * R(theta) k`` are rounded to the input dtype, as :func:`ropekit.apply_rope` would store them,
+and never written to memory; the backward rotates dq and dk by -theta before storing them.
+
+Scores are kept in base 2: ``t = (q_r . k_r) * QK_MULT`` with ``QK_MULT = scale * log2(e)`` (base-e softmax) or
+``scale`` (base-2 softmax), so the softmax runs on ``exp2``. ``lse`` is stored as the natural log of the row's sum.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _pair_columns(HALF_BLOCK: tl.constexpr, ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr):
+    """Column indices of each pair's two halves and the mask of real pairs (the block is padded to a power of 2)."""
+    i = tl.arange(0, HALF_BLOCK)
+    if NEOX:
+        c1 = ROT_START + i
+        c2 = c1 + ROT_HALF
+    else:
+        c1 = ROT_START + 2 * i
+        c2 = c1 + 1
+    return c1, c2, i < ROT_HALF
+
+
+@triton.jit
+def _operand(x, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    """``x`` rounded to the input dtype, as a matrix-product operand: in that dtype, or (``DOT_F32``: the
+    interpreter, whose bf16 products are wrong) its exact float32 value."""
+    x = x.to(DTYPE)
+    if DOT_F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_rotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, scale, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    """The rows' rotated halves ``scale * R(theta) x`` rounded to ``DTYPE`` ([rows, HALF_BLOCK] each; 0 where
+    masked), as product operands."""
+    m = row_ok[:, None] & pair_ok[None, :]
+    x1 = tl.load(row_ptr + c1[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + c2[None, :], mask=m, other=0.0).to(tl.float32)
+    cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
+    sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
+    return (_operand((x1 * cos - x2 * sin) * scale, DTYPE, DOT_F32),
+            _operand((x2 * cos + x1 * sin) * scale, DTYPE, DOT_F32))
+
+
+@triton.jit
+def _load_pass(row_ptr, row_ok, pc, pass_ok, scale, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    m = row_ok[:, None] & pass_ok[None, :]
+    return _operand(tl.load(row_ptr + pc[None, :], mask=m, other=0.0).to(tl.float32) * scale, DTYPE, DOT_F32)
+
+
+@triton.jit
+def _store_unrotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, d1, d2, scale):
+    """Store ``scale * R(-theta) d`` for the gradient halves ``d1``, ``d2`` (fp32) of rotated rows."""
+    m = row_ok[:, None] & pair_ok[None, :]
+    cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
+    sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
+    ty = row_ptr.dtype.element_ty
+    tl.store(row_ptr + c1[None, :], ((d1 * cos + d2 * sin) * scale).to(ty), mask=m)
+    tl.store(row_ptr + c2[None, :], ((d2 * cos - d1 * sin) * scale).to(ty), mask=m)
+
+
+@triton.jit
+def rope_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, o_ptr, lse_ptr,
+    q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, o_sb, o_ss, o_sh,
+    S, HQ, GROUP, q_scale, k_scale, qk_mult,
+    ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
+    PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); the last row
+    blocks (the longest under a causal mask) start first."""
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    bh = tl.program_id(0)
+    b = (bh // HQ).to(tl.int64)
+    h = (bh % HQ).to(tl.int64)
+    hk = h // GROUP
+    DTYPE = q_ptr.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S
+    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
+    pc = PASS_START + tl.arange(0, PASS_BLOCK)
+    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
+    dv = tl.arange(0, DV_BLOCK)
+    dv_ok = dv < DV
+
+    q_rows = q_ptr + b * q_sb + h * q_sh + rows.to(tl.int64)[:, None] * q_ss
+    tab_b = tab_ptr + b * t_sb
+    q1, q2 = _load_rotated(q_rows, tab_b + rows.to(tl.int64)[:, None] * t_ss, row_ok, c1, c2, pair_ok, q_scale,
+                           DTYPE, DOT_F32)
+    if PASS_LEN > 0:
+        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_BLOCK], tl.float32)
+    k_base = k_ptr + b * k_sb + hk * k_sh
+    v_base = v_ptr + b * v_sb + hk * v_sh
+    end = tl.minimum((pid_m + 1) * BLOCK_M, S) if CAUSAL else S
+    for n0 in range(0, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < S
+        cols64 = cols.to(tl.int64)[:, None]
+        k1, k2 = _load_rotated(k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale,
+                               DTYPE, DOT_F32)
+        qk = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION)
+        if PASS_LEN > 0:
+            kp = _load_pass(k_base + cols64 * k_ss, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
+            qk = tl.dot(qp, tl.trans(kp), qk, input_precision=PRECISION)
+        qk = qk * qk_mult
+        keep = col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :])
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _operand(tl.load(v_base + cols64 * v_ss + dv[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0),
+                     DTYPE, DOT_F32)
+        acc = tl.dot(_operand(p, DTYPE, DOT_F32), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_rows = o_ptr + b * o_sb + h * o_sh + rows.to(tl.int64)[:, None] * o_ss
+    tl.store(o_rows + dv[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    # lse [B, HQ, S], natural log
+    tl.store(lse_ptr + bh.to(tl.int64) * S + rows, (m_i + tl.math.log2(l_i)) * LN2, mask=row_ok)
+
+
+@triton.jit
+def rope_attention_bwd_delta_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh, S, HQ,
+    DV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, DV_BLOCK: tl.constexpr,
+):
+    """delta = rowsum(o * do) - dlse per (batch, head, row), [B, HQ, S] float32: the gradient of the natural-log
+    lse enters the score gradient as ``p * dlse``, which is a shift of delta."""
+    bh = tl.program_id(0)
+    b = (bh // HQ).to(tl.int64)
+    h = (bh % HQ).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, DV_BLOCK)
+    m = (rows < S)[:, None] & (dv < DV)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    o = tl.load(o_ptr + b * o_sb + h * o_sh + r64 * o_ss + dv[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + b * do_sb + h * do_sh + r64 * do_ss + dv[None, :], mask=m, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:  # dlse [B, HQ, S], contiguous
+        delta -= tl.load(dlse_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=rows < S)
+
+
+@triton.jit
+def rope_attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, do_sb, do_ss, do_sh,
+    dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+    S, HQ, HK, GROUP, q_scale, k_scale, qk_mult,
+    ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
+    PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One program: BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that share them
+    (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S, BLOCK_N))."""
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(0)
+    b = (bh // HK).to(tl.int64)
+    hk = (bh % HK).to(tl.int64)
+    DTYPE = q_ptr.dtype.element_ty
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < S
+    cols64 = cols.to(tl.int64)[:, None]
+    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
+    pc = PASS_START + tl.arange(0, PASS_BLOCK)
+    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
+    dv = tl.arange(0, DV_BLOCK)
+    dv_ok = dv < DV
+
+    tab_b = tab_ptr + b * t_sb
+    k_rows = k_ptr + b * k_sb + hk * k_sh + cols64 * k_ss
+    k1, k2 = _load_rotated(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale, DTYPE, DOT_F32)
+    if PASS_LEN > 0:
+        kp = _load_pass(k_rows, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
+    v = _operand(tl.load(v_ptr + b * v_sb + hk * v_sh + cols64 * v_ss + dv[None, :],
+                         mask=col_ok[:, None] & dv_ok[None, :], other=0.0), DTYPE, DOT_F32)
+    dk1 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
+    dkp = tl.zeros([BLOCK_N, PASS_BLOCK], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, DV_BLOCK], tl.float32)
+    start = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = q_ptr + b * q_sb + h * q_sh
+        do_base = do_ptr + b * do_sb + h * do_sh
+        stat = (b * HQ + h) * S
+        for m0 in range(start, S, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < S
+            rows64 = rows.to(tl.int64)[:, None]
+            q1, q2 = _load_rotated(q_base + rows64 * q_ss, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale,
+                                   DTYPE, DOT_F32)
+            s_t = tl.dot(k1, tl.trans(q1), input_precision=PRECISION)
+            s_t = tl.dot(k2, tl.trans(q2), s_t, input_precision=PRECISION)
+            if PASS_LEN > 0:
+                qp = _load_pass(q_base + rows64 * q_ss, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
+                s_t = tl.dot(kp, tl.trans(qp), s_t, input_precision=PRECISION)
+            lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
+            p_t = tl.math.exp2(s_t * qk_mult - lse2[None, :])
+            keep = row_ok[None, :] & col_ok[:, None]
+            if CAUSAL:
+                keep = keep & (rows[None, :] >= cols[:, None])
+            p_t = tl.where(keep, p_t, 0.0)
+            do = _operand(tl.load(do_base + rows64 * do_ss + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :],
+                                  other=0.0), DTYPE, DOT_F32)
+            dv_acc = tl.dot(_operand(p_t, DTYPE, DOT_F32), do, dv_acc, input_precision=PRECISION)
+            delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = _operand(p_t * (dp_t - delta[None, :]), DTYPE, DOT_F32)
+            dk1 = tl.dot(ds_t, q1, dk1, input_precision=PRECISION)
+            dk2 = tl.dot(ds_t, q2, dk2, input_precision=PRECISION)
+            if PASS_LEN > 0:
+                dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
+    # d(loss)/d(q_r . k_r) = ln 2 * qk_mult * p * (dp - delta); then dk = k_scale * R(-theta) dk_r
+    ds_scale = LN2 * qk_mult * k_scale
+    dk_rows = dk_ptr + b * dk_sb + hk * dk_sh + cols64 * dk_ss
+    _store_unrotated(dk_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, dk1, dk2, ds_scale)
+    if PASS_LEN > 0:
+        tl.store(dk_rows + pc[None, :], (dkp * ds_scale).to(dk_ptr.dtype.element_ty),
+                 mask=col_ok[:, None] & pass_ok[None, :])
+    tl.store(dv_ptr + b * dv_sb + hk * dv_sh + cols64 * dv_ss + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
+             mask=col_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def rope_attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh,
+    S, HQ, GROUP, q_scale, k_scale, qk_mult,
+    ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
+    PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One program: dq for BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M))."""
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    bh = tl.program_id(0)
+    b = (bh // HQ).to(tl.int64)
+    h = (bh % HQ).to(tl.int64)
+    hk = h // GROUP
+    DTYPE = q_ptr.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S
+    rows64 = rows.to(tl.int64)[:, None]
+    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
+    pc = PASS_START + tl.arange(0, PASS_BLOCK)
+    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
+    dv = tl.arange(0, DV_BLOCK)
+    dv_ok = dv < DV
+
+    tab_b = tab_ptr + b * t_sb
+    q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
+    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, DTYPE, DOT_F32)
+    if PASS_LEN > 0:
+        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
+    do = _operand(tl.load(do_ptr + b * do_sb + h * do_sh + rows64 * do_ss + dv[None, :],
+                          mask=row_ok[:, None] & dv_ok[None, :], other=0.0), DTYPE, DOT_F32)
+    stat = bh.to(tl.int64) * S
+    lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
+    delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
+    dq1 = tl.zeros([BLOCK_M, HALF_BLOCK], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, HALF_BLOCK], tl.float32)
+    dqp = tl.zeros([BLOCK_M, PASS_BLOCK], tl.float32)
+    k_base = k_ptr + b * k_sb + hk * k_sh
+    v_base = v_ptr + b * v_sb + hk * v_sh
+    end = tl.minimum((pid_m + 1) * BLOCK_M, S) if CAUSAL else S
+    for n0 in range(0, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < S
+        cols64 = cols.to(tl.int64)[:, None]
+        k1, k2 = _load_rotated(k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale,
+                               DTYPE, DOT_F32)
+        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+        if PASS_LEN > 0:
+            kp = _load_pass(k_base + cols64 * k_ss, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
+        p = tl.math.exp2(s * qk_mult - lse2[:, None])
+        keep = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :])
+        p = tl.where(keep, p, 0.0)
+        v = _operand(tl.load(v_base + cols64 * v_ss + dv[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0),
+                     DTYPE, DOT_F32)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = _operand(p * (dp - delta[:, None]), DTYPE, DOT_F32)
+        dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION)
+        dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION)
+        if PASS_LEN > 0:
+            dqp = tl.dot(ds, kp, dqp, input_precision=PRECISION)
+    ds_scale = LN2 * qk_mult * q_scale
+    dq_rows = dq_ptr + b * dq_sb + h * dq_sh + rows64 * dq_ss
+    _store_unrotated(dq_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, dq1, dq2, ds_scale)
+    if PASS_LEN > 0:
+        tl.store(dq_rows + pc[None, :], (dqp * ds_scale).to(dq_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & pass_ok[None, :])

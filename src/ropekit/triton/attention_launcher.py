@@ -1,0 +1,144 @@
+"""Launchers of the RoPE-attention kernels (:mod:`ropekit.triton.attention_kernels`): :func:`launch_forward`
+(o and lse) and :func:`launch_backward` (dq, dk, dv). Arguments and constexprs by parameter name, through
+:func:`ropekit.triton.runtime.launch`; they write into the tensors they are given and allocate only the backward's
+``delta`` rows.
+
+Every tensor is canonical ``[B, S, H, D]`` (any strides, contiguous last dim); ``angles`` is ``[B or 1, S, D]``
+float32 with the cosine and sine of each rotated pair at the pair's columns (see the kernels' module).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ropekit.triton import heuristics, runtime
+from ropekit.triton.attention_kernels import (
+    rope_attention_bwd_delta_kernel,
+    rope_attention_bwd_dkdv_kernel,
+    rope_attention_bwd_dq_kernel,
+    rope_attention_fwd_kernel,
+)
+
+_FLOATS = ("q_scale", "k_scale", "qk_mult")
+FORWARD = runtime.KernelRoles(rope_attention_fwd_kernel, _FLOATS, ())
+DELTA = runtime.KernelRoles(rope_attention_bwd_delta_kernel, (), ())
+DKDV = runtime.KernelRoles(rope_attention_bwd_dkdv_kernel, _FLOATS, ())
+DQ = runtime.KernelRoles(rope_attention_bwd_dq_kernel, _FLOATS, ())
+
+
+class Rotation(NamedTuple):
+    """Which columns of q and k are rotated and how: ``rotary_dim`` columns from ``rotary_start`` (the rest pass
+    through, one contiguous run), paired neox-style (i, i + R/2) or interleaved (2i, 2i + 1)."""
+
+    rotary_start: int
+    rotary_dim: int
+    neox: bool
+
+
+class Blocks(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def forward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
+    """The forward's block shape (tile rows of q and of k, warps, pipeline stages)."""
+    if device.type != "cuda":  # the interpreter: few, small programs
+        return Blocks(16, 16, 4, 1)
+    if max(head_dim, v_dim) <= 64:
+        return Blocks(128, 64, 4, 3)
+    if max(head_dim, v_dim) <= 128:
+        return Blocks(128, 64, 8, 3)
+    return Blocks(64, 32, 4, 2)
+
+
+def backward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
+    if device.type != "cuda":
+        return Blocks(16, 16, 4, 1)
+    if max(head_dim, v_dim) <= 64:
+        return Blocks(64, 64, 4, 2)
+    if max(head_dim, v_dim) <= 128:
+        return Blocks(64, 64, 8, 2)
+    return Blocks(32, 32, 4, 1)
+
+
+def _layout_constexprs(rot: Rotation, head_dim: int, v_dim: int, causal: bool, dtype: torch.dtype,
+                       blocks: Blocks, device: torch.device) -> dict:
+    pass_len = head_dim - rot.rotary_dim
+    dot_f32 = device.type != "cuda" and dtype == torch.bfloat16  # the interpreter's bf16 products are wrong
+    if pass_len and rot.rotary_start not in (0, pass_len):
+        raise ValueError("the rotated columns must be the first or the last rotary_dim of the head")
+    return {
+        "ROT_START": rot.rotary_start, "ROT_HALF": rot.rotary_dim // 2, "NEOX": rot.neox,
+        "PASS_START": rot.rotary_dim if rot.rotary_start == 0 else 0, "PASS_LEN": pass_len, "DV": v_dim,
+        "CAUSAL": causal, "BLOCK_M": blocks.block_m, "BLOCK_N": blocks.block_n,
+        # tl.dot takes no dimension below 16
+        "HALF_BLOCK": max(16, heuristics.next_pow2(rot.rotary_dim // 2)),
+        "PASS_BLOCK": max(16, heuristics.next_pow2(max(pass_len, 1))),
+        "DV_BLOCK": max(16, heuristics.next_pow2(v_dim)),
+        # float32 operands: full-precision products (the default would round them to tf32)
+        "PRECISION": "ieee" if dtype == torch.float32 or dot_f32 else "tf32",
+        "DOT_F32": dot_f32,
+    }
+
+
+def _strides(x: torch.Tensor, prefix: str) -> dict:
+    sb, ss, sh = x.stride()[:3]
+    return {f"{prefix}_sb": sb, f"{prefix}_ss": ss, f"{prefix}_sh": sh}
+
+
+def _scalars(q, k, angles, q_scale: float, k_scale: float, qk_mult: float) -> dict:
+    return {"S": q.shape[1], "HQ": q.shape[2], "GROUP": q.shape[2] // k.shape[2], "q_scale": q_scale,
+            "k_scale": k_scale, "qk_mult": qk_mult,
+            "t_sb": angles.stride(0) if angles.shape[0] > 1 else 0, "t_ss": angles.stride(1)}
+
+
+def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_scale: float, qk_mult: float,
+                   causal: bool, blocks: Blocks | None = None) -> None:
+    """Write the attention output ``o`` [B, S, HQ, DV] and the natural-log ``lse`` [B, HQ, S] (float32)."""
+    B, S, HQ, D = q.shape
+    if B * S * HQ == 0:
+        return
+    blocks = blocks or forward_blocks(q.device, D, v.shape[3])
+    args = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "o_ptr": o, "lse_ptr": lse,
+            **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"),
+            **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
+    constexprs = _layout_constexprs(rot, D, v.shape[3], causal, q.dtype, blocks, q.device)
+    grid = (B * HQ, heuristics.cdiv(S, blocks.block_m), 1)
+    runtime.launch(FORWARD, grid, args, constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+
+
+def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation, q_scale: float, k_scale: float,
+                    qk_mult: float, causal: bool, blocks: Blocks | None = None) -> None:
+    """Write dq, dk, dv (each like its input) from the gradients of o (``do``) and of lse (``dlse``, contiguous
+    [B, HQ, S], or None) and the forward's ``o`` and ``lse``."""
+    B, S, HQ, D = q.shape
+    HK, DV = k.shape[2], v.shape[3]
+    if B * S == 0:
+        return
+    if HQ == 0:
+        dk.zero_()
+        dv.zero_()
+        return
+    blocks = blocks or backward_blocks(q.device, D, DV)
+    dv_block = max(16, heuristics.next_pow2(DV))
+    delta = torch.empty((B, HQ, S), dtype=torch.float32, device=q.device)
+    delta_rows = 64
+    runtime.launch(DELTA, (B * HQ, heuristics.cdiv(S, delta_rows), 1),
+                   {"o_ptr": o, "do_ptr": do, "dlse_ptr": dlse if dlse is not None else delta, "delta_ptr": delta,
+                    **_strides(o, "o"), **_strides(do, "do"), "S": S, "HQ": HQ},
+                   {"DV": DV, "HAS_DLSE": dlse is not None, "BLOCK_M": delta_rows, "DV_BLOCK": dv_block}, 4,
+                   q.device)
+    constexprs = _layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device)
+    common = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse,
+              "delta_ptr": delta, **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
+              **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
+    runtime.launch(DKDV, (B * HK, heuristics.cdiv(S, blocks.block_n), 1),
+                   {**common, "dk_ptr": dk, "dv_ptr": dv, **_strides(dk, "dk"), **_strides(dv, "dv"), "HK": HK},
+                   constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+    runtime.launch(DQ, (B * HQ, heuristics.cdiv(S, blocks.block_m), 1),
+                   {**common, "dq_ptr": dq, **_strides(dq, "dq")},
+                   constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
