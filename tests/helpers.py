@@ -52,6 +52,18 @@ def reference_rope(q, k, conjugate=False, **kwargs):
     return rope_reference(q, k, spec._replace(out_dtype=torch.float64))
 
 
+def rope64(x, positions, base=10000.0):
+    """Independent float64 RoPE on [B, S, H, D] (rotate_half form) for gradient oracles."""
+    D = x.shape[-1]
+    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = positions.to(torch.float64)[..., None] * inv  # [B, S, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, :, None], torch.cat([ang.sin()] * 2, -1)[:, :, None]
+    half = D // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+
 # ------------------------------------------------------------------------------------ the prologue's oracles
 # The tolerance column of each route. The contract of both prologue ops is fp32 math with one rounding at the store
 # on every route; on CPU tensors that is the table's "float32-path" entry (fp32 math, one rounding to nearest), which

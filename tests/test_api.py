@@ -1,5 +1,6 @@
 """The public rotation (``apply_rope``, ``apply_rope_``, ``rope_backward``) against the float64 reference: dtypes,
-autograd, in-place semantics, torch.library/compile and the bad-input table on CPU; then the same on CUDA (marked
+autograd, in-place semantics (also on every route: the CPU path, the kernels under the interpreter, CUDA),
+torch.library/compile, empty inputs, bounded device caches and the bad-input table; then the API on CUDA (marked
 ``gpu``), with CUDA graphs and no host syncs."""
 
 import math
@@ -10,7 +11,7 @@ import torch
 from torch.library import opcheck
 
 import ropekit
-from helpers import reference_rope
+from helpers import ROUTES, on_route, reference_rope, rope64
 from ropekit._validation import validate
 from ropekit.testing import assert_close_to_ref, make_qk, tolerance
 
@@ -112,6 +113,107 @@ def test_in_place_on_tensor_saved_by_another_op_raises():
         z.sum().backward()
 
 
+# The same on every route (the CPU path, the kernels under the interpreter, CUDA), launch plans cleared first and
+# each call repeated so that plans serve the later ones.
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_in_place_rotation_is_visible_to_autograd(mode):
+    with on_route(mode, clear_plans=True) as device:
+        for _call in range(3):  # the full path, then plans
+            q = torch.randn(1, 4, 2, 8, device=device)
+            w = torch.randn(1, 4, 2, 8, device=device, requires_grad=True)
+            z = (q * w).sum()  # saves q for w's gradient
+            version = q._version
+            ropekit.apply_rope_(q, positions=3)
+            assert q._version > version
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                z.backward()
+
+
+def _packed(device, B=2, S=4, H=2, D=8):
+    return torch.randn(B, S, 3, H, D, device=device)
+
+
+IN_PLACE_REFUSALS = {
+    "k expanded": (lambda d: (torch.randn(1, 4, 2, 8, device=d), torch.randn(1, 1, 1, 8, device=d).expand(1, 4, 2, 8)),
+                   ValueError, "k cannot be rotated in place"),
+    "k as_strided onto itself": (lambda d: (torch.randn(1, 4, 2, 8, device=d),
+                                            torch.randn(64, device=d).as_strided((1, 4, 2, 8), (0, 8, 4, 1))),
+                                 ValueError, "k cannot be rotated in place"),
+    "q is k": (lambda d: (lambda x: (x, x))(torch.randn(1, 4, 2, 8, device=d)), ValueError, "share memory"),
+    "overlapping views": (lambda d: (lambda p: (p[:, :, 0:2].reshape(2, 4, 4, 8)[:, :, :2],
+                                                p[:, :, 0:2].reshape(2, 4, 4, 8)[:, :, 1:3]))(_packed(d)),
+                          ValueError, "share memory"),
+}
+
+
+@pytest.mark.parametrize("case", IN_PLACE_REFUSALS)
+@pytest.mark.parametrize("mode", ROUTES)
+def test_in_place_refuses_overlap_before_writing(mode, case):
+    make, exc, match = IN_PLACE_REFUSALS[case]
+    with on_route(mode, clear_plans=True) as device:
+        for _call in range(2):
+            q, k = make(device)
+            q_before, k_before = q.clone(), k.clone()
+            with pytest.raises(exc, match=match):
+                ropekit.apply_rope_(q, k, positions=5)
+            assert torch.equal(q, q_before) and torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_in_place_refuses_inference_tensor_outside_inference_mode(mode):
+    with on_route(mode, clear_plans=True) as device:
+        q = torch.randn(1, 4, 2, 8, device=device)
+        with torch.inference_mode():
+            k = torch.randn(1, 4, 2, 8, device=device)
+        q_before = q.clone()
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            ropekit.apply_rope_(q, k)
+        assert torch.equal(q, q_before)
+        with torch.inference_mode():  # inside inference mode it is allowed
+            ropekit.apply_rope_(q, k)
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_in_place_on_packed_qkv_views_repeatedly(mode):
+    """flash-attention's pattern: q and k interleaved in one buffer; no copies, every call right."""
+    with on_route(mode, clear_plans=True) as device:
+        for call in range(3):
+            qkv = _packed(device)
+            want_q, want_k = ropekit.apply_rope(qkv[:, :, 0], qkv[:, :, 1], positions=call)
+            v_before = qkv[:, :, 2].clone()
+            q, k = ropekit.apply_rope_(qkv[:, :, 0], qkv[:, :, 1], positions=call)
+            assert q.data_ptr() == qkv[:, :, 0].data_ptr()
+            torch.testing.assert_close(qkv[:, :, 0], want_q, rtol=0, atol=0)
+            torch.testing.assert_close(qkv[:, :, 1], want_k, rtol=0, atol=0)
+            assert torch.equal(qkv[:, :, 2], v_before)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ROUTES)
+def test_in_place_with_autograd_on_packed_views(mode, compiled):
+    if compiled and mode == "cpu-kernels":
+        pytest.skip("torch.compile traces Triton calls on CUDA only (the CPU interpreter cannot be traced)")
+
+    def step(qkv_leaf, positions):
+        qkv = qkv_leaf * 1.0  # non-leaf, as a projection's output
+        ropekit.apply_rope_(qkv[:, :, 0], qkv[:, :, 1], positions=positions)
+        return (qkv[:, :, 0] * qkv[:, :, 1]).sum() + qkv[:, :, 0].pow(2).sum()
+
+    with on_route(mode, clear_plans=True) as device:
+        fn = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
+        for _call in range(3):
+            base = _packed(device)
+            positions = torch.randint(0, 100, (2, 4), device=device)
+            leaf = base.clone().requires_grad_(True)
+            fn(leaf, positions).backward()
+            x64 = base.cpu().double().requires_grad_(True)
+            p = positions.cpu()
+            q64, k64 = rope64(x64[:, :, 0], p), rope64(x64[:, :, 1], p)
+            ((q64 * k64).sum() + q64.pow(2).sum()).backward()
+            torch.testing.assert_close(leaf.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
 def _op_args(q, k, **kwargs):
     return (q, k, *validate(q, k, **kwargs))
 
@@ -140,11 +242,85 @@ def test_torch_compile_fullgraph_cpu():
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("mode", ROUTES[:1] + ROUTES[2:])
+def test_compiled_in_place_rotation_of_a_packed_qkv_input(mode, dynamic):
+    """flash-attention's ``test_rotary_emb_qkv`` pattern under inductor: a non-leaf packed QKV buffer that requires
+    grad is passed into the compiled function, which rotates its q and k views in place and returns the buffer
+    (an input mutation); static and dynamic shapes (symbolic strides reach the in-place overlap check), called
+    with fresh data and a new sequence length. The gradient is the float64 rotation's."""
+    def f(qkv, positions):
+        ropekit.apply_rope_(qkv[:, :, 0], qkv[:, :, 1], positions=positions)
+        return qkv
+
+    with on_route(mode, clear_plans=True) as device:
+        torch._dynamo.reset()
+        fn = torch.compile(f, fullgraph=True, dynamic=dynamic)
+        for S in (4, 4, 6):
+            base = _packed(device, S=S)
+            positions = torch.randint(0, 100, (2, S), device=device)
+            leaf = base.clone().requires_grad_(True)
+            weight = torch.randn_like(base)
+            (fn(leaf * 1.0, positions) * weight).sum().backward()
+            x64 = base.cpu().double().requires_grad_(True)
+            p = positions.cpu()
+            out64 = torch.stack([rope64(x64[:, :, 0], p), rope64(x64[:, :, 1], p), x64[:, :, 2]], dim=2)
+            (out64 * weight.cpu().double()).sum().backward()
+            torch.testing.assert_close(leaf.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ROUTES[:1] + ROUTES[2:])
+def test_compiled_in_place_rotation_of_an_input_keeps_its_gradient(mode):
+    """A compiled function that rotates its input in place: the backward must include the rotation."""
+    with on_route(mode, clear_plans=True) as device:
+        def f(x):
+            ropekit.apply_rope_(x, positions=7)
+            return x
+
+        leaf = torch.randn(1, 3, 2, 8, device=device, requires_grad=True)
+        for backend in ("aot_eager", "inductor"):
+            leaf.grad = None
+            torch._dynamo.reset()
+            torch.compile(f, backend=backend, fullgraph=True)(leaf * 2.0).pow(2).sum().backward()
+            x64 = leaf.detach().cpu().double().requires_grad_(True)
+            rope64(x64 * 2.0, torch.arange(7, 10).expand(1, 3)).pow(2).sum().backward()
+            torch.testing.assert_close(leaf.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_empty_inputs():
     q = torch.randn(0, 5, 2, 8)
     assert ropekit.apply_rope(q).shape == q.shape
     q = torch.randn(2, 0, 2, 8)
     assert ropekit.apply_rope(q, positions=torch.tensor([1, 2])).shape == q.shape
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_empty_packed_sequence_may_have_any_offset(mode):
+    with on_route(mode, clear_plans=True) as device:
+        q = torch.randn(1, 2, 8, device=device)
+        table = torch.randn(6, 4, device=device)
+        cu = torch.tensor([0, 1, 1], device=device)
+        out = ropekit.apply_rope(q, positions=torch.tensor([2, 100], device=device), cos=table, sin=table,
+                                 layout="thd", cu_seqlens=cu)
+        want = ropekit.apply_rope(q.cpu(), positions=2, cos=table.cpu(), sin=table.cpu(), layout="thd")
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_device_caches_are_bounded():
+    """The default frequencies of base= and the pair-to-axis maps of multi-axis positions: one bounded cache each,
+    a repeated key served from it."""
+    from ropekit._spec import pair_axis_tensor
+    from ropekit.frequencies import default_inv_freq
+
+    q = torch.randn(1, 2, 1, 8)
+    for i in range(200):
+        ropekit.apply_rope(q, base=1000.0 + i)
+    assert 0 < default_inv_freq.cache_len() <= default_inv_freq.maxsize
+    assert default_inv_freq(1000.0, 8, q.device) is default_inv_freq(1000.0, 8, q.device)
+    for i in range(1, 100):
+        pair_axis_tensor((i, 1), "contiguous", q.device)
+    assert 0 < pair_axis_tensor.cache_len() <= pair_axis_tensor.maxsize
+    assert pair_axis_tensor((2, 2), "interleaved", q.device) is pair_axis_tensor((2, 2), "interleaved", q.device)
 
 
 # ------------------------------------------------------------------------------------------------ bad input table
@@ -451,3 +627,15 @@ def test_no_host_sync_and_no_extra_allocation(kwargs):
         torch.cuda.set_sync_debug_mode(0)
     allocated = torch.cuda.memory_allocated() - before
     assert allocated <= q_rot.untyped_storage().nbytes() + k_rot.untyped_storage().nbytes() + 1024
+
+
+@pytest.mark.gpu
+def test_float64_on_cuda_is_computed_in_float64():
+    q, k = torch.randn(2, 5, 3, 16, dtype=torch.float64), torch.randn(2, 5, 1, 16, dtype=torch.float64)
+    ids = torch.randint(0, 1 << 20, (2, 5))
+    want = ropekit.apply_rope(q, k, positions=ids)
+    for _ in range(2):
+        got = ropekit.apply_rope(q.cuda(), k.cuda(), positions=ids.cuda())
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float64
+            torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=1e-12)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ropekit
-from helpers import reference_rope
+from helpers import KERNEL_ROUTES, on_route, reference_rope
 from ropekit import _fastpath
 from ropekit.testing import assert_close_to_ref, kernels_on_cpu, make_qk, tolerance
 
@@ -387,6 +387,26 @@ def test_a_plan_is_not_replayed_for_a_tensor_on_another_device_type():
             ropekit.apply_rope(q, positions=torch.arange(4)[None])
         with pytest.raises(ValueError, match="positions"):
             ropekit.apply_rope(q, positions=torch.arange(4, device="meta")[None])
+
+
+@pytest.mark.parametrize("mode", KERNEL_ROUTES)
+def test_plan_cache_is_bounded_and_recent_plans_survive(mode, monkeypatch):
+    from ropekit._fastpath import plans
+
+    monkeypatch.setattr(plans, "_MAX_PLANS", 8)
+    with on_route(mode, clear_plans=True) as device:
+        hot = torch.randn(1, 2, 1, 8, device=device)
+        for S in range(1, 30):
+            ropekit.apply_rope(hot)  # used again and again: stays
+            for _ in range(2):  # a signature's second call records its plan
+                ropekit.apply_rope(torch.randn(1, S + 2, 1, 8, device=device))
+            assert len(_fastpath._PLANS) <= 8
+        assert len(_fastpath._PLANS) == 8
+        served = []
+        original = _fastpath.Plan.__call__
+        monkeypatch.setattr(_fastpath.Plan, "__call__", lambda self, *a: served.append(1) or original(self, *a))
+        ropekit.apply_rope(hot)
+        assert served
 
 
 # ------------------------------------------------------------------- CUDA: plans replayed at every kind of call

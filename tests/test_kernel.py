@@ -7,6 +7,7 @@ outputs poisoned with NaN, so any element it fails to write is caught.
 import pytest
 import torch
 
+import ropekit
 from ropekit._spec import BACKWARD, FORWARD
 from ropekit._validation import validate
 from ropekit.reference import rope_reference
@@ -223,6 +224,19 @@ def test_launch_cache_holds_one_entry_per_compiled_variant():
 
     assert len({key(S) for S in range(17, 400, 4)}) == 1  # odd lengths: no stride or count divisible by 16
     assert key(16) != key(17)
+
+
+@pytest.mark.gpu
+def test_launch_cache_holds_one_entry_per_variant_on_cuda():
+    from ropekit.triton import runtime
+
+    ropekit.apply_rope(torch.randn(1, 17, 4, 64, device="cuda"), positions=torch.randint(0, 9, (1, 17),
+                                                                                          device="cuda"))
+    before = len(runtime.compiled_kernels())
+    for S in range(19, 400, 2):  # packed training with varying lengths: odd counts share one variant
+        ids = torch.randint(0, 9, (1, S), device="cuda")
+        ropekit.apply_rope(torch.randn(1, S, 4, 64, device="cuda"), positions=ids)
+    assert len(runtime.compiled_kernels()) <= before + 2
 
 
 def test_stride_unit_is_what_every_row_stride_shares_up_to_16_bytes():

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import ropekit
+from helpers import ROUTES, on_route, rope64
 from ropekit.integrations import transformers as rk_hf
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -254,6 +255,59 @@ def test_training_loop_in_place(device, dtype, loss, positions, source):
 def test_training_loop_transformers_dropin(device, dtype, loss, positions):
     """The drop-in on transformers' [B, H, S, D] transposed views, followed by eager attention."""
     _check_training("hf", device, dtype, loss, positions)
+
+
+# The public calls over several training steps on every route (the CPU path, the kernels under the interpreter,
+# CUDA), launch plans cleared first, gradients against the float64 RoPE of helpers.py.
+STEP_LOSSES = {
+    "qk-transposed": lambda q, k: (q @ k.transpose(-2, -1)).sum(),
+    "sum": lambda q, k: q.sum() + k.sum(),  # gradients expanded with stride 0
+    "sliced": lambda q, k: q[:, ::2].pow(2).mean() + k[..., 1:3].sum(),
+    "softmax-attention": lambda q, k: torch.softmax(q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2), -1)
+    .pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("loss", STEP_LOSSES)
+@pytest.mark.parametrize("mode", ROUTES)
+def test_training_steps_past_the_first(mode, loss):
+    with on_route(mode, clear_plans=True) as device:
+        B, S, H, D = 2, 6, 2, 16
+        positions = torch.randint(0, 1000, (B, S))
+        for _step in range(4):  # plans engage from the second call; the bug was at step 2
+            q = torch.randn(B, S, H, D, dtype=torch.float64)
+            k = torch.randn(B, S, H, D, dtype=torch.float64)
+            q_d = q.to(device, torch.float32).requires_grad_(True)
+            k_d = k.to(device, torch.float32).requires_grad_(True)
+            qr, kr = ropekit.apply_rope(q_d, k_d, positions=positions.to(device))
+            STEP_LOSSES[loss](qr, kr).backward()
+            q64, k64 = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+            STEP_LOSSES[loss](rope64(q64, positions), rope64(k64, positions)).backward()
+            torch.testing.assert_close(q_d.grad.cpu().double(), q64.grad, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k_d.grad.cpu().double(), k64.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_transformers_drop_in_then_eager_attention_for_several_steps(mode):
+    from ropekit.integrations.transformers import apply_rotary_pos_emb
+
+    with on_route(mode, clear_plans=True) as device:
+        B, H, S, D = 2, 2, 5, 16
+        positions = torch.arange(S).expand(B, S)
+        inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+        emb = torch.cat([positions[..., None] * inv] * 2, -1)
+        cos, sin = emb.cos().float().to(device), emb.sin().float().to(device)
+        for _step in range(3):
+            qkv = torch.randn(B, S, 3, H, D, dtype=torch.float64)
+            x = qkv.to(device, torch.float32).requires_grad_(True)
+            q, k = x[:, :, 0].transpose(1, 2), x[:, :, 1].transpose(1, 2)  # HF's [B, H, S, D] views
+            qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
+            torch.softmax(qr @ kr.transpose(-1, -2) / math.sqrt(D), -1).sum(-1).pow(2).sum().backward()
+            x64 = qkv.clone().requires_grad_(True)
+            q64, k64 = rope64(x64[:, :, 0], positions), rope64(x64[:, :, 1], positions)
+            q64, k64 = q64.transpose(1, 2), k64.transpose(1, 2)
+            torch.softmax(q64 @ k64.transpose(-1, -2) / math.sqrt(D), -1).sum(-1).pow(2).sum().backward()
+            torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------------------

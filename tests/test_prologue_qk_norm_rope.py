@@ -11,6 +11,8 @@ signature (launch caches engage from the second).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from helpers import (
     norm_weight,
     on_route,
     rms64,
+    rope64,
     rope_opts64,
     rotate64,
     shares_memory,
@@ -317,6 +320,57 @@ def test_qk_norm_rope_gradcheck_float64(kwargs):
     want = qk_norm_rope64(*inputs, **kwargs)
     for a, b in zip(got, want):
         assert_close_to_ref(a, b, torch.float64, "cpu")
+
+
+def _norm_rope64(x, weight, positions, eps=1e-6, weight_offset=0.0):
+    """Independent float64 per-head RMSNorm then RoPE, from the definitions."""
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight + weight_offset)
+    return rope64(xn, positions)
+
+
+def _gradient_penalty(rope, q, k, wq, wk, vq, vk):
+    """Backward of the squared gradients of <rope(q, k), (vq, vk)> w.r.t. q, k and the weights (a double backward)."""
+    q_out, k_out = rope(q, k, wq, wk)
+    loss = (q_out * vq.to(q_out)).sum() + (k_out * vk.to(k_out)).sum()
+    grads = torch.autograd.grad(loss, (q, k, wq, wk), create_graph=True)
+    sum(g.pow(2).sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_qk_norm_rope_double_backward(mode):
+    """Gradient of a gradient (a gradient penalty's pattern, ``create_graph=True``): qk_norm_rope's backward is
+    differentiable in the incoming gradients, the inputs and the weights, as apply_rope's is; compared with the
+    float64 definition, on every route, called three times with fresh data (the fast path records a plan)."""
+    with on_route(mode, clear_plans=True) as device:
+        for _call in range(3):
+            B, S, D = 2, 4, 8
+            q64, k64 = torch.randn(B, S, 2, D, dtype=torch.float64), torch.randn(B, S, 1, D, dtype=torch.float64)
+            wq64, wk64 = torch.rand(D, dtype=torch.float64) + 0.5, torch.rand(D, dtype=torch.float64) + 0.5
+            vq, vk = torch.randn_like(q64), torch.randn_like(k64)
+            positions = torch.randint(0, 100, (B, S))
+            want = [t.clone().requires_grad_(True) for t in (q64, k64, wq64, wk64)]
+            _gradient_penalty(functools.partial(_norm_rope_pair64, positions=positions), *want, vq, vk)
+            got = [t.float().to(device).requires_grad_(True) for t in (q64, k64, wq64, wk64)]
+            _gradient_penalty(functools.partial(ropekit.qk_norm_rope, positions=positions.to(device)), *got, vq, vk)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.grad.cpu().double(), w.grad, rtol=1e-4, atol=1e-4)
+
+
+def _norm_rope_pair64(q, k, wq, wk, positions):
+    return _norm_rope64(q, wq, positions), _norm_rope64(k, wk, positions)
+
+
+def test_qk_norm_rope_gradgradcheck_float64():
+    q = torch.randn(1, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 3, 1, 8, dtype=torch.float64, requires_grad=True)
+    wq = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    wk = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[1, 5, 9]])
+
+    def f(q, k, wq, wk):
+        return ropekit.qk_norm_rope(q, k, wq, wk, positions=positions, q_scale=0.5, weight_offset=1.0)
+
+    assert torch.autograd.gradgradcheck(f, (q, k, wq, wk))
 
 
 def test_qk_norm_rope_torch_compile_fullgraph():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ropekit
-from helpers import ROUTES, route_context, route_device
+from helpers import ROUTES, on_route, route_context, route_device
 from ropekit.testing import assert_close_to_ref, kernel_backend, make_qk
 
 
@@ -142,6 +142,27 @@ def test_offsets_near_int64_max_raise(route, offset, packed):
         q, kw = torch.randn(2, 4, 2, 16, device=device), {}
     with route_context(route), pytest.raises(ValueError, match="positions"):
         ropekit.apply_rope(q, positions=torch.tensor([0, offset], device=device), **kw, **check)
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_device_positions_past_the_largest_become_nan(mode):
+    """Values the host cannot read without a sync: the kernel marks the tokens NaN (never a wrong number)."""
+    if mode == "cpu":
+        pytest.skip("CPU position tensors are read on the host and raise (tests/test_api.py)")
+    with on_route(mode, clear_plans=True) as device:
+        q = torch.randn(1, 4, 2, 8, device=device)
+        ids = torch.tensor([[0, 2**31 - 1, 2**31, 2**62]], device=device)
+        out = ropekit.apply_rope(q, positions=ids)
+        assert not out[0, :2].isnan().any() and out[0, 2:].isnan().all()
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_unhashable_argument_gets_the_validation_error_on_every_call(mode):
+    with on_route(mode, clear_plans=True) as device:
+        q = torch.randn(1, 4, 2, 8, device=device)
+        for _ in range(3):
+            with pytest.raises(ValueError, match="layout must be one of"):
+                ropekit.apply_rope(q, layout=["bshd"])
 
 
 @pytest.mark.gpu

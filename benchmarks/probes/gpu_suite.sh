@@ -21,12 +21,14 @@ for step in "${steps[@]}"; do
       # the whole suite: most test files hold GPU tests, and a hand-kept list of files misses new ones
       python -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$LOGS/tests.log" | tail -12
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    memcheck)  # kernel, fast-path (eager plans), multi-axis and prologue-op tests under compute-sanitizer, one
-      # allocation per tensor so that a read or write past any tensor is reported
+    memcheck)  # kernel, API, fast-path (eager plans), multi-axis and prologue-op tests and the training steps under
+      # compute-sanitizer, one allocation per tensor so that a read or write past any tensor is reported
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-        python -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_fast_path.py \
-        tests/test_reliability.py tests/test_multi_axis.py tests/test_prologue_qk_norm_rope.py \
+        python -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_api.py tests/test_spec_checks.py \
+        tests/test_fast_path.py tests/test_multi_axis.py tests/test_prologue_qk_norm_rope.py \
         tests/test_prologue_kv_write.py tests/test_prologue_ops.py tests/test_prologue_fast_path.py \
+        tests/test_loops.py::test_training_steps_past_the_first \
+        tests/test_loops.py::test_transformers_drop_in_then_eager_attention_for_several_steps \
         -k "cuda or not cpu" 2>&1 \
         | tee "$LOGS/memcheck.log" | tail -4
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
