@@ -7,13 +7,13 @@ cos/sin its ``forward`` returns, which recomputes the frequencies of the length-
 type functions it exports at the top level (``transformers.ROPE_INIT_FUNCTIONS``, called as its rotary modules call
 them) and an attention module's softmax ``scaling``.
 
-The model configs below are the RoPE-relevant fields of the published ``config.json`` files (no downloads).
+The model configs (``helpers.MODEL_CONFIGS``) are the RoPE-relevant fields of the published ``config.json`` files (no
+downloads).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 import os
 import re
@@ -23,126 +23,8 @@ import sys
 import pytest
 import torch
 
+from helpers import MODEL_CONFIGS, PHI35_LONG, PHI35_SHORT, hf_config, hf_rotary
 from ropekit.frequencies import ROPE_TYPES, RopeFrequencies, from_hf_config, rope_frequencies
-
-# Phi-3.5-mini-instruct's LongRoPE factors (48 = head_dim 96 / 2).
-PHI35_LONG = [
-    1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
-    1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
-    4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
-    17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
-    32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
-    50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
-    62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
-    63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
-    64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
-    64.51000213623047, 64.52999877929688, 64.83999633789062,
-]
-PHI35_SHORT = [
-    1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
-    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
-    1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
-    1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
-    1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
-    2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
-    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
-    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
-    2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
-    2.749999523162842, 2.8399994373321533,
-]
-
-MODEL_CONFIGS: dict[str, dict] = {
-    # llama3 smoothing (Llama 3.1)
-    "llama-3.1-8b": {
-        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "intermediate_size": 14336, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    },
-    "llama-3.2-1b": {
-        "model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    },
-    # linear position interpolation (LongChat / Vicuna v1.5 16k)
-    "vicuna-7b-v1.5-16k": {
-        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 4096,
-        "rope_theta": 10000.0, "rope_scaling": {"factor": 4.0, "type": "linear"},
-    },
-    # dynamic NTK on a Llama 2 (the rope_scaling of transformers' documentation)
-    "llama-2-7b-dynamic": {
-        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 4096,
-        "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0},
-    },
-    "qwen2.5-7b-instruct": {
-        "model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "intermediate_size": 18944, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-        "rope_scaling": None, "sliding_window": 131072,
-    },
-    # Qwen2.5's documented long-context setting: YaRN x4 (legacy "type" key)
-    "qwen2.5-7b-instruct-yarn": {
-        "model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 131072, "rope_theta": 1000000.0,
-        "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
-    },
-    # transformers 5 spelling: rope_parameters carries rope_theta
-    "qwen3-8b": {
-        "model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 40960,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-    "qwen3-8b-yarn": {
-        "model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 131072,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 32768},
-    },
-    "mistral-7b-v0.1": {
-        "model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "max_position_embeddings": 32768, "rope_theta": 10000.0, "sliding_window": 4096,
-    },
-    # head_dim (128) differs from hidden_size / heads (160)
-    "mistral-nemo-2407": {
-        "model_type": "mistral", "hidden_size": 5120, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 1024000, "rope_theta": 1000000.0,
-    },
-    # LongRoPE with the pretraining length beside rope_scaling
-    "phi-3.5-mini-instruct": {
-        "model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
-        "rope_scaling": {"long_factor": PHI35_LONG, "short_factor": PHI35_SHORT, "type": "longrope"},
-    },
-    # DeepSeek YaRN: mscale / mscale_all_dim, MLA rope head 64, interleaved pairs
-    "deepseek-v3": {
-        "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128, "v_head_dim": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
-        "max_position_embeddings": 163840, "rope_theta": 10000,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 4096, "type": "yarn"},
-    },
-    # YaRN without truncating the correction range
-    "gpt-oss-20b": {
-        "model_type": "gpt_oss", "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
-    },
-    # partial rotary through GPT-NeoX's own key names
-    "gpt-neox-20b": {
-        "model_type": "gpt_neox", "hidden_size": 6144, "num_attention_heads": 64, "max_position_embeddings": 2048,
-        "rotary_pct": 0.25, "rotary_emb_base": 10000,
-    },
-    "pythia-1.4b": {
-        "model_type": "gpt_neox", "hidden_size": 2048, "num_attention_heads": 16, "max_position_embeddings": 2048,
-        "rotary_pct": 0.25, "rotary_emb_base": 10000,
-    },
-    # interleaved pairs, half the head rotated
-    "glm-4-9b-0414": {
-        "model_type": "glm4", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
-        "head_dim": 128, "partial_rotary_factor": 0.5, "max_position_embeddings": 32768, "rope_theta": 10000.0,
-    },
-}
 
 EXPECTED = {  # (rope_type, rotary_dim, style) per config: the parsing itself
     "llama-3.1-8b": ("llama3", 128, "neox"), "llama-3.2-1b": ("llama3", 64, "neox"),
@@ -170,21 +52,6 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float =
 
 
 # ---- transformers side -------------------------------------------------------------------------------------------
-
-
-def hf_config(d: dict):
-    """A transformers config object built from a copy of ``d`` (transformers mutates the dicts it is given)."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoConfig.for_model(**copy.deepcopy(d))
-
-
-def hf_rotary(config):
-    """The model's own rotary-embedding module (its default init differs per family)."""
-    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
-    classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and "Vision" not in n]
-    classes = [c for c in classes if c.__module__ == module.__name__]
-    assert len(classes) == 1, classes
-    return classes[0](config)
 
 
 def hf_init_functions() -> dict:

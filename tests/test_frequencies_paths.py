@@ -11,8 +11,8 @@ import pathlib
 import pytest
 import torch
 
+from helpers import MODEL_CONFIGS
 from ropekit.frequencies import from_hf_config
-from test_frequencies import MODEL_CONFIGS
 
 NAMES = ["phi-3.5-mini-instruct", "qwen2.5-7b-instruct-yarn", "gpt-neox-20b"]
 

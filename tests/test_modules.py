@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
+from helpers import MODEL_CONFIGS, hf_config, hf_rotary
 from ropekit.api import apply_rope
 from ropekit.frequencies import from_hf_config, rope_frequencies
 from ropekit.modules import RotaryEmbedding, hf_tables
-from test_frequencies import MODEL_CONFIGS, hf_config, hf_rotary
 
 
 def hf_apply(config, interleave_fn: bool = False):

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from helpers import MODEL_CONFIGS
 from ropekit.frequencies import from_hf_config, rope_frequencies
 from ropekit.plot import binned_relative_position_curve, main, parse_method, plot_frequencies, relative_position_curve
-from test_frequencies import MODEL_CONFIGS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
