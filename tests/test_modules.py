@@ -1,5 +1,6 @@
 """RotaryEmbedding: rotations equal transformers' own apply functions (each family's pairing, partial rotary,
-attention scaling), dynamic/longrope switching with transformers' state, layouts, gradients, dtypes."""
+attention scaling), dynamic/longrope switching with transformers' state, layouts, gradients, dtypes; on the kernels
+with launch plans (CUDA marked ``gpu``) and under torch.compile."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import threading
 import pytest
 import torch
 
-from helpers import MODEL_CONFIGS, hf_config, hf_rotary
+from helpers import KERNEL_ROUTES, MODEL_CONFIGS, hf_config, hf_rotary, on_route
 from ropekit.api import apply_rope
 from ropekit.frequencies import from_hf_config, rope_frequencies
 from ropekit.modules import RotaryEmbedding, hf_tables
+from ropekit.testing import assert_close_to_ref
 
 
 def hf_apply(config, interleave_fn: bool = False):
@@ -368,3 +370,62 @@ def test_cos_sin_of_empty_positions_keeps_the_set():
     before = rope.frequencies
     cos, sin = rope.cos_sin(torch.zeros(0, dtype=torch.int64))
     assert cos.shape == sin.shape == (0, 128) and rope.frequencies is before
+
+
+# ---------------------------------------------------------------------- the kernels, launch plans, torch.compile
+# Static rope types (no length-dependent state): Llama 3.1's bands, Qwen2.5's YaRN (attention scaling != 1), GLM-4's
+# interleaved half-rotary.
+STATIC_FAMILIES = ["llama-3.1-8b", "qwen2.5-7b-instruct-yarn", "glm-4-9b-0414"]
+
+
+@pytest.mark.parametrize("route", KERNEL_ROUTES)
+@pytest.mark.parametrize("name", STATIC_FAMILIES)
+def test_kernels_and_plans_equal_the_float64_path(name, route, plan_calls):
+    """The module on the kernels (the interpreter on CPU, CUDA), called four times with fresh q, k and positions:
+    the first call notes the signature, the second records a launch plan, which serves the last two. Outputs and
+    gradients equal a second module's float64 CPU path on the same values, within the kernels' tolerance."""
+    config = MODEL_CONFIGS[name]
+    exact = RotaryEmbedding(config)
+    with on_route(route, clear_plans=True) as device:
+        rope = RotaryEmbedding(config).to(device)
+        D = rope.head_dim
+        for _call in range(4):
+            q = torch.randn(2, 5, 4, D, dtype=torch.float64).to(device, torch.float32).requires_grad_(True)
+            k = torch.randn(2, 5, 2, D, dtype=torch.float64).to(device, torch.float32).requires_grad_(True)
+            positions = torch.randint(0, 30000, (2, 5))
+            out = rope(q, k, positions=positions.to(device))
+            grads = [torch.randn_like(o) for o in out]
+            got = (*out, *torch.autograd.grad(out, (q, k), grads))
+            leaves = [x.detach().cpu().double().requires_grad_(True) for x in (q, k)]
+            ref = exact(*leaves, positions=positions)
+            want = (*ref, *torch.autograd.grad(ref, leaves, [g.cpu().double() for g in grads]))
+            for g, w in zip(got, want):
+                assert_close_to_ref(g, w, torch.float32)
+    assert plan_calls["served"] >= 2
+
+
+@pytest.mark.parametrize("name", STATIC_FAMILIES)
+def test_compiled_module_equals_the_eager_module(name):
+    """torch.compile(fullgraph=True) of the module (a static type takes no lock, so nothing breaks the graph): on
+    CPU the compiled graph runs the registered op through the float64 path as eager calls do, so outputs and
+    gradients equal the eager module's exactly, over two calls with fresh data through the same graph; and they are
+    the float64 rotation within the CPU path's tolerance."""
+    rope = RotaryEmbedding(MODEL_CONFIGS[name])
+    torch._dynamo.reset()
+    compiled = torch.compile(rope, fullgraph=True)
+    D = rope.head_dim
+    for _call in range(2):
+        q = torch.randn(2, 6, 4, D, requires_grad=True)
+        k = torch.randn(2, 6, 2, D, requires_grad=True)
+        positions = torch.randint(0, 30000, (2, 6))
+        out = compiled(q, k, positions=positions)
+        grads = [torch.randn_like(o) for o in out]
+        got = (*out, *torch.autograd.grad(out, (q, k), grads))
+        eager = rope(q, k, positions=positions)
+        want = (*eager, *torch.autograd.grad(eager, (q, k), grads))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        exact = rope(q.detach().double(), k.detach().double(), positions=positions)
+        for g, w in zip(out, exact):
+            assert_close_to_ref(g, w, torch.float32, "cpu")
+
