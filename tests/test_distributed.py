@@ -1,5 +1,6 @@
 """Context parallelism (``ropekit.distributed``): positions of sharded tokens, sharding helpers, DTensor inputs, and
-two-process runs (gloo on CPU; NCCL where two GPUs exist) that must equal the single-process result.
+two-process runs (gloo on CPU; NCCL where two GPUs exist) that must equal the single-process result, and shards
+rotated by replayed launch plans.
 
 The position maps are checked against TransformerEngine's definition, written out here independently: a rank's
 shard of a sequence of local length L over cp ranks takes the frequency rows ``[r*L/2, (r+1)*L/2)`` and
@@ -18,8 +19,9 @@ import pytest
 import torch
 
 import ropekit
+from helpers import KERNEL_ROUTES, on_route
 from ropekit import distributed as cp
-from ropekit.testing import kernels_on_cpu
+from ropekit.testing import assert_close_to_ref, kernels_on_cpu
 
 SPLITS = cp.SPLITS
 TIMEOUT_S = 240
@@ -180,6 +182,47 @@ def test_rotating_a_shard_by_its_positions_equals_the_full_rotation():
             pos = cp.cp_positions_packed(cu, 2, rank, num_tokens=20, split=split)
             got = ropekit.apply_rope(cp.shard_packed(packed, cu, 2, rank, split=split), layout="thd", positions=pos)
             assert torch.equal(got, cp.shard_packed(full_packed, cu, 2, rank, split=split))
+
+
+@pytest.mark.parametrize("route", KERNEL_ROUTES)
+@pytest.mark.parametrize("split", SPLITS)
+def test_shard_rotations_replayed_by_launch_plans_equal_the_full_rotation(route, split, plan_calls):
+    """Single process, on the kernels (the interpreter on CPU, CUDA): every rank's shard rotated by its cp_positions,
+    bshd and thd, call after call with fresh data, so that launch plans record and replay the shards' signatures
+    (the ranks share them); outputs and gradients equal the shards of the float64 rotation of the full batch."""
+    world, B, S, H, D = 2, 2, 16, 4, 32
+    cu = torch.tensor([0, 8, 24, 40])
+    T = 40
+    calls = []
+    for _call in range(2):  # fresh data per call; the float64 CPU path of the full batch is the reference
+        q_full, g_full = torch.randn(B, S, H, D, dtype=torch.float64), torch.randn(B, S, H, D, dtype=torch.float64)
+        p_full, pg_full = torch.randn(T, H, D, dtype=torch.float64), torch.randn(T, H, D, dtype=torch.float64)
+        leaf = q_full.clone().requires_grad_(True)
+        want_q = ropekit.apply_rope(leaf, base=500000.0)
+        (want_dq,) = torch.autograd.grad(want_q, leaf, g_full)
+        leaf = p_full.clone().requires_grad_(True)
+        want_p = ropekit.apply_rope(leaf, layout="thd", cu_seqlens=cu)
+        (want_dp,) = torch.autograd.grad(want_p, leaf, pg_full)
+        calls.append((q_full, g_full, want_q.detach(), want_dq, p_full, pg_full, want_p.detach(), want_dp))
+    with on_route(route, clear_plans=True) as device:
+        for q_full, g_full, want_q, want_dq, p_full, pg_full, want_p, want_dp in calls:
+            for rank in range(world):
+                local = cp.shard(q_full, world, rank, split=split).to(device, torch.float32).requires_grad_(True)
+                pos = cp.cp_positions(S // world, world, rank, split=split, device=device)
+                got = ropekit.apply_rope(local, positions=pos[None], base=500000.0)
+                g = cp.shard(g_full, world, rank, split=split).to(device, torch.float32)
+                (dq,) = torch.autograd.grad(got, local, g)
+                assert_close_to_ref(got, cp.shard(want_q, world, rank, split=split), torch.float32)
+                assert_close_to_ref(dq, cp.shard(want_dq, world, rank, split=split), torch.float32)
+                local = cp.shard_packed(p_full, cu, world, rank, split=split).to(device, torch.float32)
+                local.requires_grad_(True)
+                pos = cp.cp_positions_packed(cu.to(device), world, rank, num_tokens=T // world, split=split)
+                got = ropekit.apply_rope(local, layout="thd", positions=pos)
+                g = cp.shard_packed(pg_full, cu, world, rank, split=split).to(device, torch.float32)
+                (dp,) = torch.autograd.grad(got, local, g)
+                assert_close_to_ref(got, cp.shard_packed(want_p, cu, world, rank, split=split), torch.float32)
+                assert_close_to_ref(dp, cp.shard_packed(want_dp, cu, world, rank, split=split), torch.float32)
+    assert plan_calls["served"] >= 4  # each signature: noted on the first call, recorded on the second, then replayed
 
 
 # --------------------------------------------------------------------------------------------- two processes
