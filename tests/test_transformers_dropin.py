@@ -1,4 +1,5 @@
-"""The transformers drop-in against transformers' own ``apply_rotary_pos_emb`` (CPU always, CUDA when present)."""
+"""The transformers drop-in against transformers' own ``apply_rotary_pos_emb`` (on CPU, and on CUDA marked ``gpu``),
+eager and under torch.compile."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from ropekit.integrations.transformers import apply_rotary_pos_emb
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 hf_apply = modeling_llama.apply_rotary_pos_emb
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _inputs(B, HQ, HK, S, D, dtype, table_dtype, unsqueeze_dim, device, table_batch=None):
@@ -53,6 +54,35 @@ def test_gradients_match_transformers(device):
     torch.autograd.backward(hf_apply(q2, k2, cos, sin), (gq, gk))
     torch.testing.assert_close(q1.grad, q2.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k1.grad, k2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_drop_in_equals_the_eager_call(monkeypatch):
+    """torch.compile(fullgraph=True) of the drop-in, as a compiled model calls it, traced through ropekit's
+    rotation (not the fallback formula): on CPU the compiled graph runs the registered op through the float64 path
+    as eager calls do, so outputs and gradients equal the eager call's exactly, over two calls with fresh data
+    through the same graph; and the outputs are transformers' formula in float64 within fp32 rounding."""
+    from ropekit.integrations import transformers as dropin
+
+    traced = []
+    original = dropin.apply_rope
+    monkeypatch.setattr(dropin, "apply_rope", lambda *args, **kwargs: traced.append(1) or original(*args, **kwargs))
+    torch._dynamo.reset()
+    compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True)
+    for _call in range(2):
+        q, k, cos, sin = _inputs(2, 4, 2, 7, 32, torch.float32, torch.float32, 1, "cpu")
+        q.requires_grad_(True)
+        k.requires_grad_(True)
+        out = compiled(q, k, cos, sin)
+        grads = [torch.randn_like(o) for o in out]
+        got = (*out, *torch.autograd.grad(out, (q, k), grads))
+        eager = apply_rotary_pos_emb(q, k, cos, sin)
+        want = (*eager, *torch.autograd.grad(eager, (q, k), grads))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        exact = hf_apply(q.detach().double(), k.detach().double(), cos.double(), sin.double())
+        for g, w in zip(out, exact):
+            assert (g.double() - w).abs().max().item() <= 1e-5
+    assert traced
 
 
 def test_bf16_gradient_dtype_with_fp32_tables():
