@@ -4,7 +4,6 @@ with and without ropekit, in fp32 and bf16; unpatch restores everything."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import types
 
@@ -13,63 +12,20 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import INTERPRETED  # noqa: E402
+from helpers import (  # noqa: E402
+    COMMON,
+    FAMILIES,
+    INTERPRETED,
+    VL_SECTIONS,
+    forward_backward,
+    no_patch_leaks,  # noqa: F401  (autouse: no test leaves a module-level function patched)
+    rel_err,
+    tiny_model,
+    tiny_vl_model,
+)
 from ropekit.integrations import patching  # noqa: E402
 from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch  # noqa: E402
 from ropekit.testing import kernels_on_cpu  # noqa: E402
-
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=64)
-# Sequences of 24 tokens pass original_max_position_embeddings = 16: the scaled regimes are exercised.
-TINY = {
-    "llama": dict(num_key_value_heads=2, rope_theta=5e5, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}),
-    "mistral": dict(num_key_value_heads=2, head_dim=32),
-    "qwen2": dict(num_key_value_heads=2, rope_scaling={"type": "yarn", "factor": 4.0,
-                                                       "original_max_position_embeddings": 16}),
-    "qwen3": dict(num_key_value_heads=2, head_dim=16),
-    # LongRoPE with partial rotary (as Phi-4-mini): 12 of 16 columns rotated
-    "phi3": dict(num_key_value_heads=2, partial_rotary_factor=0.75, original_max_position_embeddings=16,
-                 pad_token_id=0, eos_token_id=1, bos_token_id=1, rope_scaling={
-                     "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
-                     "long_factor": [1.0 + 0.7 * i for i in range(6)]}),
-    "gpt_neox": dict(rotary_pct=0.25),
-    "glm": dict(num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, pad_token_id=0),
-    # every token uses all 4 experts: bf16 rounding cannot flip the routing between patched and unpatched runs
-    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=4,
-                        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_scaling={
-                            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
-                            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
-}
-FAMILIES = sorted(TINY)
-
-
-def tiny_model(model_type: str, dtype=torch.float32, **overrides):
-    kwargs = {**COMMON, **copy.deepcopy(TINY[model_type]), **overrides}
-    config = transformers.AutoConfig.for_model(model_type, **kwargs)
-    config._attn_implementation = "eager"
-    torch.manual_seed(1234)
-    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
-
-
-def forward_backward(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach().float(), grads
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-@pytest.fixture(autouse=True)
-def _no_patch_leaks():
-    yield
-    assert not patching._ORIGINALS, "a test left a module-level function patched"
 
 
 def test_supported_families_cover_the_issue():
@@ -244,22 +200,6 @@ def test_compiled_patched_model_matches_and_traces_ropekit(model_type, rope_call
         unpatch(model)
         torch._dynamo.reset()
     assert len(rope_calls) >= COMMON["num_hidden_layers"]  # traced (once per layer), not bypassed
-
-
-VL_SECTIONS = {"qwen2_vl": [4, 6, 6], "qwen2_5_vl": [4, 6, 6], "qwen3_vl": [6, 5, 5]}
-
-
-def tiny_vl_model(model_type: str):
-    """A tiny random vision-language model (no downloads); its language model's rotation is M-RoPE."""
-    text = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": VL_SECTIONS[model_type]})
-    vision = dict(depth=1, hidden_size=32, embed_dim=32, num_heads=2, intermediate_size=64, out_hidden_size=128,
-                  hidden_act="silu")
-    config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
-    torch.manual_seed(1234)
-    return transformers.AutoModelForImageTextToText.from_config(config).float()
 
 
 @pytest.mark.parametrize("model_type", sorted(VL_SECTIONS))

@@ -15,20 +15,20 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ropekit._spec import pair_axis_tensor  # noqa: E402
-from ropekit.integrations import patching  # noqa: E402
-from ropekit.integrations.patching import patch, unpatch  # noqa: E402
-from ropekit.modules import hf_tables  # noqa: E402
-from test_patching import (  # noqa: E402
+from helpers import (  # noqa: E402
     COMMON,
     FAMILIES,
     VL_SECTIONS,
-    _no_patch_leaks,  # noqa: F401  (autouse: no test leaves a module-level function patched)
     forward_backward,
+    no_patch_leaks,  # noqa: F401  (autouse: no test leaves a module-level function patched)
     rel_err,
     tiny_model,
     tiny_vl_model,
 )
+from ropekit._spec import pair_axis_tensor  # noqa: E402
+from ropekit.integrations import patching  # noqa: E402
+from ropekit.integrations.patching import patch, unpatch  # noqa: E402
+from ropekit.modules import hf_tables  # noqa: E402
 
 ALL_FAMILIES = FAMILIES + sorted(VL_SECTIONS)
 LAYERS = COMMON["num_hidden_layers"]

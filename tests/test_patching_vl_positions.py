@@ -13,10 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import INTERPRETED  # noqa: E402
+from helpers import INTERPRETED, VL_SECTIONS, tiny_vl_model  # noqa: E402
 from ropekit.integrations.patching import patch, unpatch  # noqa: E402
 from ropekit.testing import kernels_on_cpu  # noqa: E402
-from test_patching import VL_SECTIONS, tiny_vl_model  # noqa: E402
 
 B, S = 2, 7
 ACCEPTED = [(B, S), (1, S), (1, B, S), (1, 1, S), (3, 1, S), (3, B, S)]
