@@ -1,6 +1,7 @@
 """Validation of apply_rope's arguments (ropekit._spec): errors that name the argument at fault and say what was
-expected, 0-d integer tensors as position offsets, per-sequence offsets and cu_seqlens given as strided views, and
-position checks that cannot be fooled by int64 wrap-around.
+expected (on every call, plans or not), 0-d integer tensors as position offsets, per-sequence offsets and cu_seqlens
+given as strided views, position checks that cannot be fooled by int64 wrap-around, device positions past the largest
+supported one turning their tokens NaN, and ``check_positions=True`` on CUDA.
 
 Routes: "cpu" (the float64 path; CPU tensors are host values), "cpu-kernels" (the kernels under the Triton
 interpreter, launch plans included, with the semantics of device tensors) and "cuda"."""

@@ -1,10 +1,12 @@
 """The transformers drop-in against transformers' own ``apply_rotary_pos_emb`` (on CPU, and on CUDA marked ``gpu``),
-eager and under torch.compile."""
+on the kernels with launch plans, and under torch.compile."""
 
 import pytest
 import torch
 
+from helpers import KERNEL_ROUTES, on_route
 from ropekit.integrations.transformers import apply_rotary_pos_emb
+from ropekit.testing import assert_close_to_ref
 
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 hf_apply = modeling_llama.apply_rotary_pos_emb
@@ -83,6 +85,28 @@ def test_compiled_drop_in_equals_the_eager_call(monkeypatch):
         for g, w in zip(out, exact):
             assert (g.double() - w).abs().max().item() <= 1e-5
     assert traced
+
+
+@pytest.mark.parametrize("route", KERNEL_ROUTES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_kernels_and_plans_equal_transformers_in_float64(route, unsqueeze_dim, plan_calls):
+    """The drop-in on the kernels (the interpreter on CPU, CUDA), four calls with fresh q, k and tables: the first
+    notes the signature, the second records a launch plan, which serves the last two. Outputs and gradients equal
+    transformers' formula in float64 within the kernels' tolerance."""
+    with on_route(route, clear_plans=True) as device:
+        for _call in range(4):
+            q, k, cos, sin = _inputs(2, 4, 2, 7, 32, torch.float32, torch.float32, unsqueeze_dim, device)
+            q.requires_grad_(True)
+            k.requires_grad_(True)
+            out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+            grads = [torch.randn_like(o) for o in out]
+            got = (*out, *torch.autograd.grad(out, (q, k), grads))
+            leaves = [x.detach().cpu().double().requires_grad_(True) for x in (q, k)]
+            ref = hf_apply(*leaves, cos.cpu().double(), sin.cpu().double(), unsqueeze_dim)
+            want = (*ref, *torch.autograd.grad(ref, leaves, [g.cpu().double() for g in grads]))
+            for g, w in zip(got, want):
+                assert_close_to_ref(g, w, torch.float32)
+    assert plan_calls["served"] >= 2
 
 
 def test_bf16_gradient_dtype_with_fp32_tables():
