@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -44,16 +44,19 @@ def _operand(x, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _load_rotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, scale, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+def _load_rotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, scale, DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
+                  ROTATE: tl.constexpr):
     """The rows' rotated halves ``scale * R(theta) x`` rounded to ``DTYPE`` ([rows, HALF_BLOCK] each; 0 where
-    masked), as product operands."""
+    masked), as product operands. ``ROTATE`` False (benchmarks only: the cost of the rotation apart from the
+    attention) skips the rotation."""
     m = row_ok[:, None] & pair_ok[None, :]
     x1 = tl.load(row_ptr + c1[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(row_ptr + c2[None, :], mask=m, other=0.0).to(tl.float32)
-    cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
-    sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
-    return (_operand((x1 * cos - x2 * sin) * scale, DTYPE, DOT_F32),
-            _operand((x2 * cos + x1 * sin) * scale, DTYPE, DOT_F32))
+    if ROTATE:
+        cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
+        sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return _operand(x1 * scale, DTYPE, DOT_F32), _operand(x2 * scale, DTYPE, DOT_F32)
 
 
 @triton.jit
@@ -63,14 +66,16 @@ def _load_pass(row_ptr, row_ok, pc, pass_ok, scale, DTYPE: tl.constexpr, DOT_F32
 
 
 @triton.jit
-def _store_unrotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, d1, d2, scale):
+def _store_unrotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, d1, d2, scale, ROTATE: tl.constexpr):
     """Store ``scale * R(-theta) d`` for the gradient halves ``d1``, ``d2`` (fp32) of rotated rows."""
     m = row_ok[:, None] & pair_ok[None, :]
-    cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
-    sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
+    if ROTATE:
+        cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
+        sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
+        d1, d2 = d1 * cos + d2 * sin, d2 * cos - d1 * sin
     ty = row_ptr.dtype.element_ty
-    tl.store(row_ptr + c1[None, :], ((d1 * cos + d2 * sin) * scale).to(ty), mask=m)
-    tl.store(row_ptr + c2[None, :], ((d2 * cos - d1 * sin) * scale).to(ty), mask=m)
+    tl.store(row_ptr + c1[None, :], (d1 * scale).to(ty), mask=m)
+    tl.store(row_ptr + c2[None, :], (d2 * scale).to(ty), mask=m)
 
 
 @triton.jit
@@ -81,7 +86,7 @@ def rope_attention_fwd_kernel(
     ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); the last row
     blocks (the longest under a causal mask) start first."""
@@ -102,7 +107,7 @@ def rope_attention_fwd_kernel(
     q_rows = q_ptr + b * q_sb + h * q_sh + rows.to(tl.int64)[:, None] * q_ss
     tab_b = tab_ptr + b * t_sb
     q1, q2 = _load_rotated(q_rows, tab_b + rows.to(tl.int64)[:, None] * t_ss, row_ok, c1, c2, pair_ok, q_scale,
-                           DTYPE, DOT_F32)
+                           DTYPE, DOT_F32, ROTATE)
     if PASS_LEN > 0:
         qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
 
@@ -117,7 +122,7 @@ def rope_attention_fwd_kernel(
         col_ok = cols < S
         cols64 = cols.to(tl.int64)[:, None]
         k1, k2 = _load_rotated(k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale,
-                               DTYPE, DOT_F32)
+                               DTYPE, DOT_F32, ROTATE)
         qk = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION)
         if PASS_LEN > 0:
@@ -175,7 +180,7 @@ def rope_attention_bwd_dkdv_kernel(
     ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """One program: BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that share them
     (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S, BLOCK_N))."""
@@ -195,7 +200,7 @@ def rope_attention_bwd_dkdv_kernel(
 
     tab_b = tab_ptr + b * t_sb
     k_rows = k_ptr + b * k_sb + hk * k_sh + cols64 * k_ss
-    k1, k2 = _load_rotated(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale, DTYPE, DOT_F32)
+    k1, k2 = _load_rotated(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale, DTYPE, DOT_F32, ROTATE)
     if PASS_LEN > 0:
         kp = _load_pass(k_rows, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
     v = _operand(tl.load(v_ptr + b * v_sb + hk * v_sh + cols64 * v_ss + dv[None, :],
@@ -215,7 +220,7 @@ def rope_attention_bwd_dkdv_kernel(
             row_ok = rows < S
             rows64 = rows.to(tl.int64)[:, None]
             q1, q2 = _load_rotated(q_base + rows64 * q_ss, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale,
-                                   DTYPE, DOT_F32)
+                                   DTYPE, DOT_F32, ROTATE)
             s_t = tl.dot(k1, tl.trans(q1), input_precision=PRECISION)
             s_t = tl.dot(k2, tl.trans(q2), s_t, input_precision=PRECISION)
             if PASS_LEN > 0:
@@ -240,7 +245,7 @@ def rope_attention_bwd_dkdv_kernel(
     # d(loss)/d(q_r . k_r) = ln 2 * qk_mult * p * (dp - delta); then dk = k_scale * R(-theta) dk_r
     ds_scale = LN2 * qk_mult * k_scale
     dk_rows = dk_ptr + b * dk_sb + hk * dk_sh + cols64 * dk_ss
-    _store_unrotated(dk_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, dk1, dk2, ds_scale)
+    _store_unrotated(dk_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, dk1, dk2, ds_scale, ROTATE)
     if PASS_LEN > 0:
         tl.store(dk_rows + pc[None, :], (dkp * ds_scale).to(dk_ptr.dtype.element_ty),
                  mask=col_ok[:, None] & pass_ok[None, :])
@@ -256,7 +261,7 @@ def rope_attention_bwd_dq_kernel(
     ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """One program: dq for BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M))."""
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -276,7 +281,7 @@ def rope_attention_bwd_dq_kernel(
 
     tab_b = tab_ptr + b * t_sb
     q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
-    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, DTYPE, DOT_F32)
+    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, DTYPE, DOT_F32, ROTATE)
     if PASS_LEN > 0:
         qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
     do = _operand(tl.load(do_ptr + b * do_sb + h * do_sh + rows64 * do_ss + dv[None, :],
@@ -295,7 +300,7 @@ def rope_attention_bwd_dq_kernel(
         col_ok = cols < S
         cols64 = cols.to(tl.int64)[:, None]
         k1, k2 = _load_rotated(k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale,
-                               DTYPE, DOT_F32)
+                               DTYPE, DOT_F32, ROTATE)
         s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
         if PASS_LEN > 0:
@@ -316,7 +321,7 @@ def rope_attention_bwd_dq_kernel(
             dqp = tl.dot(ds, kp, dqp, input_precision=PRECISION)
     ds_scale = LN2 * qk_mult * q_scale
     dq_rows = dq_ptr + b * dq_sb + h * dq_sh + rows64 * dq_ss
-    _store_unrotated(dq_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, dq1, dq2, ds_scale)
+    _store_unrotated(dq_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, dq1, dq2, ds_scale, ROTATE)
     if PASS_LEN > 0:
         tl.store(dq_rows + pc[None, :], (dqp * ds_scale).to(dq_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & pass_ok[None, :])

@@ -50,8 +50,8 @@ def forward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
         return Blocks(16, 16, 4, 1)
     if max(head_dim, v_dim) <= 64:
         return Blocks(128, 64, 4, 3)
-    if max(head_dim, v_dim) <= 128:
-        return Blocks(128, 64, 8, 3)
+    if max(head_dim, v_dim) <= 128:  # H100 sweep at 4 x 4096, 32/8 heads (docs/perf-notes.md, "RoPE attention")
+        return Blocks(128, 32, 4, 3)
     return Blocks(64, 32, 4, 2)
 
 
@@ -60,13 +60,13 @@ def backward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
         return Blocks(16, 16, 4, 1)
     if max(head_dim, v_dim) <= 64:
         return Blocks(64, 64, 4, 2)
-    if max(head_dim, v_dim) <= 128:
-        return Blocks(64, 64, 8, 2)
+    if max(head_dim, v_dim) <= 128:  # the same sweep: 1.37-1.49x faster than (64, 64, 8, 2)
+        return Blocks(64, 128, 8, 2)
     return Blocks(32, 32, 4, 1)
 
 
 def _layout_constexprs(rot: Rotation, head_dim: int, v_dim: int, causal: bool, dtype: torch.dtype,
-                       blocks: Blocks, device: torch.device) -> dict:
+                       blocks: Blocks, device: torch.device, rotate: bool = True) -> dict:
     pass_len = head_dim - rot.rotary_dim
     dot_f32 = device.type != "cuda" and dtype == torch.bfloat16  # the interpreter's bf16 products are wrong
     if pass_len and rot.rotary_start not in (0, pass_len):
@@ -81,7 +81,7 @@ def _layout_constexprs(rot: Rotation, head_dim: int, v_dim: int, causal: bool, d
         "DV_BLOCK": max(16, heuristics.next_pow2(v_dim)),
         # float32 operands: full-precision products (the default would round them to tf32)
         "PRECISION": "ieee" if dtype == torch.float32 or dot_f32 else "tf32",
-        "DOT_F32": dot_f32,
+        "DOT_F32": dot_f32, "ROTATE": rotate,
     }
 
 
@@ -97,8 +97,9 @@ def _scalars(q, k, angles, q_scale: float, k_scale: float, qk_mult: float) -> di
 
 
 def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_scale: float, qk_mult: float,
-                   causal: bool, blocks: Blocks | None = None) -> None:
-    """Write the attention output ``o`` [B, S, HQ, DV] and the natural-log ``lse`` [B, HQ, S] (float32)."""
+                   causal: bool, blocks: Blocks | None = None, rotate: bool = True) -> None:
+    """Write the attention output ``o`` [B, S, HQ, DV] and the natural-log ``lse`` [B, HQ, S] (float32).
+    ``blocks`` overrides the block shape and ``rotate=False`` skips the rotation (tuning and benchmarks only)."""
     B, S, HQ, D = q.shape
     if B * S * HQ == 0:
         return
@@ -106,13 +107,13 @@ def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_sca
     args = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "o_ptr": o, "lse_ptr": lse,
             **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"),
             **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
-    constexprs = _layout_constexprs(rot, D, v.shape[3], causal, q.dtype, blocks, q.device)
+    constexprs = _layout_constexprs(rot, D, v.shape[3], causal, q.dtype, blocks, q.device, rotate)
     grid = (B * HQ, heuristics.cdiv(S, blocks.block_m), 1)
     runtime.launch(FORWARD, grid, args, constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
 
 
 def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation, q_scale: float, k_scale: float,
-                    qk_mult: float, causal: bool, blocks: Blocks | None = None) -> None:
+                    qk_mult: float, causal: bool, blocks: Blocks | None = None, rotate: bool = True) -> None:
     """Write dq, dk, dv (each like its input) from the gradients of o (``do``) and of lse (``dlse``, contiguous
     [B, HQ, S], or None) and the forward's ``o`` and ``lse``."""
     B, S, HQ, D = q.shape
@@ -132,7 +133,7 @@ def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation
                     **_strides(o, "o"), **_strides(do, "do"), "S": S, "HQ": HQ},
                    {"DV": DV, "HAS_DLSE": dlse is not None, "BLOCK_M": delta_rows, "DV_BLOCK": dv_block}, 4,
                    q.device)
-    constexprs = _layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device)
+    constexprs = _layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device, rotate)
     common = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse,
               "delta_ptr": delta, **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
               **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
