@@ -197,6 +197,37 @@ def _prologue_rows(backend: str, device: str) -> list[CheckRow]:
     return rows
 
 
+def _attention_rows(backend: str, device: str) -> list[CheckRow]:
+    """``rope_attention`` against float64 (the rotation by the reference path, attention written out): GQA, causal,
+    per-token positions, the scale folded into q with a base-2 softmax; the output and the gradients of q, k, v."""
+    import contextlib
+    import math
+
+    import ropekit
+    from ropekit.testing import kernels_on_cpu
+
+    route = kernels_on_cpu() if backend == "triton-interpreter" else contextlib.nullcontext()
+    B, S, HQ, HK, D = 2, 24, 4, 2, 32
+    q, k, v = (torch.randn(B, S, h, D, dtype=torch.float64) for h in (HQ, HK, HK))
+    ids = torch.randint(0, 1 << 20, (B, S))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    qr, kr = ropekit.apply_rope(*leaves[:2], positions=ids, base=1e6)
+    g = HQ // HK
+    scores = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(g, 2)) / math.sqrt(D)
+    scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), leaves[2].repeat_interleave(g, 2))
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, leaves, grad)
+    with route:
+        dev = [t.to(device, torch.float32).requires_grad_() for t in (q, k, v)]
+        out = ropekit.rope_attention(*dev, is_causal=True, fold="q_log2", positions=ids.to(device), base=1e6)
+        got = torch.autograd.grad(out, dev, grad.to(device, torch.float32))
+    tol = max_relative_tolerance(torch.float32, backend)
+    return [CheckRow(backend, device, "rope_attention: GQA, causal, ids, fold q_log2", max_relative_error(out, ref),
+                     tol),
+            CheckRow(backend, device, "rope_attention gradients (q, k, v)", max_relative_error(got, ref_grads), tol)]
+
+
 def _property_rows() -> list[CheckRow]:
     """Properties of the float64 CPU path: conjugate undoes forward, pair norms kept, relative positions."""
     import ropekit
@@ -264,8 +295,9 @@ def run_all(small: bool | None = None) -> tuple[list[CheckRow], list[SkippedBack
         for name, dtype, make in cases:
             rows.append(_run_case(backend, device, name, dtype, make, small))
         rows += _prologue_rows(backend, device)
+        rows += _attention_rows(backend, device)
     else:
-        skipped.append(SkippedBackend(backend, len(cases) + _PROLOGUE_ROWS, why))
+        skipped.append(SkippedBackend(backend, len(cases) + _PROLOGUE_ROWS + _ATTENTION_ROWS, why))
     rows += _property_rows()
     runner, why = _webgpu_runner()
     if runner is None:
@@ -279,6 +311,7 @@ def run_all(small: bool | None = None) -> tuple[list[CheckRow], list[SkippedBack
 
 
 _PROLOGUE_ROWS = 4  # len(_prologue_rows(...))
+_ATTENTION_ROWS = 2  # len(_attention_rows(...))
 _WEBGPU_CASES = 7  # len(ropekit.webgpu._CHECK_CASES), for when that module cannot import (no numpy)
 
 
