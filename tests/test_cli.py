@@ -26,7 +26,7 @@ def test_check_lists_backends_missing_their_packages(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "triton", None)  # find_spec and import both see it absent
     monkeypatch.setitem(sys.modules, "wgpu", None)
     lines = _run_check(capsys)
-    n_triton = len(check._case_table("cpu", True)) + check._PROLOGUE_ROWS
+    n_triton = len(check._case_table("cpu", True)) + check._PROLOGUE_ROWS + check._ATTENTION_ROWS
     backend = "cuda" if check.torch.cuda.is_available() else "triton-interpreter"
     assert any(line.startswith(f"skipped {backend} ({n_triton} cases)") and 'pip install "ropekit[triton]"' in line
                for line in lines), lines
@@ -60,6 +60,12 @@ def test_prologue_rows_count_and_pass_on_the_cpu_path():
     # CPU path; they run through the kernels in the check's own run.
     rows = check._prologue_rows("cpu", "cpu")
     assert len(rows) == check._PROLOGUE_ROWS
+    assert all(row.passed for row in rows), [(r.case, r.max_error, r.tolerance) for r in rows]
+
+
+def test_attention_rows_count_and_pass_on_the_cpu_path():
+    rows = check._attention_rows("cpu", "cpu")
+    assert len(rows) == check._ATTENTION_ROWS
     assert all(row.passed for row in rows), [(r.case, r.max_error, r.tolerance) for r in rows]
 
 
