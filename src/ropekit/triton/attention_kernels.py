@@ -34,6 +34,23 @@ def _pair_columns(HALF_BLOCK: tl.constexpr, ROT_START: tl.constexpr, ROT_HALF: t
 
 
 @triton.jit
+def _load_tile(ptr, row_ok, col_ok, ROWS_IN: tl.constexpr, COLS_IN: tl.constexpr):
+    """Load a [rows, cols] tile, masking only what may lie outside (``ROWS_IN``/``COLS_IN``: known in range), 0
+    where masked: interior tiles take no mask at all."""
+    if ROWS_IN:
+        if COLS_IN:
+            x = tl.load(ptr)
+        else:
+            x = tl.load(ptr, mask=col_ok[None, :], other=0.0)
+    else:
+        if COLS_IN:
+            x = tl.load(ptr, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptr, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _operand(x, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
     """``x`` rounded to the input dtype, as a matrix-product operand: in that dtype, or (``DOT_F32``: the
     interpreter, whose bf16 products are wrong) its exact float32 value."""
@@ -44,25 +61,25 @@ def _operand(x, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _load_rotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, scale, DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
-                  ROTATE: tl.constexpr):
+def _load_rotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, scale, ROWS_IN: tl.constexpr,
+                  PAIRS_IN: tl.constexpr, DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr):
     """The rows' rotated halves ``scale * R(theta) x`` rounded to ``DTYPE`` ([rows, HALF_BLOCK] each; 0 where
     masked), as product operands. ``ROTATE`` False (benchmarks only: the cost of the rotation apart from the
     attention) skips the rotation."""
-    m = row_ok[:, None] & pair_ok[None, :]
-    x1 = tl.load(row_ptr + c1[None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(row_ptr + c2[None, :], mask=m, other=0.0).to(tl.float32)
+    x1 = _load_tile(row_ptr + c1[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN).to(tl.float32)
+    x2 = _load_tile(row_ptr + c2[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN).to(tl.float32)
     if ROTATE:
-        cos = tl.load(tab_row_ptr + c1[None, :], mask=m, other=0.0)
-        sin = tl.load(tab_row_ptr + c2[None, :], mask=m, other=0.0)
+        cos = _load_tile(tab_row_ptr + c1[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN)
+        sin = _load_tile(tab_row_ptr + c2[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN)
         x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     return _operand(x1 * scale, DTYPE, DOT_F32), _operand(x2 * scale, DTYPE, DOT_F32)
 
 
 @triton.jit
-def _load_pass(row_ptr, row_ok, pc, pass_ok, scale, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
-    m = row_ok[:, None] & pass_ok[None, :]
-    return _operand(tl.load(row_ptr + pc[None, :], mask=m, other=0.0).to(tl.float32) * scale, DTYPE, DOT_F32)
+def _load_pass(row_ptr, row_ok, pc, pass_ok, scale, ROWS_IN: tl.constexpr, PASS_IN: tl.constexpr,
+               DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    x = _load_tile(row_ptr + pc[None, :], row_ok, pass_ok, ROWS_IN, PASS_IN).to(tl.float32)
+    return _operand(x * scale, DTYPE, DOT_F32)
 
 
 @triton.jit
@@ -79,6 +96,53 @@ def _store_unrotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, d1, d2, scal
 
 
 @triton.jit
+def _scores(a1, a2, ap, b_rows, tab_rows, b_ok, c1, c2, pair_ok, pc, pass_ok, b_scale, ROWS_IN: tl.constexpr,
+            ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
+            PASS_BLOCK: tl.constexpr, DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Raw scores ``a . b^T`` ([A, B]) between the resident rotated rows ``a`` (halves a1, a2 and pass-through ap)
+    and the rows at ``b_rows``, rotated as they load; and b's rotated parts."""
+    b1, b2 = _load_rotated(b_rows, tab_rows, b_ok, c1, c2, pair_ok, b_scale, ROWS_IN, HALF_BLOCK == ROT_HALF, DTYPE,
+                           DOT_F32, ROTATE)
+    s = tl.dot(a1, tl.trans(b1), input_precision=PRECISION)
+    s = tl.dot(a2, tl.trans(b2), s, input_precision=PRECISION)
+    bp = b1  # placeholder when there are no pass-through columns (never read)
+    if PASS_LEN > 0:
+        bp = _load_pass(b_rows, b_ok, pc, pass_ok, b_scale, ROWS_IN, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+        s = tl.dot(ap, tl.trans(bp), s, input_precision=PRECISION)
+    return s, b1, b2, bp
+
+
+@triton.jit
+def _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S, c1, c2, pair_ok,
+              pc, pass_ok, dv, dv_ok, k_scale, qk_mult, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_N: tl.constexpr, ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
+              PASS_BLOCK: tl.constexpr, DV: tl.constexpr, DV_BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+              DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of the online softmax. ``MASKED``: the tile may hold keys past S or (causal) past a row."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < S
+    cols64 = cols.to(tl.int64)[:, None]
+    qk, k1, k2, kp = _scores(q1, q2, qp, k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, pc,
+                             pass_ok, k_scale, not MASKED, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE,
+                             DOT_F32, ROTATE, PRECISION)
+    qk = qk * qk_mult
+    if MASKED:
+        keep = col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :])
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _operand(_load_tile(v_base + cols64 * v_ss + dv[None, :], col_ok, dv_ok, not MASKED, DV_BLOCK == DV), DTYPE,
+                 DOT_F32)
+    acc = tl.dot(_operand(p, DTYPE, DOT_F32), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def rope_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, o_ptr, lse_ptr,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, o_sb, o_ss, o_sh,
@@ -89,7 +153,8 @@ def rope_attention_fwd_kernel(
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); the last row
-    blocks (the longest under a causal mask) start first."""
+    blocks (the longest under a causal mask) start first. Key tiles wholly inside the sequence and (causal) wholly
+    before the block's first row run without masks; the rest with them. BLOCK_M is a multiple of BLOCK_N."""
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     bh = tl.program_id(0)
     b = (bh // HQ).to(tl.int64)
@@ -104,46 +169,39 @@ def rope_attention_fwd_kernel(
     dv = tl.arange(0, DV_BLOCK)
     dv_ok = dv < DV
 
-    q_rows = q_ptr + b * q_sb + h * q_sh + rows.to(tl.int64)[:, None] * q_ss
+    rows64 = rows.to(tl.int64)[:, None]
+    q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
     tab_b = tab_ptr + b * t_sb
-    q1, q2 = _load_rotated(q_rows, tab_b + rows.to(tl.int64)[:, None] * t_ss, row_ok, c1, c2, pair_ok, q_scale,
-                           DTYPE, DOT_F32, ROTATE)
+    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, False,
+                           HALF_BLOCK == ROT_HALF, DTYPE, DOT_F32, ROTATE)
+    qp = q1  # placeholder when there are no pass-through columns (never read)
     if PASS_LEN > 0:
-        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
+        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_BLOCK], tl.float32)
     k_base = k_ptr + b * k_sb + hk * k_sh
     v_base = v_ptr + b * v_sb + hk * v_sh
-    end = tl.minimum((pid_m + 1) * BLOCK_M, S) if CAUSAL else S
-    for n0 in range(0, end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < S
-        cols64 = cols.to(tl.int64)[:, None]
-        k1, k2 = _load_rotated(k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale,
-                               DTYPE, DOT_F32, ROTATE)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
-        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION)
-        if PASS_LEN > 0:
-            kp = _load_pass(k_base + cols64 * k_ss, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
-            qk = tl.dot(qp, tl.trans(kp), qk, input_precision=PRECISION)
-        qk = qk * qk_mult
-        keep = col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (rows[:, None] >= cols[None, :])
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _operand(tl.load(v_base + cols64 * v_ss + dv[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0),
-                     DTYPE, DOT_F32)
-        acc = tl.dot(_operand(p, DTYPE, DOT_F32), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+    if CAUSAL:
+        interior = pid_m * BLOCK_M
+        end = tl.minimum((pid_m + 1) * BLOCK_M, S)
+    else:
+        interior = S // BLOCK_N * BLOCK_N
+        end = S
+    for n0 in range(0, interior, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S,
+                                  c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False, CAUSAL, BLOCK_N,
+                                  ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE,
+                                  PRECISION)
+    for n0 in range(interior, end, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S,
+                                  c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True, CAUSAL, BLOCK_N,
+                                  ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE,
+                                  PRECISION)
 
     acc = acc / l_i[:, None]
-    o_rows = o_ptr + b * o_sb + h * o_sh + rows.to(tl.int64)[:, None] * o_ss
+    o_rows = o_ptr + b * o_sb + h * o_sh + rows64 * o_ss
     tl.store(o_rows + dv[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     # lse [B, HQ, S], natural log
     tl.store(lse_ptr + bh.to(tl.int64) * S + rows, (m_i + tl.math.log2(l_i)) * LN2, mask=row_ok)
@@ -172,6 +230,42 @@ def rope_attention_bwd_delta_kernel(
 
 
 @triton.jit
+def _dkdv_tile(k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
+               delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+               PASS_LEN: tl.constexpr, PASS_BLOCK: tl.constexpr, DV: tl.constexpr, DV_BLOCK: tl.constexpr,
+               DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
+    """One query tile's contribution to a key tile's dk and dv. Query rows past S load as zeros and contribute
+    nothing (their do and delta are 0), so only loads and the causal mask need ``MASKED``."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < S
+    rows64 = rows.to(tl.int64)[:, None]
+    s_t, q1, q2, qp = _scores(k1, k2, kp, q_base + rows64 * q_ss, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok,
+                              pc, pass_ok, q_scale, not MASKED, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK,
+                              DTYPE, DOT_F32, ROTATE, PRECISION)
+    if MASKED:
+        lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
+        delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
+    else:
+        lse2 = tl.load(lse_ptr + stat + rows) * (1.0 / LN2)
+        delta = tl.load(delta_ptr + stat + rows)
+    p_t = tl.math.exp2(s_t * qk_mult - lse2[None, :])
+    if MASKED:
+        if CAUSAL:
+            p_t = tl.where(rows[None, :] >= cols[:, None], p_t, 0.0)
+    do = _operand(_load_tile(do_base + rows64 * do_ss + dv[None, :], row_ok, dv_ok, not MASKED, DV_BLOCK == DV),
+                  DTYPE, DOT_F32)
+    dv_acc = tl.dot(_operand(p_t, DTYPE, DOT_F32), do, dv_acc, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = _operand(p_t * (dp_t - delta[None, :]), DTYPE, DOT_F32)
+    dk1 = tl.dot(ds_t, q1, dk1, input_precision=PRECISION)
+    dk2 = tl.dot(ds_t, q2, dk2, input_precision=PRECISION)
+    if PASS_LEN > 0:
+        dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
+    return dk1, dk2, dkp, dv_acc
+
+
+@triton.jit
 def rope_attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, do_sb, do_ss, do_sh,
@@ -183,13 +277,15 @@ def rope_attention_bwd_dkdv_kernel(
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """One program: BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that share them
-    (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S, BLOCK_N))."""
+    (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S, BLOCK_N)). Query tiles on the causal
+    diagonal or past S run with masks, the rest without."""
     pid_n = tl.program_id(1)
     bh = tl.program_id(0)
     b = (bh // HK).to(tl.int64)
     hk = (bh % HK).to(tl.int64)
     DTYPE = q_ptr.dtype.element_ty
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c0 = pid_n * BLOCK_N
+    cols = c0 + tl.arange(0, BLOCK_N)
     col_ok = cols < S
     cols64 = cols.to(tl.int64)[:, None]
     c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
@@ -200,48 +296,45 @@ def rope_attention_bwd_dkdv_kernel(
 
     tab_b = tab_ptr + b * t_sb
     k_rows = k_ptr + b * k_sb + hk * k_sh + cols64 * k_ss
-    k1, k2 = _load_rotated(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale, DTYPE, DOT_F32, ROTATE)
+    k1, k2 = _load_rotated(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale, False,
+                           HALF_BLOCK == ROT_HALF, DTYPE, DOT_F32, ROTATE)
+    kp = k1  # placeholder when there are no pass-through columns (never read)
     if PASS_LEN > 0:
-        kp = _load_pass(k_rows, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
-    v = _operand(tl.load(v_ptr + b * v_sb + hk * v_sh + cols64 * v_ss + dv[None, :],
-                         mask=col_ok[:, None] & dv_ok[None, :], other=0.0), DTYPE, DOT_F32)
+        kp = _load_pass(k_rows, col_ok, pc, pass_ok, k_scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+    v = _operand(_load_tile(v_ptr + b * v_sb + hk * v_sh + cols64 * v_ss + dv[None, :], col_ok, dv_ok, False,
+                            DV_BLOCK == DV), DTYPE, DOT_F32)
     dk1 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
     dk2 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
     dkp = tl.zeros([BLOCK_N, PASS_BLOCK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, DV_BLOCK], tl.float32)
-    start = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    full_rows = S // BLOCK_M * BLOCK_M
+    if CAUSAL:  # query tiles before the key tile see none of it; those that reach into it need the mask
+        start = c0 // BLOCK_M * BLOCK_M
+        diagonal_end = tl.minimum(tl.cdiv(c0 + BLOCK_N, BLOCK_M) * BLOCK_M, S)
+    else:
+        start = 0
+        diagonal_end = 0
+    tail = tl.maximum(diagonal_end, full_rows)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = q_ptr + b * q_sb + h * q_sh
         do_base = do_ptr + b * do_sb + h * do_sh
         stat = (b * HQ + h) * S
-        for m0 in range(start, S, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < S
-            rows64 = rows.to(tl.int64)[:, None]
-            q1, q2 = _load_rotated(q_base + rows64 * q_ss, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale,
-                                   DTYPE, DOT_F32, ROTATE)
-            s_t = tl.dot(k1, tl.trans(q1), input_precision=PRECISION)
-            s_t = tl.dot(k2, tl.trans(q2), s_t, input_precision=PRECISION)
-            if PASS_LEN > 0:
-                qp = _load_pass(q_base + rows64 * q_ss, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
-                s_t = tl.dot(kp, tl.trans(qp), s_t, input_precision=PRECISION)
-            lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
-            p_t = tl.math.exp2(s_t * qk_mult - lse2[None, :])
-            keep = row_ok[None, :] & col_ok[:, None]
-            if CAUSAL:
-                keep = keep & (rows[None, :] >= cols[:, None])
-            p_t = tl.where(keep, p_t, 0.0)
-            do = _operand(tl.load(do_base + rows64 * do_ss + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :],
-                                  other=0.0), DTYPE, DOT_F32)
-            dv_acc = tl.dot(_operand(p_t, DTYPE, DOT_F32), do, dv_acc, input_precision=PRECISION)
-            delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            ds_t = _operand(p_t * (dp_t - delta[None, :]), DTYPE, DOT_F32)
-            dk1 = tl.dot(ds_t, q1, dk1, input_precision=PRECISION)
-            dk2 = tl.dot(ds_t, q2, dk2, input_precision=PRECISION)
-            if PASS_LEN > 0:
-                dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
+        for m0 in range(start, diagonal_end, BLOCK_M):
+            dk1, dk2, dkp, dv_acc = _dkdv_tile(
+                k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
+                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
+                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION)
+        for m0 in range(diagonal_end, full_rows, BLOCK_M):
+            dk1, dk2, dkp, dv_acc = _dkdv_tile(
+                k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
+                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, False, CAUSAL,
+                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION)
+        for m0 in range(tail, S, BLOCK_M):
+            dk1, dk2, dkp, dv_acc = _dkdv_tile(
+                k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
+                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
+                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION)
     # d(loss)/d(q_r . k_r) = ln 2 * qk_mult * p * (dp - delta); then dk = k_scale * R(-theta) dk_r
     ds_scale = LN2 * qk_mult * k_scale
     dk_rows = dk_ptr + b * dk_sb + hk * dk_sh + cols64 * dk_ss
@@ -254,6 +347,35 @@ def rope_attention_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S, c1,
+             c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+             BLOCK_N: tl.constexpr, ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
+             PASS_BLOCK: tl.constexpr, DV: tl.constexpr, DV_BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+             DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile's contribution to a query tile's dq. Keys past S load as zeros and add nothing (``ds * k``
+    with k = 0), so only loads and the causal mask need ``MASKED``."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < S
+    cols64 = cols.to(tl.int64)[:, None]
+    s, k1, k2, kp = _scores(q1, q2, qp, k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, pc,
+                            pass_ok, k_scale, not MASKED, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE,
+                            DOT_F32, ROTATE, PRECISION)
+    p = tl.math.exp2(s * qk_mult - lse2[:, None])
+    if MASKED:
+        if CAUSAL:
+            p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
+    v = _operand(_load_tile(v_base + cols64 * v_ss + dv[None, :], col_ok, dv_ok, not MASKED, DV_BLOCK == DV), DTYPE,
+                 DOT_F32)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = _operand(p * (dp - delta[:, None]), DTYPE, DOT_F32)
+    dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION)
+    dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION)
+    if PASS_LEN > 0:
+        dqp = tl.dot(ds, kp, dqp, input_precision=PRECISION)
+    return dq1, dq2, dqp
+
+
+@triton.jit
 def rope_attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh,
@@ -263,7 +385,8 @@ def rope_attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """One program: dq for BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M))."""
+    """One program: dq for BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); key tiles
+    split as in the forward."""
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     bh = tl.program_id(0)
     b = (bh // HQ).to(tl.int64)
@@ -281,11 +404,13 @@ def rope_attention_bwd_dq_kernel(
 
     tab_b = tab_ptr + b * t_sb
     q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
-    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, DTYPE, DOT_F32, ROTATE)
+    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, False,
+                           HALF_BLOCK == ROT_HALF, DTYPE, DOT_F32, ROTATE)
+    qp = q1  # placeholder when there are no pass-through columns (never read)
     if PASS_LEN > 0:
-        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, DTYPE, DOT_F32)
-    do = _operand(tl.load(do_ptr + b * do_sb + h * do_sh + rows64 * do_ss + dv[None, :],
-                          mask=row_ok[:, None] & dv_ok[None, :], other=0.0), DTYPE, DOT_F32)
+        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+    do = _operand(_load_tile(do_ptr + b * do_sb + h * do_sh + rows64 * do_ss + dv[None, :], row_ok, dv_ok, False,
+                             DV_BLOCK == DV), DTYPE, DOT_F32)
     stat = bh.to(tl.int64) * S
     lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
     delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
@@ -294,31 +419,22 @@ def rope_attention_bwd_dq_kernel(
     dqp = tl.zeros([BLOCK_M, PASS_BLOCK], tl.float32)
     k_base = k_ptr + b * k_sb + hk * k_sh
     v_base = v_ptr + b * v_sb + hk * v_sh
-    end = tl.minimum((pid_m + 1) * BLOCK_M, S) if CAUSAL else S
-    for n0 in range(0, end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < S
-        cols64 = cols.to(tl.int64)[:, None]
-        k1, k2 = _load_rotated(k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale,
-                               DTYPE, DOT_F32, ROTATE)
-        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
-        s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-        if PASS_LEN > 0:
-            kp = _load_pass(k_base + cols64 * k_ss, col_ok, pc, pass_ok, k_scale, DTYPE, DOT_F32)
-            s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
-        p = tl.math.exp2(s * qk_mult - lse2[:, None])
-        keep = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (rows[:, None] >= cols[None, :])
-        p = tl.where(keep, p, 0.0)
-        v = _operand(tl.load(v_base + cols64 * v_ss + dv[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0),
-                     DTYPE, DOT_F32)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = _operand(p * (dp - delta[:, None]), DTYPE, DOT_F32)
-        dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION)
-        dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION)
-        if PASS_LEN > 0:
-            dqp = tl.dot(ds, kp, dqp, input_precision=PRECISION)
+    if CAUSAL:
+        interior = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
+        end = tl.minimum((pid_m + 1) * BLOCK_M, S)
+    else:
+        interior = S // BLOCK_N * BLOCK_N
+        end = S
+    for n0 in range(0, interior, BLOCK_N):
+        dq1, dq2, dqp = _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss,
+                                 v_ss, t_ss, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False,
+                                 CAUSAL, BLOCK_N, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE,
+                                 DOT_F32, ROTATE, PRECISION)
+    for n0 in range(interior, end, BLOCK_N):
+        dq1, dq2, dqp = _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss,
+                                 v_ss, t_ss, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True,
+                                 CAUSAL, BLOCK_N, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE,
+                                 DOT_F32, ROTATE, PRECISION)
     ds_scale = LN2 * qk_mult * q_scale
     dq_rows = dq_ptr + b * dq_sb + h * dq_sh + rows64 * dq_ss
     _store_unrotated(dq_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, dq1, dq2, ds_scale, ROTATE)

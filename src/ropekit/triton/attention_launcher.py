@@ -104,6 +104,8 @@ def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_sca
     if B * S * HQ == 0:
         return
     blocks = blocks or forward_blocks(q.device, D, v.shape[3])
+    if blocks.block_m % blocks.block_n:
+        raise ValueError(f"the forward's BLOCK_M must be a multiple of BLOCK_N, got {blocks}")
     args = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "o_ptr": o, "lse_ptr": lse,
             **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"),
             **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
