@@ -8,6 +8,7 @@ the run exercise the peer code path and check its cos/sin layout against ropekit
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
@@ -126,6 +127,19 @@ def test_registry_presets_expand():
     assert next(c for c in kv_decode if c.model == "qwen3-8b").qk_norm
     assert not next(c for c in kv_decode if c.model == "llama3-8b").qk_norm
     assert len({c.name for c in kv_decode}) == len(kv_decode)  # the cache dtype is part of the name
+    # RoPE fused into attention: GQA D128, MHA D64 and MLA (v head dim 128), causal and not, in "full" and alone.
+    attn = [c for c in full if c.modes == bench_cases.ATTN_MODES]
+    assert attn == bench_cases.expand_preset(registry, "attention")
+    assert {c.model for c in attn} == {"llama3-8b", "mha16-d64", "mla-rope"}
+    assert {c.causal for c in attn} == {True, False}
+    assert {(c.batch, c.seqlen) for c in attn} == {(8, 1024), (4, 4096), (1, 16384)} and len(attn) == 18
+    assert all(c.cache is None and c.positions == "range" and c.dtype == "bf16" for c in attn)
+    assert all(c.causal is None for c in full if c not in attn)
+    mla_attn = next(c for c in attn if c.model == "mla-rope")
+    assert (mla_attn.head_dim, mla_attn.value_dim, mla_attn.rotary_dim, mla_attn.rotary_at) == (192, 128, 64, "back")
+    assert next(c for c in attn if c.model == "llama3-8b").value_dim == 128
+    assert len({c.name for c in attn}) == len(attn)  # the mask is part of the name
+    assert {c.name.split("/")[4] for c in attn} == {"causal", "noncausal"}
 
 
 @pytest.mark.parametrize("group, error", [
@@ -144,6 +158,24 @@ def test_registry_rejects_bad_prologue_groups(group, error):
     registry = dict(registry, PRESETS={"p": [dict(base, **group)]})
     with pytest.raises(ValueError, match=error):
         bench_cases.expand_preset(registry, "p")
+
+
+@pytest.mark.parametrize("group, error", [
+    ({"modes": ["attn-fwd", "fwd"]}, "group of their own"),
+    ({"modes": ["fwd"]}, "'causal' applies to the attention modes"),
+    ({"causal": [1]}, "list of distinct booleans"),
+    ({"causal": []}, "list of distinct booleans"),
+    ({"positions": ["thd"]}, "attention modes take positions"),
+])
+def test_registry_rejects_bad_attention_groups(group, error):
+    registry = bench_cases.load_registry(str(REGISTRY))
+    base = {"name": "g", "models": ["tiny-mla"], "dtypes": ["bf16"], "styles": ["neox"], "positions": ["range"],
+            "causal": [True], "sizes": [[1, 64]], "modes": ["attn-fwd", "attn-fwdbwd"]}
+    registry = dict(registry, PRESETS={"p": [dict(base, **group)]})
+    with pytest.raises(ValueError, match=error):
+        bench_cases.expand_preset(registry, "p")
+    registry["PRESETS"]["p"] = [{k: v for k, v in base.items() if k != "causal"}]  # default: both masks
+    assert [c.causal for c in bench_cases.expand_preset(registry, "p")] == [False, True]
 
 
 @pytest.mark.parametrize("model, error", [
@@ -167,13 +199,16 @@ def _targets():
 
 
 def test_quick_preset_has_a_case_for_every_target():
+    """quick has a case for every target but the attention modes', which have a preset of their own."""
     registry = bench_cases.load_registry(str(REGISTRY))
-    cases = bench_cases.expand_preset(registry, "quick")
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
     for target in _targets():
+        preset = "attention" if target.mode in bench_cases.ATTN_MODES else "quick"
+        cases = bench_cases.expand_preset(registry, preset)
         rows = [run._row(env, c, m, target.impl, inputs.case_bytes(c)[m], impls.BASELINE[m])
                 for c in cases for m in c.modes]
         assert any(r["mode"] == target.mode and target.select(r) for r in rows), target.key
+    assert not any(set(c.modes) & set(bench_cases.ATTN_MODES) for c in bench_cases.expand_preset(registry, "quick"))
 
 
 def test_select_cases_filters_and_shards():
@@ -239,6 +274,120 @@ def test_bytes_model_matches_the_tensors(positions):
         assert len(set(inputs.varlen_lengths(3, 8))) > 1
 
 
+def _attention_case(causal=True, hq=4, hk=2, head_dim=48, v_head_dim=32, batch=2, seqlen=16, positions="range"):
+    return bench_cases.Case(group="t", family="t", model="tiny-mla", hq=hq, hk=hk, head_dim=head_dim, rotary_dim=16,
+                            rotary_at="back", base=10000.0, dtype="bf16", style="neox", positions=positions,
+                            batch=batch, seqlen=seqlen, modes=bench_cases.ATTN_MODES, causal=causal,
+                            v_head_dim=v_head_dim)
+
+
+def test_attention_flops_follow_the_formula():
+    """flops = 2 B Hq S^2 (D + Dv), half of it with the causal mask; fwd+bwd 3.5x the forward; none elsewhere."""
+    B, Hq, S, D, Dv = 8, 32, 1024, 128, 128
+    full = _attention_case(causal=False, hq=Hq, hk=8, head_dim=D, v_head_dim=Dv, batch=B, seqlen=S)
+    fwd = 2 * B * Hq * S * S * (D + Dv)
+    assert inputs.attention_flops(full) == {"attn-fwd": fwd, "attn-fwdbwd": 3.5 * fwd}
+    causal = inputs.attention_flops(_attention_case(causal=True, hq=Hq, hk=8, head_dim=D, v_head_dim=Dv, batch=B,
+                                                    seqlen=S))
+    assert causal == {"attn-fwd": fwd // 2, "attn-fwdbwd": 3.5 * fwd / 2}
+    mla = _attention_case(causal=False, hq=16, hk=16, head_dim=192, v_head_dim=128, batch=1, seqlen=16384)
+    assert inputs.attention_flops(mla)["attn-fwd"] == 2 * 16 * 16384**2 * (192 + 128)
+    assert inputs.attention_flops(dataclasses.replace(mla, v_head_dim=None))["attn-fwd"] == 2 * 16 * 16384**2 * 384
+    assert inputs.attention_flops(dataclasses.replace(full, causal=None)) == {}  # not an attention case
+    # the rows carry the count; the timed ones its rate: flops / (us * 1e-6) / 1e12
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    row = run._row(env, full, "attn-fwdbwd", "ropekit", 1, "rope+sdpa-cudnn")
+    assert row["flops"] == 3.5 * fwd and row["tflops"] == ""
+    run._record(row, {}, "ropekit", 2000.0)
+    assert float(row["tflops"]) == pytest.approx(3.5 * fwd / 2000e-6 / 1e12, rel=1e-3)
+    plain = run._row(env, dataclasses.replace(full, causal=None), "fwd", "ropekit", 100, "copy")
+    run._record(plain, {}, "ropekit", 1.0)
+    assert plain["flops"] == plain["tflops"] == ""
+
+
+@pytest.mark.parametrize("positions", ["range", "batch", "ids"])
+def test_attention_inputs_and_bytes(positions):
+    """The attention modes' tensors: fresh contiguous q [B, Hq, S, D], k [B, Hk, S, D] and v [B, Hk, S, Dv] (layout
+    bhsd); the bytes model reads q, k, v and writes o once (fwd+bwd: three times that)."""
+    import torch
+
+    case = _attention_case(positions=positions)
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    assert inp.layout == "bhsd" and inp.rope_kwargs()["layout"] == "bhsd"
+    assert (inp.q.shape, inp.k.shape, inp.v.shape) == ((2, 4, 16, 48), (2, 2, 16, 48), (2, 2, 16, 32))
+    assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (inp.q, inp.k, inp.v))
+    assert inputs.bytes_model(inp) == inputs.case_bytes(case)
+    qkvo = 2 * 16 * (4 * 48 + 2 * 48 + 2 * 32 + 4 * 32) * 2
+    nbytes = inputs.bytes_model(inp)
+    assert nbytes["attn-fwd"] >= qkvo and nbytes["attn-fwdbwd"] >= 3 * qkvo
+    assert nbytes["attn-fwdbwd"] - 3 * qkvo == 2 * (nbytes["attn-fwd"] - qkvo)  # positions, inv_freq: twice
+
+
+def test_attention_targets_divide_by_the_peer_named():
+    def row(case, mode, impl, us):
+        return dict(case=case, mode=mode, impl=impl, median_us=str(us), ratio_vs_copy="", tokens=8192)
+
+    rows = [row("a", "attn-fwd", "ropekit", 90), row("a", "attn-fwd", "rope+flex", 100),
+            row("a", "attn-fwd", "rope+sdpa-flash", 80), row("a", "attn-fwd", "rope+sdpa-cudnn", 95),
+            row("a", "attn-fwd", "sdpa-cudnn", 60), row("b", "attn-fwd", "ropekit", 50),
+            row("b", "attn-fwd", "rope+flex", 40), row("c", "attn-fwdbwd", "ropekit", 300),
+            row("c", "attn-fwdbwd", "rope+flex", 330)]  # "c" has no flash row (D != Dv): not counted there
+    results = {t["target"]: t for t in bench_targets.evaluate_targets(rows, _targets())}
+    flex = results["attn-fwd-vs-rope-flex"]
+    assert (flex["worst"], flex["case"], flex["cases"], flex["ok"]) == (1.25, "b", 2, False)
+    assert results["attn-fwd-vs-rope-flash"]["worst"] == pytest.approx(90 / 80)
+    assert results["attn-fwd-vs-rope-cudnn"]["ok"] is True and results["attn-fwd-vs-cudnn"]["ok"] is False
+    assert results["attn-fwdbwd-vs-rope-flex"]["ok"] is True and results["attn-fwdbwd-vs-rope-flash"]["ok"] is None
+    assert {t.limit for t in _targets() if t.mode in bench_cases.ATTN_MODES} == {1.0}
+    assert all(t.versus and t.text.split(":")[0] in ("required", "goal", "moonshot")
+               for t in _targets() if t.mode in bench_cases.ATTN_MODES)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_modes_run_through_the_harness_on_cpu(causal):
+    """Both attention modes of a tiny case on CPU, every implementation asked for: ropekit (rope_attention, its
+    float64 reference path) and the SDPA rows (torch's default backend on CPU) are built, checked where they
+    rotate and timed; flex is skipped with a reason, not a failure; tflops is the flops over the time."""
+    import torch
+
+    case = _attention_case(causal=causal, batch=1, seqlen=32)
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    device = torch.device("cpu")
+    timer = run.Timer(device)
+    calls = []
+
+    def cpu(fn):
+        calls.append(fn())
+        return 4.0
+
+    timer._cpu = cpu
+    rows = run.run_case(case, device, timer, None, env, None, lambda s: None)
+    assert {r["mode"] for r in rows} == set(bench_cases.ATTN_MODES) and calls
+    for mode in bench_cases.ATTN_MODES:
+        by_impl = {r["impl"]: r for r in rows if r["mode"] == mode}
+        assert set(by_impl) == {"rope+sdpa-cudnn", *impls.MODE_IMPLS[mode]}
+        assert impls.BASELINE[mode] == "rope+sdpa-cudnn" and by_impl["rope+sdpa-cudnn"]["ratio_vs_copy"] == "1.0000"
+        flops = inputs.attention_flops(case)[mode]
+        for name in ("ropekit", "rope+sdpa-cudnn", "sdpa-cudnn", "sdpa-flash", "rope+sdpa-flash"):
+            r = by_impl[name]
+            assert r["median_us"] == "4.000" and "failed" not in r["note"] and "MISMATCH" not in r["note"], r
+            assert r["flops"] == flops and float(r["tflops"]) == pytest.approx(flops / 4.0 / 1e6, rel=1e-3)
+            assert r["case"].split("/")[4] == ("causal" if causal else "noncausal")
+        assert by_impl["ropekit"]["max_rel_diff"] == "0.00e+00"
+        for name in ("rope+sdpa-cudnn", "rope+sdpa-flash"):  # the same function: o, or dq, dk and dv
+            assert float(by_impl[name]["max_rel_diff"]) < 1e-2, by_impl[name]
+            assert "default backend" in by_impl[name]["note"]
+        for name in ("sdpa-cudnn", "sdpa-flash"):  # attention alone computes another function: not checked
+            assert by_impl[name]["max_rel_diff"] == "" and "no RoPE" in by_impl[name]["note"]
+        for name in ("flex", "rope+flex"):
+            assert by_impl[name]["note"].startswith("skipped: flex_attention is timed on CUDA only")
+            assert not by_impl[name]["median_us"]
+    meta = dict(env, label=bench_env.SMOKE_LABEL)
+    table = report.format_table(rows, meta, [], markdown=True)
+    assert report.ATTN_INTRO in table and "| case | mode | TFLOP | baseline ms | ropekit |" in table
+    assert "baseline us" not in table  # no rows of the other modes: no empty grid for them
+
+
 def test_targets_take_the_worst_qualifying_row():
     def row(case, mode, impl, us, ratio, **kw):
         base = dict(case=case, mode=mode, impl=impl, median_us=str(us), ratio_vs_copy=str(ratio), tokens=4096,
@@ -288,7 +437,9 @@ def test_targets_come_from_the_registry_data(tmp_path):
     assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table",
                                            "mrope-fwd", "mrope-decode", "prologue-decode",
                                            "prologue-decode-vs-unfused", "prologue-prefill", "qk-norm-fwdbwd",
-                                           "qk-norm-vs-compile"}
+                                           "qk-norm-vs-compile",
+                                           *(f"attn-{m}-vs-{v}" for m in ("fwd", "fwdbwd")
+                                             for v in ("rope-flex", "rope-flash", "rope-cudnn", "cudnn"))}
     # Another registry file with other targets: the harness evaluates those, nothing built in.
     text = REGISTRY.read_text() + textwrap.dedent('''
         TARGETS = [{"key": "tiny-fwd", "what": "fwd of tiny shapes", "limit": 2.0, "mode": "fwd",
@@ -500,6 +651,13 @@ def test_smoke_csv_and_json_rows(smoke_run):
         if mode in impls.REFERENCE:  # the prologue: the fused op, the unfused code, checked and timed
             assert set(group) == {impls.BASELINE[mode], *impls.MODE_IMPLS[mode]} - {"unfused-compile"}
             assert all(r["median_us"] and r["max_rel_diff"] for r in group.values() if r is not base), group
+        elif mode in bench_cases.ATTN_MODES:  # rope_attention and its baseline, apply_rope + SDPA: checked
+            assert set(group) == {"rope+sdpa-cudnn", "ropekit"} and "/causal/" in case
+            assert float(base["max_rel_diff"]) < 1e-2 and rk["max_rel_diff"] == "0.00e+00"
+            for r in (base, rk):
+                flops = int(r["flops"])
+                assert flops == 2 * 4 * 64 * 64 * (48 + 32) // 2 * (1 if mode == "attn-fwd" else 3.5)
+                assert float(r["tflops"]) == pytest.approx(flops / float(r["median_us"]) / 1e6, rel=1e-2)
         else:
             assert "ropekit-table" in group
             if "/mrope/" in case:  # the yardstick of the M-RoPE targets runs in every multi-axis case
@@ -522,7 +680,7 @@ def test_smoke_csv_and_json_rows(smoke_run):
 def test_smoke_plots(smoke_run):
     pytest.importorskip("matplotlib")
     _, out, _ = smoke_run
-    for mode in ("fwd", "fwdbwd", "decode", "kv-decode", "kv-prefill", "norm-fwdbwd"):
+    for mode in ("fwd", "fwdbwd", "decode", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd"):
         png = _one(out, f"bench-*-cpu-smoke-{mode}.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 

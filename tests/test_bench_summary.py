@@ -42,6 +42,26 @@ def test_history_appends_runs_and_reads_them_back(tmp_path, name):
         report.append_history(bad, [_row()], "x.csv")
 
 
+def test_history_reads_and_extends_members_of_an_earlier_harness(tmp_path):
+    """A gzip history keeps the members an earlier harness wrote (fewer columns: before flops and tflops) and takes
+    today's after them; every row reads back with today's columns. A plain CSV has one header: no mixing."""
+    (legacy,) = report.LEGACY_HISTORY_FIELDS
+    old_row = {k: v for k, v in _row(source="old.csv").items() if k in legacy}
+    history = tmp_path / "all_runs.csv.gz"
+    with gzip.open(history, "wt", encoding="utf-8", newline="") as f:
+        f.write(",".join(legacy) + "\n" + ",".join(old_row[k] for k in legacy) + "\n")
+    report.append_history(history, [_row(mode="attn-fwd", flops="1000", tflops="2.5")], "new.csv")
+    got = report.read_history(history)
+    assert [list(r) for r in got] == [list(report.HISTORY_FIELDS)] * 2
+    assert [(r["source"], r["flops"], r["tflops"]) for r in got] == [("old.csv", "", ""), ("new.csv", "1000", "2.5")]
+    assert got[0]["median_us"] == "10.0" and got[1]["mode"] == "attn-fwd"
+    plain = tmp_path / "all_runs.csv"
+    plain.write_text(",".join(legacy) + "\n" + ",".join(old_row[k] for k in legacy) + "\n")
+    assert [r["source"] for r in report.read_history(plain)] == ["old.csv"]
+    with pytest.raises(ValueError, match="earlier harness's columns"):
+        report.append_history(plain, [_row()], "x.csv")
+
+
 def test_the_kept_history_has_the_harness_columns():
     rows = report.read_history(HISTORY)
     assert rows and list(rows[0]) == list(report.HISTORY_FIELDS)
@@ -75,6 +95,51 @@ def test_markdown_has_a_table_per_card_and_mode_and_a_line_per_target():
     assert "not measured" in decode
 
 
+def _attention_rows(gpu="NVIDIA H100 80GB HBM3"):
+    rows = []
+    for case in ("llama3-8b/bf16/neox/range/causal/8x1024", "mla-rope/bf16/neox/range/causal/8x1024"):
+        for impl, us in (("rope+sdpa-cudnn", 1000.0), ("ropekit", 900.0), ("sdpa-cudnn", 800.0),
+                         ("rope+flex", 1100.0)):
+            if impl == "rope+flex" and case.startswith("mla"):
+                continue  # skipped there (Dv != D): no time
+            rows.append(_row(case=case, mode="attn-fwd", impl=impl, gpu=gpu, source="a.csv", flops="600000000000",
+                             tflops=f"{6e11 / us / 1e6:.4g}", ratio=f"{us / 1000:.4f}"))
+            rows[-1]["median_us"] = str(us)
+    return rows
+
+
+def test_markdown_has_the_attention_targets_and_throughput():
+    targets = targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
+    rows = _attention_rows() + [_row(ratio="1.005", source="a.csv")]
+    page = summary.markdown(summary.newest_runs(rows), targets, "benchmarks/results/latest")
+    assert "### attn-fwd" in page and "### attn-fwdbwd" in page
+    assert page.index("### norm-fwdbwd") < page.index("### attn-fwd") < page.index("### attn-fwdbwd")
+    lines = page.splitlines()
+    flex = next(line for line in lines if line.startswith("| required: rope_attention fwd vs apply_rope + flex"))
+    assert "0.818" in flex and "**met**" in flex and "| 1 |" in flex  # 900 / 1100, the one case with a flex row
+    moon = next(line for line in lines if line.startswith("| moonshot: rope_attention fwd vs SDPA cuDNN"))
+    assert "1.125" in moon and "**missed**" in moon
+    assert "not measured" in next(line for line in lines if line.startswith("| required: rope_attention fwd+bwd"))
+    header = "| case | ropekit | rope+sdpa-cudnn | sdpa-cudnn | rope+flex |"
+    at = lines.index(header)
+    assert lines[at + 2] == "| llama3-8b/bf16/neox/range/causal/8x1024 | 666.7 (0.900) | 600 (1.000) | 750 (0.800) | " \
+                            "545.5 (1.100) |"
+    assert lines[at + 3].startswith("| mla-rope/bf16/neox/range/causal/8x1024 | 666.7 (0.900) |")
+    assert lines[at + 3].endswith(" | - |")  # no flex row there
+    assert header not in page.split("### attn-fwdbwd")[1]  # no rows of that mode: no throughput table
+
+
+def test_latest_csv_carries_flops_where_a_card_has_attention_rows(tmp_path):
+    rows = _attention_rows() + [_row(gpu="NVIDIA H200", source="h.csv")]
+    by_card = summary.newest_runs(rows)
+    summary.write_latest(by_card, tmp_path, plot=False)
+    h100 = (tmp_path / "h100" / "results.csv").read_text().splitlines()
+    h200 = (tmp_path / "h200" / "results.csv").read_text().splitlines()
+    assert h200[0] == ",".join(summary.LATEST_FIELDS)  # no attention rows: the columns stay as they were
+    assert h100[0] == ",".join(summary.latest_fields(by_card["NVIDIA H100 80GB HBM3"]))
+    assert ",gbps,flops,tflops,ratio_vs_copy," in h100[0] and len(h100) == len(by_card["NVIDIA H100 80GB HBM3"]) + 1
+
+
 def test_benchmarks_md_is_generated_from_the_kept_history():
     """BENCHMARKS.md is what ``python -m ropekit.bench.summary`` writes from the history (never edited by hand),
     and each card's kept rows are those of the history's newest runs."""
@@ -85,4 +150,4 @@ def test_benchmarks_md_is_generated_from_the_kept_history():
     for gpu, rows in by_card.items():
         latest = ROOT / "benchmarks" / "results" / "latest" / summary.card_slug(gpu) / "results.csv"
         kept = latest.read_text(encoding="utf-8").splitlines()
-        assert kept[0] == ",".join(summary.LATEST_FIELDS) and len(kept) == len(rows) + 1
+        assert kept[0] == ",".join(summary.latest_fields(rows)) and len(kept) == len(rows) + 1

@@ -16,16 +16,23 @@ and every mode it asks for, one run times:
   ``kv-prefill`` with a cold L2) against ``copy-kv`` (one Triton kernel moving the bytes it must move) and the
   unfused chain (``unfused-kv``: torch ``rms_norm``, ``apply_rope``, the cache scatter by indexing), and
   ``qk_norm_rope`` fwd+bwd (``ropekit-qk-norm``, mode ``norm-fwdbwd``) against ``copy-5pass`` and the unfused
-  PyTorch code eager and compiled (``unfused-eager``, ``unfused-compile``).
+  PyTorch code eager and compiled (``unfused-eager``, ``unfused-compile``);
+* RoPE fused into attention: ``rope_attention`` (``ropekit`` in modes ``attn-fwd`` and ``attn-fwdbwd``) against
+  ``ropekit.apply_rope`` followed by torch's SDPA on its cuDNN backend (``rope+sdpa-cudnn``, these modes' baseline)
+  or flash backend (``rope+sdpa-flash``) or by ``torch.compile(flex_attention)`` (``rope+flex``), and the same
+  attention without any rotation (``sdpa-cudnn``, ``sdpa-flash``, ``flex``: RoPE for free). Their rows also carry
+  the attention's ``flops`` and ``tflops``.
 
 Modes: ``fwd`` (``triton.testing.do_bench``, which zeroes a 256 MB buffer before every call, so every call starts
 with a cold L2), ``fwdbwd`` (forward + ``torch.autograd.grad``), ``decode`` (many calls captured in one CUDA
 graph per implementation, the case's graphs replayed in turn, time per call), ``host`` (``time.perf_counter``
-around many eager calls with no sync inside the loop). Times are medians.
+around many eager calls with no sync inside the loop), ``attn-fwd`` and ``attn-fwdbwd`` (as ``fwd`` and ``fwdbwd``,
+of attention over q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv], causal or not). Times are medians.
 
-Before timing, every implementation's output (fwdbwd: its gradients; KV modes: q and the written cache rows) is
-compared with ropekit's: ``max_rel_diff`` is ``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` (fp8
-cache rows: :data:`prologue.FP8_MISMATCH`) the row's note says ``MISMATCH``.
+Before timing, every implementation's output (fwdbwd: its gradients; KV modes: q and the written cache rows;
+attention: o, or the gradients of q, k and v, where it rotates) is compared with ropekit's: ``max_rel_diff`` is
+``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` (fp8 cache rows: :data:`prologue.FP8_MISMATCH`)
+the row's note says ``MISMATCH``.
 
 On a machine without CUDA the same code runs on CPU tensors (ropekit's float64 reference path; the Triton launcher
 needs ``TRITON_INTERPRET=1``) with a ``timeit`` timer: a smoke run of the harness, labelled
@@ -38,6 +45,7 @@ append-only CSV.
 Modules, one concern each: :mod:`.cases` (registry, case expansion and selection), :mod:`.env` (the environment
 stamp), :mod:`.inputs` (tensors and the bytes model), :mod:`.peers` (importing the peers), :mod:`.impls` (baselines,
 ropekit and peer builders), :mod:`.prologue` (the attention prologue's builders and the ``copy-kv`` kernel),
+:mod:`.attention` (RoPE fused into attention and its SDPA and flex_attention peers),
 :mod:`.timing` (timers), :mod:`.run` (the run loop), :mod:`.targets` (targets from the
 registry and their evaluation), :mod:`.report` (CSV, JSON, Markdown, history, the table), :mod:`.plots` (PNGs),
 :mod:`.cli` (options and :func:`main`).

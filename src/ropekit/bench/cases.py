@@ -18,13 +18,15 @@ from ropekit._spec import SECTION_LAYOUTS
 REGISTRY_FILE = Path(__file__).with_name("registry.py")
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
-MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd")
+MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd")
 KV_MODES = ("kv-decode", "kv-prefill")  # rope_kv_write: the case has K/V caches (its ``cache`` dtype)
-GRAD_MODES = ("fwdbwd", "norm-fwdbwd")  # timed with autograd on
+ATTN_MODES = ("attn-fwd", "attn-fwdbwd")  # rope_attention: the case has v and a mask (its ``causal`` flag)
+GRAD_MODES = ("fwdbwd", "norm-fwdbwd", "attn-fwdbwd")  # timed with autograd on
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # a KV cache holds the inputs' dtype or fp8 e4m3
 POSITION_KINDS = ("range", "offset", "batch", "ids", "thd", "mrope")
 KV_POSITION_KINDS = ("range", "offset", "batch", "ids")  # what rope_kv_write's bshd cache rows are indexed by
+ATTN_POSITION_KINDS = ("range", "offset", "batch", "ids", "mrope")  # rope_attention takes no packed sequences
 POSITION_OFFSET = 1000  # the int offset of positions="offset"
 MAX_CACHE_LEN = 4096  # per-sequence offsets of positions="batch" are drawn from [0, MAX_CACHE_LEN)
 
@@ -53,15 +55,26 @@ class Case:
     section_layout: str = "contiguous"  # the model's pair -> axis layout: "contiguous" (Qwen2-VL), "interleaved"
     qk_norm: bool = False  # the model normalises q and k per head before the rotation (Qwen3)
     cache: str | None = None  # KV modes: the caches' dtype (a CACHE_DTYPES name); None for the other modes
+    causal: bool | None = None  # attention modes: the causal mask or none; None for the other modes
+    v_head_dim: int | None = None  # the model's v head dim where it differs from head_dim (MLA); None: head_dim
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seqlen
 
     @property
+    def value_dim(self) -> int:
+        """v's head dim in the attention modes (Dv)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
     def _stem(self) -> str:
         stem = f"{self.model}/{self.dtype}/{self.style}/{self.positions}"
-        return stem if self.cache is None else f"{stem}/cache-{self.cache}"
+        if self.cache is not None:
+            stem = f"{stem}/cache-{self.cache}"
+        if self.causal is not None:
+            stem = f"{stem}/{'causal' if self.causal else 'noncausal'}"
+        return stem
 
     @property
     def name(self) -> str:
@@ -132,6 +145,7 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
             if mode not in MODES:
                 raise ValueError(f"group {group['name']!r}: unknown mode {mode!r} (modes: {MODES})")
         kv = _check_kv_group(group, modes)
+        masks = _check_attn_group(group, modes)
         for model_name in group["models"]:
             model = registry["MODELS"][model_name]
             if "norm-fwdbwd" in modes and not model.get("qk_norm"):
@@ -141,7 +155,7 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                 if dtype not in DTYPES:
                     raise ValueError(f"group {group['name']!r}: unknown dtype {dtype!r}")
                 caches = (group.get("caches") or [dtype]) if kv else [None]
-                for cache in caches:
+                for cache, causal in ((cache, causal) for cache in caches for causal in masks):
                     if kv and cache not in (dtype, "fp8"):
                         raise ValueError(f"group {group['name']!r}: a {dtype} case's caches are {dtype} or fp8, "
                                          f"not {cache!r}")
@@ -160,7 +174,8 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                     impls=tuple(group["impls"]) if group.get("impls") else None,
                                     sections=tuple(model["sections"]) if model.get("sections") else None,
                                     section_layout=model.get("section_layout", "contiguous"),
-                                    qk_norm=bool(model.get("qk_norm", False)), cache=cache)
+                                    qk_norm=bool(model.get("qk_norm", False)), cache=cache, causal=causal,
+                                    v_head_dim=model.get("v_head_dim"))
                                 _check_case(group["name"], case)
                                 fresh = tuple(m for m in modes if (case.name, m) not in seen)
                                 seen.update((case.name, m) for m in fresh)
@@ -183,6 +198,23 @@ def _check_kv_group(group: dict[str, Any], modes: tuple[str, ...]) -> bool:
     return bool(kv)
 
 
+def _check_attn_group(group: dict[str, Any], modes: tuple[str, ...]) -> list[bool | None]:
+    """The masks the group's cases cross: ``causal`` (default both) for a group of the attention modes, which go in
+    a group of their own (their cases have v and a mask, which the other modes would ignore and run twice); else
+    ``[None]``."""
+    attn = [m for m in modes if m in ATTN_MODES]
+    if attn and len(attn) != len(modes):
+        raise ValueError(f"group {group['name']!r}: attention modes {ATTN_MODES} go in a group of their own")
+    if "causal" in group and not attn:
+        raise ValueError(f"group {group['name']!r}: 'causal' applies to the attention modes {ATTN_MODES} only")
+    if not attn:
+        return [None]
+    masks = list(group.get("causal", [False, True]))
+    if not masks or not all(isinstance(m, bool) for m in masks) or len(set(masks)) != len(masks):
+        raise ValueError(f"group {group['name']!r}: 'causal' is a list of distinct booleans, got {masks!r}")
+    return masks
+
+
 def _check_case(group: str, case: Case) -> None:
     if case.positions == "mrope" and case.sections is None:
         raise ValueError(f"group {group!r}: positions 'mrope' needs a model with sections; {case.model!r} has none")
@@ -194,6 +226,11 @@ def _check_case(group: str, case: Case) -> None:
                          f"{case.rotary_dim // 2} (pairs per axis)")
     if case.cache is not None and case.positions not in KV_POSITION_KINDS:
         raise ValueError(f"group {group!r}: KV modes take positions {KV_POSITION_KINDS}, not {case.positions!r}")
+    if case.causal is not None and case.positions not in ATTN_POSITION_KINDS:
+        raise ValueError(f"group {group!r}: attention modes take positions {ATTN_POSITION_KINDS}, not "
+                         f"{case.positions!r}")
+    if case.v_head_dim is not None and case.v_head_dim <= 0:
+        raise ValueError(f"model {case.model!r}: v_head_dim must be positive, got {case.v_head_dim}")
     if "kv-decode" in case.modes and (case.seqlen != 1 or case.positions != "batch"):
         raise ValueError(f"group {group!r}: kv-decode is one token per sequence at its own position (positions "
                          f"'batch', sizes [B, 1]), not {case.positions!r} {case.batch}x{case.seqlen}")

@@ -1,6 +1,7 @@
 """Implementation builders: the baselines, ropekit's entry points and the peers, each prepared as a :class:`Bench`
 (what is timed, and fresh outputs for the check against ropekit). The attention prologue's (KV modes,
-norm-fwdbwd) are in :mod:`.prologue`, which :func:`build` dispatches to; what both build on is in :mod:`.base`."""
+norm-fwdbwd) are in :mod:`.prologue` and those of RoPE fused into attention (attn-fwd, attn-fwdbwd) in
+:mod:`.attention`, which :func:`build` dispatches to; what they all build on is in :mod:`.base`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from torch import Tensor
 
 from ._triton import tl, triton
+from .attention import ATTN_BASELINE, ATTN_IMPLS, build_attention
 from .base import Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device, compiled_per_case
 from .base import forget_compiles as forget_compiles  # the run loop calls it through this module
+from .cases import ATTN_MODES
 from .inputs import Inputs
 from .peers import Peers
 from .prologue import (
@@ -28,7 +31,8 @@ from .timing import _sync
 
 # The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
 BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_", "kv-decode": "copy-kv",
-            "kv-prefill": "copy-kv", "norm-fwdbwd": "copy-5pass"}
+            "kv-prefill": "copy-kv", "norm-fwdbwd": "copy-5pass", "attn-fwd": ATTN_BASELINE,
+            "attn-fwdbwd": ATTN_BASELINE}
 EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
 ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d")
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
@@ -40,12 +44,18 @@ MODE_IMPLS = {
     "kv-decode": PROLOGUE_KV_IMPLS,
     "kv-prefill": PROLOGUE_KV_IMPLS,
     "norm-fwdbwd": PROLOGUE_NORM_IMPLS,
+    "attn-fwd": ATTN_IMPLS,
+    "attn-fwdbwd": ATTN_IMPLS,
 }
 # The implementation every other one of a mode is checked against (its outputs are the reference).
 REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm"}
 
 
-def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int]) -> Bench:
+def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | None = None) -> Bench:
+    """The baseline ``name`` of ``mode`` (the copies need only the bytes; the attention modes' baseline times the
+    same work as the implementations, forward or forward and backward)."""
+    if name == ATTN_BASELINE:
+        return build_attention(name, inp, mode)
     if name == "copy":
         return _flat_copy(inp, nbytes["fwd"])
     if name == "copy-4pass":
@@ -293,6 +303,8 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
 
 
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
+    if mode in ATTN_MODES:  # "ropekit" there is rope_attention
+        return build_attention(name, inp, mode)
     if name in PROLOGUE_IMPLS:
         return build_prologue(name, inp, mode)
     if name in ROPEKIT_IMPLS:

@@ -1,6 +1,7 @@
-"""Inputs and the bytes model: the tensors of a case, shared by every implementation, and the bytes each mode must
-move at the least. KV modes add v and the K/V caches (q, k and v are views of one packed QKV buffer, as a fused
-projection gives them); cases of a model with ``qk_norm`` add the norms' weights."""
+"""Inputs, the bytes model and the flops model: the tensors of a case, shared by every implementation, the bytes
+each mode must move at the least and the attention modes' flops. KV modes add v and the K/V caches (q, k and v are
+views of one packed QKV buffer, as a fused projection gives them); the attention modes take q, k and v as separate
+[B, H, S, D] tensors (layout "bhsd"); cases of a model with ``qk_norm`` add the norms' weights."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class Inputs:
     case: Case
     device: torch.device
     dtype: torch.dtype
-    layout: str  # "bshd" or "thd"
+    layout: str  # "bshd" or "thd"; "bhsd" in the attention modes
     q: Tensor
     k: Tensor
     positions: Any  # what apply_rope's ``positions`` gets: None, an int or a tensor
@@ -40,7 +41,8 @@ class Inputs:
     pair_axis: Tensor | None = None  # positions="mrope": the axis of each pair
     q_weight: Tensor | None = None  # models with qk_norm: the norms' weights [D] in the input dtype
     k_weight: Tensor | None = None
-    v: Tensor | None = None  # KV modes: v [B, S, Hk, D] (q, k, v: views of one packed [B, S, (Hq + 2 Hk) D] buffer)
+    v: Tensor | None = None  # KV modes: v [B, S, Hk, D] (q, k, v: views of one packed [B, S, (Hq + 2 Hk) D] buffer);
+    # attention modes: v [B, Hk, S, Dv] beside q [B, Hq, S, D] and k [B, Hk, S, D], three contiguous tensors
     k_cache: Tensor | None = None  # KV modes: bshd caches [B, max_len, Hk, D] in the case's cache dtype
     v_cache: Tensor | None = None
     cache_scale: Tensor | None = None  # fp8 caches: a 0-d fp32 tensor (the same for k and v)
@@ -137,7 +139,11 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
     layout = "thd" if case.positions == "thd" else "bshd"
     lead = (B * S,) if layout == "thd" else (B, S)
     v = None
-    if case.cache is None:
+    if case.causal is not None:  # attention: fresh [B, H, S, D] tensors, v with its own head dim
+        layout = "bhsd"
+        q, k, v = _randn(device, seed, (B, case.hq, S, D), (B, case.hk, S, D), (B, case.hk, S, case.value_dim),
+                         dtype=dtype)
+    elif case.cache is None:
         q, k = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), dtype=dtype)
     else:  # one packed QKV projection output; q, k and v are views of it (the op reads them in place)
         (qkv,) = _randn(device, seed, (B, S, (case.hq + 2 * case.hk) * D), dtype=dtype)
@@ -221,7 +227,30 @@ def case_bytes(case: Case) -> dict[str, int]:
     fwd = 2 * qk + extra
     kv_write = 2 * q + 2 * kv + 2 * kv // elem * cache_elem + extra + weights + (8 if case.cache == "fp8" else 0)
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
-            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights}
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(case, qk, extra)}
+
+
+def _attention_bytes(case: Case, qk: int, extra: int) -> dict[str, int]:
+    """The attention modes' bytes (:func:`bytes_model`): ``qk`` the bytes of q and k, ``extra`` the position data
+    and ``inv_freq``."""
+    elem = DTYPES[case.dtype].itemsize
+    vo = case.tokens * (case.hk + case.hq) * case.value_dim * elem  # v read, o written
+    fwd = qk + vo + extra
+    return {"attn-fwd": fwd, "attn-fwdbwd": 3 * (qk + vo) + 2 * extra}
+
+
+def attention_flops(case: Case) -> dict[str, int]:
+    """Floating-point operations of the attention modes, the figure ``tflops`` divides by the time (the same for
+    every implementation of a case; empty for the other cases): the two products of the forward, ``q k^T`` and
+    ``p v``, are ``2 B Hq S^2 D`` and ``2 B Hq S^2 Dv``, halved with the causal mask (the convention of
+    flash-attention's benchmarks); fwd+bwd counts 3.5 times the forward (the backward's five products are 2.5
+    times its two). The rotation's few flops per element are not counted."""
+    if case.causal is None:
+        return {}
+    fwd = 2 * case.batch * case.hq * case.seqlen * case.seqlen * (case.head_dim + case.value_dim)
+    if case.causal:
+        fwd //= 2
+    return {"attn-fwd": fwd, "attn-fwdbwd": fwd * 7 // 2}
 
 
 def _randn(device: torch.device, seed: int, *shapes: tuple[int, ...], dtype: torch.dtype) -> list[Tensor]:
@@ -243,6 +272,12 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     * ``norm-fwdbwd`` (``qk_norm_rope`` through autograd): 5 passes over q and k (the forward reads and writes them;
       the backward reads the output gradients and the inputs and writes the input gradients), the position data
       and ``inv_freq`` twice, and the weights three times (read twice, their gradients written).
+    * ``attn-fwd`` (``rope_attention``): q, k and v read once, o ``[B, Hq, S, Dv]`` written, plus the position data
+      and ``inv_freq`` (the S x S scores never leave the chip; the row statistics are not counted).
+    * ``attn-fwdbwd``: three times the tensors' bytes (the backward reads q, k, v, o and the gradient of o and writes
+      the gradients of q, k and v), the position data and ``inv_freq`` twice.
+
+    Every figure is of the case's shapes (v and o by the case's ``value_dim``), whatever the tensors of ``inp``.
     """
     elem = inp.q.element_size()
     q, k = inp.q.numel() * elem, inp.k.numel() * elem
@@ -254,8 +289,8 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     weights = sum(w.numel() * w.element_size() for w in (inp.q_weight, inp.k_weight) if w is not None)
     cache_elem = inp.dtype.itemsize if inp.k_cache is None else inp.k_cache.element_size()
     scales = 0 if inp.cache_scale is None else 2 * inp.cache_scale.numel() * inp.cache_scale.element_size()
-    v = k if inp.v is None else inp.v.numel() * elem
+    v = k if inp.k_cache is None else inp.v.numel() * elem  # KV modes; the attention modes count v below
     kv_write = 2 * q + k + v + (k + v) // elem * cache_elem + extra + weights + scales
     fwd = 2 * qk + extra
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
-            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights}
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(inp.case, qk, extra)}

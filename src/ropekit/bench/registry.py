@@ -8,7 +8,8 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``sections`` (M-RoPE pairs per
     axis, for positions "mrope") and ``section_layout`` ("contiguous", the default, or "interleaved" as Qwen3-VL),
     ``qk_norm`` (True: per-head RMSNorm of q and k before the rotation, as Qwen3;
-    the prologue modes normalise, and norm-fwdbwd needs it), ``about`` (one line).
+    the prologue modes normalise, and norm-fwdbwd needs it), ``v_head_dim`` (the attention modes' v head dim,
+    as MLA's 128 beside a q/k head dim of 192; default: head_dim), ``about`` (one line).
 ``SIZES``
     name -> list of ``[batch, seqlen]`` pairs. Tokens = batch * seqlen. Decode sizes are ``[batch, 1]``: one new
     token for each of ``batch`` sequences, each at its own cache length.
@@ -17,7 +18,9 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     runs every resulting case in each of its ``modes``. ``sizes`` is a ``SIZES`` name or an explicit list. An
     optional ``impls`` list restricts the implementations (baselines always run). A group's ``name`` is what
     ``--cases`` selects. Groups of the KV modes (kv-decode, kv-prefill; no other modes in the group) also cross
-    ``caches``: the K/V caches' dtype, the inputs' dtype or "fp8" (default: the inputs' dtype).
+    ``caches``: the K/V caches' dtype, the inputs' dtype or "fp8" (default: the inputs' dtype). Groups of the
+    attention modes (attn-fwd, attn-fwdbwd; no other modes in the group) also cross ``causal``: a list of
+    booleans (default ``[False, True]``); the case name says ``causal`` or ``noncausal``.
 ``TARGETS``
     list of goals the printed table ends with (GPU runs only). Each is the worst ratio over the rows that qualify
     and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
@@ -44,7 +47,14 @@ Values:
                              sequence at a random position), replayed from a CUDA graph
                "kv-prefill"  rope_kv_write of [B, S, H, D] tokens (e.g. positions "offset"), cold L2, one call
                "norm-fwdbwd" qk_norm_rope forward + backward through autograd (gradients of q, k and both weights)
+               RoPE fused into attention (ropekit.rope_attention; q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]
+               in layout "bhsd"; positions other than "thd"), against torch's SDPA (cuDNN, flash) and
+               flex_attention, each alone and after ropekit.apply_rope; baseline "rope+sdpa-cudnn":
+               "attn-fwd"    the forward, cold L2, one call
+               "attn-fwdbwd" forward + backward through autograd with a fixed random gradient of o (dq, dk, dv)
+               Their rows carry ``flops`` (2 B Hq S^2 (D + Dv), half of it causal; fwd+bwd 3.5x) and ``tflops``.
     caches     "bf16", "fp16", "fp32" (the inputs' dtype), "fp8" (float8_e4m3fn with a 0-d fp32 tensor scale)
+    causal     True (query i attends to keys 0..i, top-left aligned as SDPA's is_causal), False (no mask)
 """
 
 MODELS = {
@@ -57,7 +67,9 @@ MODELS = {
     "hd256": {"hq": 16, "hk": 8, "head_dim": 256, "base": 10000.0,
               "about": "head_dim 256, 16 / 8 heads (Gemma-2-9B class)"},
     "mla-rope": {"hq": 16, "hk": 16, "head_dim": 192, "rotary_dim": 64, "rotary_at": "back", "base": 10000.0,
-                 "about": "MLA-style heads (DeepSeek-V2-Lite): D 192 = 128 pass-through + 64 rotated at the back"},
+                 "v_head_dim": 128,
+                 "about": "MLA-style heads (DeepSeek-V2-Lite): D 192 = 128 pass-through + 64 rotated at the back, "
+                          "v head dim 128"},
     "qwen3-8b": {"hq": 32, "hk": 8, "head_dim": 128, "base": 1000000.0, "qk_norm": True,
                  "about": "Qwen3-8B: GQA 32 / 8 heads, D 128, per-head RMSNorm of q and k before RoPE"},
     "qwen2-vl-7b": {"hq": 28, "hk": 4, "head_dim": 128, "base": 1000000.0, "sections": [16, 24, 24],
@@ -73,6 +85,9 @@ MODELS = {
                   "about": "CPU smoke only: half the head rotated at the back"},
     "tiny-qknorm": {"hq": 4, "hk": 2, "head_dim": 32, "base": 1000000.0, "qk_norm": True,
                     "about": "CPU smoke only: per-head RMSNorm of q and k (a tiny Qwen3)"},
+    "tiny-mla": {"hq": 4, "hk": 2, "head_dim": 48, "rotary_dim": 16, "rotary_at": "back", "v_head_dim": 32,
+                 "base": 10000.0,
+                 "about": "CPU smoke only: GQA 4 / 2 heads, D 48 rotated at the back (16), v head dim 32 (as MLA)"},
 }
 
 SIZES = {
@@ -88,15 +103,21 @@ SIZES = {
     "prefill-1seq": [[1, 2048], [1, 4096], [1, 8192], [1, 16384], [1, 32768]],
     # training batches of 4k-token sequences for qk_norm_rope fwd+bwd
     "train": [[4, 4096], [8, 4096], [16, 4096]],
+    # RoPE fused into attention: 8k-16k tokens as 1k, 4k and 16k-token sequences (the S^2 work grows 16x per step)
+    "attention": [[8, 1024], [4, 4096], [1, 16384]],
 }
 
 _BF16_NEOX = {"dtypes": ["bf16"], "styles": ["neox"]}
 # The attention prologue at Llama-3-8B and Qwen3-8B shapes (without and with the per-head norm).
 _PROLOGUE = {"models": ["llama3-8b", "qwen3-8b"], **_BF16_NEOX}
+# RoPE fused into attention at GQA D128, MHA D64 and MLA (D 192, rotary 64 at the back, v 128) shapes.
+_ATTENTION = {"name": "attention", "models": ["llama3-8b", "mha16-d64", "mla-rope"], **_BF16_NEOX,
+              "positions": ["range"], "causal": [False, True], "sizes": "attention",
+              "modes": ["attn-fwd", "attn-fwdbwd"]}
 
 PRESETS = {
-    # One representative case per target; about 3-4 minutes on an H100 (an estimate: 2-3 before the prologue's
-    # cases; most of it torch.compile of the peers).
+    # One representative case per target (but the attention modes': preset "attention"); about 3-4 minutes on an
+    # H100 (an estimate: 2-3 before the prologue's cases; most of it torch.compile of the peers).
     "quick": [
         {"name": "fwd-large", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"],
          "sizes": [[8, 4096]], "modes": ["fwd"]},
@@ -150,7 +171,11 @@ PRESETS = {
          "sizes": "prefill-1seq", "modes": ["kv-prefill"]},
         {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"], "sizes": "train",
          "modes": ["norm-fwdbwd"]},
+        # RoPE fused into attention: rope_attention against SDPA (cuDNN, flash) and flex_attention.
+        _ATTENTION,
     ],
+    # RoPE fused into attention alone (the "attention" group of "full"): 18 cases x 2 modes, 7 implementations each.
+    "attention": [_ATTENTION],
     # CPU smoke run of the harness itself (TRITON_INTERPRET=1): tiny shapes, not a performance figure.
     "smoke": [
         {"name": "smoke-mrope", "models": ["tiny", "tiny-interleaved"], "dtypes": ["bf16"], "styles": ["neox"],
@@ -169,6 +194,8 @@ PRESETS = {
          "positions": ["offset"], "caches": ["fp8"], "sizes": [[1, 16]], "modes": ["kv-prefill"]},
         {"name": "smoke-qk-norm", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"],
          "positions": ["range"], "sizes": [[2, 8]], "modes": ["norm-fwdbwd"]},
+        {"name": "smoke-attention", "models": ["tiny-mla"], "dtypes": ["bf16"], "styles": ["neox"],
+         "positions": ["range"], "causal": [True], "sizes": [[1, 64]], "modes": ["attn-fwd", "attn-fwdbwd"]},
     ],
 }
 
@@ -201,4 +228,23 @@ TARGETS = [
      "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "where": {"tokens": [32768, None]}},
     {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
      "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
+    # RoPE fused into attention (rope_attention). Tiers in the text: required (ahead of the unfused chains a user
+    # can write with flash or flex), goal (ahead of the unfused chain with cuDNN, the baseline), moonshot (RoPE for
+    # free: as fast as cuDNN's attention without any rotation).
+    {"key": "attn-fwd-vs-rope-flex", "what": "required: rope_attention fwd vs apply_rope + flex_attention",
+     "limit": 1.0, "mode": "attn-fwd", "versus": "rope+flex"},
+    {"key": "attn-fwd-vs-rope-flash", "what": "required: rope_attention fwd vs apply_rope + SDPA flash",
+     "limit": 1.0, "mode": "attn-fwd", "versus": "rope+sdpa-flash"},
+    {"key": "attn-fwd-vs-rope-cudnn", "what": "goal: rope_attention fwd vs apply_rope + SDPA cuDNN",
+     "limit": 1.0, "mode": "attn-fwd", "versus": "rope+sdpa-cudnn"},
+    {"key": "attn-fwd-vs-cudnn", "what": "moonshot: rope_attention fwd vs SDPA cuDNN without RoPE",
+     "limit": 1.0, "mode": "attn-fwd", "versus": "sdpa-cudnn"},
+    {"key": "attn-fwdbwd-vs-rope-flex", "what": "required: rope_attention fwd+bwd vs apply_rope + flex_attention",
+     "limit": 1.0, "mode": "attn-fwdbwd", "versus": "rope+flex"},
+    {"key": "attn-fwdbwd-vs-rope-flash", "what": "required: rope_attention fwd+bwd vs apply_rope + SDPA flash",
+     "limit": 1.0, "mode": "attn-fwdbwd", "versus": "rope+sdpa-flash"},
+    {"key": "attn-fwdbwd-vs-rope-cudnn", "what": "goal: rope_attention fwd+bwd vs apply_rope + SDPA cuDNN",
+     "limit": 1.0, "mode": "attn-fwdbwd", "versus": "rope+sdpa-cudnn"},
+    {"key": "attn-fwdbwd-vs-cudnn", "what": "moonshot: rope_attention fwd+bwd vs SDPA cuDNN without RoPE",
+     "limit": 1.0, "mode": "attn-fwdbwd", "versus": "sdpa-cudnn"},
 ]

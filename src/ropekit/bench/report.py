@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .attention import ATTN_BASELINE, ATTN_IMPLS
+from .cases import ATTN_MODES
 from .env import PERF_LABEL
 from .impls import BASELINE, EXTRA_BASELINES, PEER_IMPLS, PROLOGUE_IMPLS, ROPEKIT_IMPLS
 
@@ -17,10 +19,18 @@ NO_TARGETS_LINE = "Targets not evaluated: CPU timings are not performance figure
 
 ROW_FIELDS = (
     "gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes", "median_us",
-    "gbps", "ratio_vs_copy", "baseline", "model", "dtype", "style", "positions", "batch", "seqlen", "hq", "hk",
-    "head_dim", "rotary_dim", "rotary_at", "max_rel_diff", "label", "note", "impl_version",
+    "gbps", "flops", "tflops", "ratio_vs_copy", "baseline", "model", "dtype", "style", "positions", "batch",
+    "seqlen", "hq", "hk", "head_dim", "rotary_dim", "rotary_at", "max_rel_diff", "label", "note", "impl_version",
 )
 HISTORY_FIELDS = (*ROW_FIELDS, "source")  # the columns of --history FILE (benchmarks/results/all_runs.csv.gz)
+# The history columns of earlier harnesses, newest first: a gzip history keeps the members they wrote (each with its
+# header) and takes new members after them; their rows read back with the columns they lack empty.
+LEGACY_HISTORY_FIELDS = (
+    # before the attention modes' flops and tflops
+    ("gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes", "median_us",
+     "gbps", "ratio_vs_copy", "baseline", "model", "dtype", "style", "positions", "batch", "seqlen", "hq", "hk",
+     "head_dim", "rotary_dim", "rotary_at", "max_rel_diff", "label", "note", "impl_version", "source"),
+)
 
 
 def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
@@ -43,16 +53,22 @@ def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
 def append_history(history: Path, rows: list[dict[str, Any]], source: str) -> Path:
     """Append ``rows`` to the append-only history (``benchmarks/results/all_runs.csv.gz``: the results CSV's columns
     plus ``source``, the file the rows were first written to). A ``.gz`` history gets one gzip member per run,
-    header included (members read back as one stream, :func:`read_history`); a plain CSV gets its header once."""
+    header included (members read back as one stream, :func:`read_history`; members of an earlier harness's
+    columns, :data:`LEGACY_HISTORY_FIELDS`, stay as they are); a plain CSV gets its header once, so it must have
+    today's columns."""
     history.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=HISTORY_FIELDS, extrasaction="ignore", lineterminator="\n")
     gz = history.suffix == ".gz"
     new = not history.is_file() or history.stat().st_size == 0
     if not new:
-        header = _lines(read_text(history), 1)
-        if header != [",".join(HISTORY_FIELDS)]:
-            raise ValueError(f"{history}: its header is not the results columns plus 'source'; not appending")
+        (header,) = _lines(read_text(history), 1)
+        if header != ",".join(HISTORY_FIELDS):
+            legacy = header in {",".join(fields) for fields in LEGACY_HISTORY_FIELDS}
+            if not (gz and legacy):
+                raise ValueError(f"{history}: its header is not the results columns plus 'source'"
+                                 + ("" if not legacy else " (an earlier harness's columns: a plain CSV has one "
+                                    "header, so start a new file, or keep the history as .gz)") + "; not appending")
     if gz or new:
         writer.writeheader()
     writer.writerows(dict(r, source=source) for r in rows)
@@ -76,21 +92,31 @@ def _lines(text: str, n: int) -> list[str]:
 
 def read_history(history: Path) -> list[dict[str, Any]]:
     """Every row of the history (a CSV, or a gzip of one whose members were appended run by run, each with its
-    header)."""
-    header = ",".join(HISTORY_FIELDS)
-    parts = re.split(f"^{re.escape(header)}\r?\n", read_text(history), flags=re.MULTILINE)
+    header), with today's columns (:data:`HISTORY_FIELDS`; those an earlier harness's member lacks are empty)."""
+    headers = [",".join(fields) for fields in (HISTORY_FIELDS, *LEGACY_HISTORY_FIELDS)]
+    pattern = "^(" + "|".join(re.escape(h) for h in headers) + ")\r?\n"
+    parts = re.split(pattern, read_text(history), flags=re.MULTILINE)  # [before, header, body, header, body, ...]
     if parts[0].strip():
         raise ValueError(f"{history}: does not start with the results columns plus 'source'")
     rows: list[dict[str, Any]] = []
-    for part in parts[1:]:
-        rows += csv.DictReader(io.StringIO(header + "\n" + part))
+    for header, body in zip(parts[1::2], parts[2::2]):
+        for row in csv.DictReader(io.StringIO(header + "\n" + body)):
+            rows.append({k: row.get(k, "") for k in HISTORY_FIELDS})
     return rows
+
+
+ATTN_INTRO = ("attention modes: baseline ms = median milliseconds of rope+sdpa-cudnn (ropekit.apply_rope, then "
+              "SDPA's cuDNN backend); Nx = time / baseline time; TF/s = flops / time, flops = 2 B Hq S^2 (D + Dv), "
+              "half of it causal, fwd+bwd 3.5x the forward; sdpa-*, flex: attention alone, no RoPE")
 
 
 def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list[dict[str, Any]],
                  markdown: bool = False) -> str:
     """The short table: a line per (case, mode) with the mode's baseline time, then a column per implementation
-    with its ratio to that baseline (Markdown: time and ratio), then the targets."""
+    with its ratio to that baseline (Markdown: time and ratio); the attention modes in a grid of their own (with
+    TFLOP/s); then the targets."""
+    attn_rows = [r for r in rows if r["mode"] in ATTN_MODES]
+    rows = [r for r in rows if r["mode"] not in ATTN_MODES]
     order = [*ROPEKIT_IMPLS, *PROLOGUE_IMPLS, *PEER_IMPLS, *(n for v in EXTRA_BASELINES.values() for n in v)]
     timed = {r["impl"] for r in rows if r["median_us"]}
     impls = [i for i in order if i in timed]  # "copy" is also decode's reference row
@@ -131,8 +157,12 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
              "Nx = time / baseline time; exact/table = ropekit / ropekit-table")
     label = f"**{meta['label']}**" if markdown else f"*** {meta['label']} ***"
     out = [label] if meta["label"] != PERF_LABEL else []
-    out += [head, intro, ""]
-    out += _grid(header, lines_data, markdown)
+    out.append(head)
+    if rows or not attn_rows:
+        out += [intro, ""]
+        out += _grid(header, lines_data, markdown)
+    if attn_rows:
+        out += (["", ATTN_INTRO, ""] if rows else [ATTN_INTRO, ""]) + _attention_grid(attn_rows, markdown)
     if meta["label"] == PERF_LABEL:
         out += ["", "Targets (worst ratio over the qualifying ropekit rows):", ""]
         out += _grid(t_header, t_rows, markdown)
@@ -141,6 +171,41 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
     if meta["label"] != PERF_LABEL:
         out += ["", label]
     return "\n".join(out) + "\n"
+
+
+def _tf(value: Any) -> str:
+    return f"{float(value):.3g}"
+
+
+def _attention_grid(rows: list[dict[str, Any]], markdown: bool) -> list[str]:
+    """A line per (case, mode) of the attention modes: the flops, the baseline's time, then a column per
+    implementation with its ratio to the baseline and its TFLOP/s (Markdown: time too)."""
+    timed = {r["impl"] for r in rows if r["median_us"]}
+    impls = [i for i in ATTN_IMPLS if i in timed]
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["case"], r["mode"]), {})[r["impl"]] = r
+    data = []
+    for (case, mode), by_impl in groups.items():
+        first = next(iter(by_impl.values()))
+        base = by_impl.get(ATTN_BASELINE)
+        base_cell = f"{ATTN_BASELINE} -"
+        if base and base["median_us"]:
+            base_cell = f"{ATTN_BASELINE} {float(base['median_us']) / 1e3:.3f} ({_tf(base['tflops'])} TF/s)"
+        cells = [case, mode, _tf(int(first["flops"]) / 1e12) if first["flops"] else "-", base_cell]
+        for impl in impls:
+            r = by_impl.get(impl)
+            if r is None or not r["median_us"]:
+                cells.append("-")
+                continue
+            ms, tf = float(r["median_us"]) / 1e3, _tf(r["tflops"]) if r["tflops"] else "-"
+            ratio = f"{float(r['ratio_vs_copy']):.3f}x" if r["ratio_vs_copy"] else ""
+            if markdown:
+                cells.append(f"{ms:.3f} ms, {tf} TF/s" + (f" ({ratio})" if ratio else ""))
+            else:
+                cells.append(f"{ratio or f'{ms:.3f}ms'} {tf}TF")
+        data.append(cells)
+    return _grid(["case", "mode", "TFLOP", "baseline ms", *impls], data, markdown)
 
 
 def _grid(header: list[str], data: list[list[str]], markdown: bool) -> list[str]:

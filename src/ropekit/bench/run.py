@@ -22,7 +22,7 @@ from .impls import (
     build_baseline,
     forget_compiles,
 )
-from .inputs import Inputs, bytes_model, make_inputs
+from .inputs import Inputs, attention_flops, bytes_model, make_inputs
 from .peers import Peers
 from .timing import Timer, cycling
 
@@ -136,6 +136,10 @@ def _agreement(outs: list[torch.Tensor], refs: tuple[torch.Tensor, ...],
 def _impl_version(name: str, peers: Peers, env: dict[str, Any]) -> str:
     if name.startswith("ropekit"):
         return f"ropekit {env['ropekit']}"
+    if name.startswith("rope+"):  # ropekit.apply_rope, then torch's attention
+        return f"ropekit {env['ropekit']} + " + _impl_version(name.removeprefix("rope+"), peers, env)
+    if name == "sdpa-cudnn" and not env["gpu"].startswith("none") and torch.backends.cudnn.is_available():
+        return f"torch {env['torch']}, cuDNN {torch.backends.cudnn.version()}"
     if name.startswith("unfused"):  # the prologue's PyTorch code (around ropekit.apply_rope for unfused-kv)
         return f"torch {env['torch']}"
     if name == "copy-kv":
@@ -165,7 +169,7 @@ def _try_build(make: Callable[..., Any], *args: Any) -> Any:
 def _build(name: str, is_baseline: bool, inp: Inputs, mode: str, peers: Peers, nbytes: dict[str, int]) -> Any:
     """The :class:`Bench` of baseline or implementation ``name`` on ``inp``, or a string saying why not."""
     if is_baseline:
-        return _try_build(build_baseline, name, inp, nbytes)
+        return _try_build(build_baseline, name, inp, nbytes, mode)
     return _try_build(build, name, inp, mode, peers)
 
 
@@ -185,6 +189,8 @@ def _record(row: dict[str, Any], times: dict[str, float], name: str, us: float) 
     row["median_us"] = f"{us:.3f}"
     if row["mode"] != "host":
         row["gbps"] = f"{row['bytes'] / us / 1e3:.4g}"
+    if row["flops"]:  # the attention modes: flops / (us * 1e-6) / 1e12
+        row["tflops"] = f"{int(row['flops']) / us / 1e6:.4g}"
 
 
 def _recover(device: torch.device) -> None:
@@ -197,7 +203,8 @@ def _row(env: dict[str, Any], case: Case, mode: str, impl: str, nbytes: int, bas
     return {
         "gpu": env["gpu"], "date": env["date"], "torch": env["torch"], "triton": env["triton"],
         "ropekit": env["ropekit"], "commit": env["commit"], "case": case.name, "mode": mode, "impl": impl,
-        "tokens": case.tokens, "bytes": nbytes, "median_us": "", "gbps": "", "ratio_vs_copy": "",
+        "tokens": case.tokens, "bytes": nbytes, "median_us": "", "gbps": "",
+        "flops": attention_flops(case).get(mode, ""), "tflops": "", "ratio_vs_copy": "",
         "baseline": baseline, "model": case.model, "dtype": case.dtype, "style": case.style,
         "positions": case.positions, "batch": case.batch, "seqlen": case.seqlen, "hq": case.hq, "hk": case.hk,
         "head_dim": case.head_dim, "rotary_dim": case.rotary_dim, "rotary_at": case.rotary_at,

@@ -4,8 +4,8 @@
 ``--history``). From it, per card, the newest run of every (case, mode) -- all its implementations from that one
 run, so that every ratio and every "versus" comparison is within one run -- goes to
 ``benchmarks/results/latest/<card>/results.csv`` (with plots where matplotlib is importable), and BENCHMARKS.md is
-written from those rows: per card, one table per mode, one line per registry target. Analysis lives in
-docs/perf-notes.md, not in the generated file.
+written from those rows: per card, one table per mode, one line per registry target (the attention modes add a
+table of every implementation's TFLOP/s). Analysis lives in docs/perf-notes.md, not in the generated file.
 
     python -m ropekit.bench.summary            # from a checkout: rewrite latest/ and BENCHMARKS.md
 """
@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cases import RegistryNotFound, load_registry
+from .attention import ATTN_BASELINE, ATTN_IMPLS
+from .cases import ATTN_MODES, RegistryNotFound, load_registry
 from .report import read_history
 from .targets import Target, evaluate_targets, targets_from_registry
 
@@ -31,7 +32,16 @@ _CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
 PLOT_DPI = 60  # the kept plots: small files, still legible
-MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd")
+MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd")
+
+
+def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The columns of a card's latest/<card>/results.csv: :data:`LATEST_FIELDS`, with ``flops`` and ``tflops`` after
+    ``gbps`` where the card has rows of the attention modes (the other cards' files keep their columns)."""
+    if not any(r.get("flops") for r in rows):
+        return LATEST_FIELDS
+    at = LATEST_FIELDS.index("gbps") + 1
+    return (*LATEST_FIELDS[:at], "flops", "tflops", *LATEST_FIELDS[at:])
 
 
 def card_slug(gpu: str) -> str:
@@ -69,7 +79,7 @@ def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plo
             stale.unlink()
         path = folder / "results.csv"
         with path.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=LATEST_FIELDS, extrasaction="ignore", lineterminator="\n")
+            writer = csv.DictWriter(f, fieldnames=latest_fields(rows), extrasaction="ignore", lineterminator="\n")
             writer.writeheader()
             writer.writerows(sorted(rows, key=lambda r: (r["case"], r["mode"], r["impl"])))
         written.append(path)
@@ -111,7 +121,8 @@ def _span(rows: list[dict[str, Any]], column: str) -> str:
 
 
 def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ...], latest_rel: str) -> str:
-    """BENCHMARKS.md: a short preamble, then per card one table per mode with a line per target."""
+    """BENCHMARKS.md: a short preamble, then per card one table per mode with a line per target (and for the
+    attention modes, where the card has their rows, a table of every implementation's TFLOP/s)."""
     lines = [
         "# Benchmarks",
         "",
@@ -144,7 +155,30 @@ def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ..
                 lines.append(f"| {t.text} | {t.limit:g} | {res['worst']:.3f} | {res['case']} ({at['commit']}) | "
                              f"{res['cases']} | {status} |")
             lines.append("")
+            if mode in ATTN_MODES:
+                lines += _throughput_table([r for r in rows if r["mode"] == mode])
     return "\n".join(lines)
+
+
+def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The attention modes' rows of one card and mode: a line per case, TFLOP/s (and ms) per implementation."""
+    timed = {r["impl"] for r in rows if r["median_us"] and r.get("tflops")}
+    impls = [i for i in (ATTN_IMPLS[0], ATTN_BASELINE, *ATTN_IMPLS[1:]) if i in timed]
+    if not impls:
+        return []
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: r["case"]):
+        by_case.setdefault(r["case"], {})[r["impl"]] = r
+    lines = ["TFLOP/s (ms) of each implementation (sdpa-*, flex: attention alone, no RoPE):", "",
+             "| case | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
+    for case, by_impl in by_case.items():
+        cells = []
+        for impl in impls:
+            r = by_impl.get(impl)
+            ok = r is not None and r["median_us"] and r.get("tflops")
+            cells.append(f"{float(r['tflops']):.4g} ({float(r['median_us']) / 1e3:.3f})" if ok else "-")
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
