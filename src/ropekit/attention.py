@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ropekit import ops
+from ropekit._device_cache import device_cache
 from ropekit._spec import FORWARD, LAYOUTS, Positions, RopeArgs, to_canonical
 from ropekit._validation import validate_args
 
@@ -96,27 +97,47 @@ def _scales(fold: str, scale: float | None, log2_softmax: bool, q_scale: float, 
     return float(q_scale) * q_factor, float(k_scale) * a ** preset.k_power, 1.0, preset.log2
 
 
+@device_cache(maxsize=16)
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor to validate the angle rows' rotation on (never written)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@device_cache(maxsize=16)
+def _unit(shape: tuple, dtype: torch.dtype, device: torch.device, rotary_start: int, rotary_dim: int,
+          neox: bool) -> Tensor:
+    """Rows with 1 in the first column of every rotated pair and 0 elsewhere (never written)."""
+    unit = torch.zeros(shape, dtype=dtype, device=device)
+    first = torch.arange(rotary_dim // 2, device=device) * (1 if neox else 2) + rotary_start
+    unit[..., first] = 1.0
+    return unit
+
+
+def _per_batch(args: RopeArgs) -> bool:
+    """Whether the angles differ between sequences of the batch (else one row set serves all)."""
+    p = args.positions
+    if isinstance(p, Tensor) and p.dim() > 0:
+        batch_dim = 1 if args.sections is not None else 0  # [A, B, S] / [B, S] ids / [B] offsets
+        if p.dim() > batch_dim and p.shape[batch_dim] > 1:
+            return True
+    return any(t is not None and t.dim() == 3 and t.shape[0] > 1 for t in (args.cos, args.sin, args.angles))
+
+
 def _unit_rows(q: Tensor, args: RopeArgs) -> tuple[Tensor, tuple[int, int, bool]]:
     """Per-token angles [B or 1, S, D] (float32; float64 for float64 q): the rotation of a unit vector, whose pair
     (c1, c2) comes out as (cos, sin) -- and (rotary_start, rotary_dim, neox)."""
     layout = args.layout
-    qc = to_canonical(q, layout)
-    B, S, _, D = qc.shape
-    per_batch = (isinstance(args.positions, Tensor) and args.positions.dim() > 0) or any(
-        t is not None and t.dim() == 3 and t.shape[0] > 1 for t in (args.cos, args.sin, args.angles))
-    rows = B if per_batch else 1
+    B, S, _, D = to_canonical(q, layout).shape
+    rows = B if _per_batch(args) else 1
     shape = {"bshd": (rows, S, 1, D), "bhsd": (rows, 1, S, D), "sbhd": (S, rows, 1, D)}[layout]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    unit = torch.zeros(shape, dtype=dtype, device=q.device)
     unit_args = args._replace(q_scale=1.0, k_scale=1.0, out_dtype=None)
-    spec = validate_args(unit, None, unit_args, FORWARD)
-    half = spec.rotary_dim // 2
-    first = (torch.arange(half, device=q.device) * (1 if spec.style == "neox" else 2)) + spec.rotary_start
-    unit[..., first] = 1.0
+    spec = validate_args(_zeros(shape, dtype, q.device), None, unit_args, FORWARD)
+    rotation = (spec.rotary_start, spec.rotary_dim, spec.style == "neox")
     from ropekit.api import _rope
 
-    table = _rope(unit, None, FORWARD, unit_args)
-    return to_canonical(table, layout)[:, :, 0], (spec.rotary_start, spec.rotary_dim, spec.style == "neox")
+    table = _rope(_unit(shape, dtype, q.device, *rotation), None, FORWARD, unit_args)
+    return to_canonical(table, layout)[:, :, 0], rotation
 
 
 def rope_attention(
