@@ -336,8 +336,8 @@ def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: i
         delta = delta - dlse.double()
     ds = p * (dp - delta[..., None]) * (qk_mult * math.log(2.0))
     dqr = (ds @ kr).transpose(1, 2)
-    dkr = (ds.transpose(-1, -2) @ qr).view(B, HK, group, S, -1).sum(2).transpose(1, 2)
-    dv = (p.transpose(-1, -2) @ g).view(B, HK, group, S, -1).sum(2).transpose(1, 2)
+    dkr = (ds.transpose(-1, -2) @ qr).view(B, HK, group, S, qr.shape[-1]).sum(2).transpose(1, 2)
+    dv = (p.transpose(-1, -2) @ g).view(B, HK, group, S, g.shape[-1]).sum(2).transpose(1, 2)
     dq = _rotate_pairs(dqr, c1, c2, cos, sin, q_scale, inverse=True)
     dk = _rotate_pairs(dkr, c1, c2, cos, sin, k_scale, inverse=True)
     return dq, dk, dv
