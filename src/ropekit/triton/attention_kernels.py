@@ -96,6 +96,32 @@ def _store_unrotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, d1, d2, scal
 
 
 @triton.jit
+def _columns(HALF_BLOCK: tl.constexpr, ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
+             PASS_START: tl.constexpr, PASS_LEN: tl.constexpr, PASS_BLOCK: tl.constexpr, DV: tl.constexpr,
+             DV_BLOCK: tl.constexpr):
+    """Every kernel's column indices and masks: the rotated pairs' halves, the pass-through run, v's columns."""
+    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
+    pc = PASS_START + tl.arange(0, PASS_BLOCK)
+    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
+    dv = tl.arange(0, DV_BLOCK)
+    return c1, c2, pair_ok, pc, pass_ok, dv, dv < DV
+
+
+@triton.jit
+def _load_resident(rows_ptr, tab_rows, ok, c1, c2, pair_ok, pc, pass_ok, scale, ROT_HALF: tl.constexpr,
+                   HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr, PASS_BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                   DOT_F32: tl.constexpr, ROTATE: tl.constexpr):
+    """A program's resident rows (q in the forward and dq kernels, k in the dk/dv kernel), rotated and scaled:
+    the two halves and the pass-through columns (the first half again where there are none; never read)."""
+    x1, x2 = _load_rotated(rows_ptr, tab_rows, ok, c1, c2, pair_ok, scale, False, HALF_BLOCK == ROT_HALF, DTYPE,
+                           DOT_F32, ROTATE)
+    xp = x1
+    if PASS_LEN > 0:
+        xp = _load_pass(rows_ptr, ok, pc, pass_ok, scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+    return x1, x2, xp
+
+
+@triton.jit
 def _scores(a1, a2, ap, b_rows, tab_rows, b_ok, c1, c2, pair_ok, pc, pass_ok, b_scale, ROWS_IN: tl.constexpr,
             ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
             PASS_BLOCK: tl.constexpr, DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
@@ -163,20 +189,14 @@ def rope_attention_fwd_kernel(
     DTYPE = q_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
-    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
-    pc = PASS_START + tl.arange(0, PASS_BLOCK)
-    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
-    dv = tl.arange(0, DV_BLOCK)
-    dv_ok = dv < DV
+    c1, c2, pair_ok, pc, pass_ok, dv, dv_ok = _columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX, PASS_START, PASS_LEN,
+                                                       PASS_BLOCK, DV, DV_BLOCK)
 
     rows64 = rows.to(tl.int64)[:, None]
     q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
     tab_b = tab_ptr + b * t_sb
-    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, False,
-                           HALF_BLOCK == ROT_HALF, DTYPE, DOT_F32, ROTATE)
-    qp = q1  # placeholder when there are no pass-through columns (never read)
-    if PASS_LEN > 0:
-        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+    q1, q2, qp = _load_resident(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, pc, pass_ok, q_scale,
+                                ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE, DOT_F32, ROTATE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -288,19 +308,13 @@ def rope_attention_bwd_dkdv_kernel(
     cols = c0 + tl.arange(0, BLOCK_N)
     col_ok = cols < S
     cols64 = cols.to(tl.int64)[:, None]
-    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
-    pc = PASS_START + tl.arange(0, PASS_BLOCK)
-    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
-    dv = tl.arange(0, DV_BLOCK)
-    dv_ok = dv < DV
+    c1, c2, pair_ok, pc, pass_ok, dv, dv_ok = _columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX, PASS_START, PASS_LEN,
+                                                       PASS_BLOCK, DV, DV_BLOCK)
 
     tab_b = tab_ptr + b * t_sb
     k_rows = k_ptr + b * k_sb + hk * k_sh + cols64 * k_ss
-    k1, k2 = _load_rotated(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, k_scale, False,
-                           HALF_BLOCK == ROT_HALF, DTYPE, DOT_F32, ROTATE)
-    kp = k1  # placeholder when there are no pass-through columns (never read)
-    if PASS_LEN > 0:
-        kp = _load_pass(k_rows, col_ok, pc, pass_ok, k_scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+    k1, k2, kp = _load_resident(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, pc, pass_ok, k_scale,
+                                ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE, DOT_F32, ROTATE)
     v = _operand(_load_tile(v_ptr + b * v_sb + hk * v_sh + cols64 * v_ss + dv[None, :], col_ok, dv_ok, False,
                             DV_BLOCK == DV), DTYPE, DOT_F32)
     dk1 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
@@ -396,19 +410,13 @@ def rope_attention_bwd_dq_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
     rows64 = rows.to(tl.int64)[:, None]
-    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
-    pc = PASS_START + tl.arange(0, PASS_BLOCK)
-    pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
-    dv = tl.arange(0, DV_BLOCK)
-    dv_ok = dv < DV
+    c1, c2, pair_ok, pc, pass_ok, dv, dv_ok = _columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX, PASS_START, PASS_LEN,
+                                                       PASS_BLOCK, DV, DV_BLOCK)
 
     tab_b = tab_ptr + b * t_sb
     q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
-    q1, q2 = _load_rotated(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, q_scale, False,
-                           HALF_BLOCK == ROT_HALF, DTYPE, DOT_F32, ROTATE)
-    qp = q1  # placeholder when there are no pass-through columns (never read)
-    if PASS_LEN > 0:
-        qp = _load_pass(q_rows, row_ok, pc, pass_ok, q_scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+    q1, q2, qp = _load_resident(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, pc, pass_ok, q_scale,
+                                ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE, DOT_F32, ROTATE)
     do = _operand(_load_tile(do_ptr + b * do_sb + h * do_sh + rows64 * do_ss + dv[None, :], row_ok, dv_ok, False,
                              DV_BLOCK == DV), DTYPE, DOT_F32)
     stat = bh.to(tl.int64) * S
