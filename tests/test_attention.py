@@ -26,33 +26,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
 
 import ropekit
+from helpers import INTERPRETED, KERNEL_ROUTES, ROUTES
 from ropekit.testing import kernels_on_cpu
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 LN2 = math.log(2.0)
 F64 = torch.float64
 
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float16, id="f16")]
-ROUTES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("interp", id="interp",
-                 marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
-KERNEL_ROUTES = ROUTES[1:]
 LOW = (torch.bfloat16, torch.float16)
 
 
 def route_context(route: str):
-    return kernels_on_cpu() if route == "interp" else contextlib.nullcontext()
+    return kernels_on_cpu() if route == "cpu-kernels" else contextlib.nullcontext()
 
 
 def route_device(route: str) -> str:
@@ -386,7 +378,7 @@ def check_against_definition(route, q, k, v, *, grads=True, with_lse=False, go_k
         dlse = randn(*lse.shape, dtype=torch.float32, device=q.device)
     base = None
     if dtype in LOW:
-        base = low_precision(q, k, v, do, dlse, truncate=route == "interp", **kw)
+        base = low_precision(q, k, v, do, dlse, truncate=route == "cpu-kernels", **kw)
     assert_accurate("o", o, o_ref, None if base is None else base[0])
     if with_lse:
         assert lse.dtype == torch.float32 and lse.shape == lse_ref.shape
@@ -454,7 +446,7 @@ def _grad_params():
     for route in ROUTES:
         for shape in GRAD_SHAPES:
             for dtype in DTYPES:
-                if route.values[0] == "interp" and dtype.values[0] == torch.float16 and shape not in (
+                if route.values[0] == "cpu-kernels" and dtype.values[0] == torch.float16 and shape not in (
                         "gqa-s17-d32-causal", "group3-d48-s33"):
                     continue
                 out.append(pytest.param(route.values[0], dtype.values[0], shape, marks=route.marks,
@@ -618,7 +610,7 @@ def test_log2_softmax_with_folded_scale_is_standard_attention(route, dtype):
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     o_ref, lse_ref = definition(q64, k64, v64, scale=a, is_causal=True)  # standard base-e attention
     do = grad_like(o)
-    base = low_precision(q, k, v, do, None, truncate=route == "interp", fold="q_log2", is_causal=True)
+    base = low_precision(q, k, v, do, None, truncate=route == "cpu-kernels", fold="q_log2", is_causal=True)
     low = dtype in LOW
     assert_accurate("o", o, o_ref, base[0] if low else None)
     assert_accurate("lse", lse, lse_ref, base[1] if low else None, dtype=dtype)
@@ -802,7 +794,7 @@ def test_return_rotated(route, fold):
                            scale=sc), "bhsd")
         # one rounding of a fp32 (float64 on the cpu route) value to bfloat16: half an ulp, one ulp when the
         # interpreter truncates
-        ulp = 2.0 ** -7 if route == "interp" else 2.0 ** -8
+        ulp = 2.0 ** -7 if route == "cpu-kernels" else 2.0 ** -8
         assert ((got.double() - ref).abs() <= ulp * ref.abs() + 1e-6).all(), name
 
 
