@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _config
-from ropekit._spec import CacheSpec, RopeSpec, op_schema
+from ropekit._spec import CacheSpec, RopeSpec, op_schema, to_canonical
 
 
 def uses_kernels(x: Tensor) -> bool:
@@ -224,17 +224,13 @@ def _rope_kv_write_fake(q, *args):
 
 # --- RoPE attention -------------------------------------------------------------------------------------------
 
-def _attention_layout(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, layout: str):
-    """q, k, v canonical [B, S, H, D] (views); ``angles`` is canonical already, [B or 1, S, D]."""
-    from ropekit._spec import to_canonical
-
-    return to_canonical(q, layout), to_canonical(k, layout), to_canonical(v, layout), angles
+def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as canonical [B, S, H, D] views (the angle rows arrive canonical already, [B or 1, S, D])."""
+    return to_canonical(q, layout), to_canonical(k, layout), to_canonical(v, layout)
 
 
 def _attention_out(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     """(o in ``layout`` with v's head dim, contiguous; lse [B, HQ, S] float32), unwritten."""
-    from ropekit._spec import to_canonical
-
     shape = list(q.shape)
     shape[-1] = v.shape[-1]
     o = q.new_empty(shape)
@@ -245,19 +241,17 @@ def _attention_out(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
 def _rope_attention(q, k, v, angles, layout, rotary_start, rotary_dim, neox, q_scale, k_scale, qk_mult,
                     causal) -> tuple[Tensor, Tensor]:
     o, lse = _attention_out(q, v, layout)
-    qc, kc, vc, table = _attention_layout(q, k, v, angles, layout)
-    from ropekit._spec import to_canonical
-
+    qc, kc, vc = _canonical_qkv(q, k, v, layout)
     oc = to_canonical(o, layout)
     if uses_kernels(q):
         from ropekit.triton.attention_launcher import Rotation, launch_forward
 
-        launch_forward(qc, kc, vc, table, oc, lse, Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
+        launch_forward(qc, kc, vc, angles, oc, lse, Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
                        qk_mult, causal)
     else:
         from ropekit.reference import rope_attention_reference
 
-        o64, lse64 = rope_attention_reference(qc, kc, vc, table, rotary_start, rotary_dim, neox, q_scale, k_scale,
+        o64, lse64 = rope_attention_reference(qc, kc, vc, angles, rotary_start, rotary_dim, neox, q_scale, k_scale,
                                               qk_mult, causal)
         oc.copy_(o64)
         lse.copy_(lse64)
@@ -266,22 +260,20 @@ def _rope_attention(q, k, v, angles, layout, rotary_start, rotary_dim, neox, q_s
 
 def _rope_attention_backward(do, dlse, q, k, v, angles, o, lse, layout, rotary_start, rotary_dim, neox, q_scale,
                              k_scale, qk_mult, causal) -> tuple[Tensor, Tensor, Tensor]:
-    from ropekit._spec import to_canonical
-
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    qc, kc, vc, table = _attention_layout(q, k, v, angles, layout)
+    qc, kc, vc = _canonical_qkv(q, k, v, layout)
     if uses_kernels(q):
         from ropekit.triton.attention_launcher import Rotation, launch_backward
 
         do = do if do.stride(-1) == 1 else do.contiguous()
         launch_backward(to_canonical(do, layout), None if dlse is None else dlse.float().contiguous(), qc, kc, vc,
-                        table, to_canonical(o, layout), lse, to_canonical(dq, layout), to_canonical(dk, layout),
+                        angles, to_canonical(o, layout), lse, to_canonical(dq, layout), to_canonical(dk, layout),
                         to_canonical(dv, layout), Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
                         qk_mult, causal)
         return dq, dk, dv
     from ropekit.reference import rope_attention_backward_reference
 
-    grads = rope_attention_backward_reference(to_canonical(do, layout), dlse, qc, kc, vc, table, rotary_start,
+    grads = rope_attention_backward_reference(to_canonical(do, layout), dlse, qc, kc, vc, angles, rotary_start,
                                               rotary_dim, neox, q_scale, k_scale, qk_mult, causal)
     for out, g in zip((dq, dk, dv), grads):
         to_canonical(out, layout).copy_(g)
