@@ -880,3 +880,40 @@ def test_decode_implementations_are_timed_together_in_turn():
     assert by_impl["ropekit"]["median_us"] == "3.000" and by_impl["ropekit"]["ratio_vs_copy"] == "1.0000"
     assert by_impl["ropekit_"]["median_us"] == ""
     assert "failed: RuntimeError: capture failed" in by_impl["ropekit_"]["note"]
+
+
+def test_base_run_gets_this_runs_arguments_but_not_its_outputs():
+    from ropekit.bench.compare import base_argv
+
+    argv = ["--preset", "smoke", "--base", "abc123", "--out=o", "--history", "h.csv", "--no-plot", "--cases", "x",
+            "--impls", "ropekit", "--commit", "c"]
+    assert base_argv(argv) == ["--preset", "smoke", "--cases", "x"]
+
+
+def test_base_comparison_matches_rows_by_case_mode_and_impl():
+    from ropekit.bench.compare import compare
+
+    def row(impl, us, ratio, case="c/1x8"):
+        return {"case": case, "mode": "fwd", "impl": impl, "median_us": us, "ratio_vs_copy": ratio}
+
+    new = [row("copy", "10", "1.0"), row("ropekit", "12", "1.2"), row("ropekit", "5", "", case="only-here")]
+    base = [row("copy", "8", "1.0"), row("ropekit", "8", "1.0")]
+    lines = compare(new, base, "abc").splitlines()
+    assert "base abc" in lines[0] and len(lines) == 4  # title, header, two matched rows; the unmatched one left out
+    assert lines[3].split()[-6:] == ["12.00", "8.00", "1.500", "1.200", "1.000", "1.200"]
+    assert "no row" in compare(new, [row("other", "1", "1")], "abc")
+
+
+def test_base_directory_runs_in_a_child_process_and_is_compared(tmp_path):
+    """``--base DIR``: the same case timed by the ropekit in DIR (here this checkout) in the same run, and the
+    comparison table printed and written beside the results."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "ropekit.cli", "bench", "--preset", "smoke", "--device", "cpu", "--cases",
+           "smoke-back", "--impls", "ropekit", "--out", str(tmp_path), "--no-plot", "--commit", "test",
+           "--base", str(ROOT)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = _one(tmp_path, "bench-*-cpu-smoke-vs-base.txt").read_text()
+    assert f"against base {ROOT.name}" in table and "ropekit" in table
+    assert _one(tmp_path / "base", "bench-*-cpu-smoke.json")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .cases import MODES, Case, RegistryNotFound, expand_preset, load_registry, select_cases
+from .compare import compare, run_base
 from .env import SMOKE_LABEL, _interpreting, environment
 from .impls import MODE_IMPLS
 from .inputs import case_bytes
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write PNG plots (needs matplotlib; default on)")
     p.add_argument("--flash-attn-rotary", help="flash-attn's rotary.py to load (default: .peers/flash_attn_rotary.py)")
     p.add_argument("--commit", help="commit id to stamp when the checkout has no git metadata")
+    p.add_argument("--base", metavar="TREE",
+                   help="also time the same cases on another ropekit (a commit of this git checkout, or a directory "
+                        "holding a checkout) in this run, and print this version against it")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement (ms)")
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time (ms)")
     p.add_argument("--time-budget", type=float, help="seconds after which no new case starts (results so far are "
@@ -176,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         files += _try_plot(stem, rows, meta)
     _report(rows, meta, targets, files, time.perf_counter() - t_start)
+    if args.base:
+        base_rows, label = run_base(args.base, list(sys.argv[1:] if argv is None else argv), out_dir, args.impls)
+        table = compare(rows, base_rows, label)
+        stem.with_name(stem.name + "-vs-base.txt").write_text(table, encoding="utf-8")
+        print("\n" + table, end="")
     return 0
 
 
