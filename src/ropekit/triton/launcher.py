@@ -31,11 +31,16 @@ def stride_unit(*tensors: torch.Tensor) -> int:
     by 16, and a head stride of 72 elements (head_dim 72) would otherwise leave every access a 2-byte scalar.
     1 when every stride is divisible by 16 (Triton knows then, and the kernel stays as it was); else the largest
     power of two, at most 16 bytes of the widest tensor's elements, that divides them all."""
-    strides = [stride for t in tensors for stride in t.stride()[:3]]
-    if all(stride % 16 == 0 for stride in strides):
+    return _unit_of(math.gcd(*[stride for t in tensors for stride in t.stride()[:3]]),
+                    max(t.element_size() for t in tensors))
+
+
+def _unit_of(strides_gcd: int, widest_element_bytes: int) -> int:
+    """:func:`stride_unit` from the strides' greatest common divisor (0 when all are 0, which 16 divides)."""
+    if strides_gcd % 16 == 0:
         return 1
-    unit = 16 // max(t.element_size() for t in tensors)
-    while unit > 1 and any(stride % unit for stride in strides):
+    unit = 16 // widest_element_bytes
+    while unit > 1 and strides_gcd % unit:
         unit //= 2
     return unit
 
@@ -151,9 +156,11 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
     n_z = heuristics.cdiv(n_tb, heuristics.MAX_GRID_Y)
     grid = (n_hb, heuristics.cdiv(n_tb, n_z), n_z)
     dummy = q  # stands for absent tensors (never read)
-    unit = stride_unit(qc, qoc, kc, koc)
     (q_sb, q_ss, q_sh), (qo_sb, qo_ss, qo_sh) = qc.stride()[:3], qoc.stride()[:3]
     (k_sb, k_ss, k_sh), (ko_sb, ko_ss, ko_sh) = kc.stride()[:3], koc.stride()[:3]
+    # stride_unit's rule on the strides read once (this runs on every call without a plan: host time)
+    unit = _unit_of(math.gcd(q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh),
+                    max(q.element_size(), q_out.element_size(), kc.element_size(), koc.element_size()))
     args = {
         "q_ptr": qc, "qo_ptr": qoc, "k_ptr": kc, "ko_ptr": koc,
         # ROW_STRIDES, in units of STRIDE_UNIT elements

@@ -54,9 +54,20 @@ def _getter(names: tuple[str, ...]):
     return (lambda d: (get(d),)) if len(names) == 1 else get
 
 
+def _positions_getter(positions: tuple[int, ...]):
+    """A function from a sequence to the tuple of its items at ``positions``, in that order."""
+    if not positions:
+        return lambda seq: ()
+    get = operator.itemgetter(*positions)
+    return (lambda seq: (get(seq),)) if len(positions) == 1 else get
+
+
 def _int_class(v: int) -> int:
     """What Triton specialises an int argument on: == 1, divisible by 16, and whether it needs 64 bits."""
-    return (v == 1) + 2 * (v & 15 == 0) + 4 * (not -(2**31) <= v < 2**31)
+    return (v == 1) + 2 * (v & 15 == 0) + 4 * (not _INT32_MIN <= v <= _INT32_MAX)
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 class KernelRoles:
@@ -78,6 +89,8 @@ class KernelRoles:
         self.pointers = tuple(i for i, n in enumerate(names) if n.endswith("_ptr"))
         self.ints = tuple(i for i, n in enumerate(self.runtime)
                           if i not in self.pointers and n not in floats and n not in dynamic)
+        # C-level gathers for key(), which runs on every launch of an uncached call (host time)
+        self._pointer_values, self._int_values = _positions_getter(self.pointers), _positions_getter(self.ints)
 
     def ordered(self, args: Mapping[str, Any], constexprs: Mapping[str, Any]) -> tuple[tuple, tuple]:
         """``args`` and ``constexprs`` (by parameter name) in the kernel's order; every parameter named once."""
@@ -90,9 +103,11 @@ class KernelRoles:
         """Everything Triton specialises the kernel on, and nothing else, so that the cache holds one entry per
         compiled variant (not one per sequence length): pointers' dtypes and 16-byte alignment, each int's class
         (:func:`_int_class`), the constexprs, the warp and stage counts and the device."""
-        ptrs = [args[i] for i in self.pointers]
+        ptrs = self._pointer_values(args)
+        # _int_class inlined: a call per int would be most of the key's cost
         return (self.fn, *[p.dtype for p in ptrs], *[p.data_ptr() & 15 for p in ptrs],
-                *[_int_class(args[i]) for i in self.ints], constexprs, num_warps, device_index, num_stages)
+                *[(v == 1) + 2 * (v & 15 == 0) + 4 * (not _INT32_MIN <= v <= _INT32_MAX)
+                  for v in self._int_values(args)], constexprs, num_warps, device_index, num_stages)
 
 
 class Launch(NamedTuple):
