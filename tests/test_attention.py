@@ -496,7 +496,7 @@ def test_gradcheck_float64_through_lse():
     assert torch.autograd.gradcheck(g, (q, k, v), fast_mode=True)
 
 
-def _launch(q, k, v, do, dlse, *, fwd_blocks, bwd_blocks, causal, **rope):
+def _launch(q, k, v, do, dlse, *, fwd_blocks, bwd_blocks, causal, prerotate=True, **rope):
     """o, lse, dq, dk, dv from the attention launcher with the given block shapes (canonical bshd inputs), every
     output poisoned with NaN first so that an unwritten element shows."""
     from ropekit._spec import RopeArgs
@@ -509,10 +509,10 @@ def _launch(q, k, v, do, dlse, *, fwd_blocks, bwd_blocks, causal, **rope):
     qk_mult = (1.0 / math.sqrt(D)) / LN2  # base-e softmax with the default scale, in base-2 units
     o = torch.full((*q.shape[:3], v.shape[3]), math.nan, dtype=q.dtype)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan)
-    launch_forward(q, k, v, table, o, lse, rot, 1.0, 1.0, qk_mult, causal, blocks=fwd_blocks)
+    launch_forward(q, k, v, table, o, lse, rot, 1.0, 1.0, qk_mult, causal, blocks=fwd_blocks, prerotate=prerotate)
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     launch_backward(do, dlse, q, k, v, table, o, lse, dq, dk, dv, rot, 1.0, 1.0, qk_mult, causal,
-                    blocks=bwd_blocks)
+                    blocks=bwd_blocks, prerotate=prerotate)
     return o, lse, dq, dk, dv
 
 
@@ -524,10 +524,12 @@ LAUNCH_BLOCKS = [((32, 16), (16, 32)), ((64, 16), (16, 64)), ((32, 32), (32, 16)
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("blocks", LAUNCH_BLOCKS, ids=["f32x16-b16x32", "f64x16-b16x64", "f32x32-b32x16"])
-def test_launcher_block_shapes_under_interpreter(blocks, causal):
+@pytest.mark.parametrize("prerotate", [True, False], ids=["streamed-from-copy", "streamed-rotated-on-load"])
+def test_launcher_block_shapes_under_interpreter(blocks, causal, prerotate):
     """The kernels with block shapes other than the interpreter's default 16 x 16 (as on the GPU), S across
     several tiles and one partial tile, partial rotary (pass-through columns), GQA and Dv != D; o, lse and the
-    gradients (through o and lse) against the definition."""
+    gradients (through o and lse) against the definition; the streamed operand (k, or q in the dk/dv kernel) read
+    from a rotated copy or rotated as it loads."""
     from ropekit.triton.attention_launcher import Blocks
 
     (fm, fn), (bm, bn) = blocks
@@ -537,7 +539,7 @@ def test_launcher_block_shapes_under_interpreter(blocks, causal):
     do = randn(B, S, HQ, DV, dtype=torch.float32, device="cpu")
     dlse = randn(B, HQ, S, dtype=torch.float32, device="cpu")
     o, lse, dq, dk, dv = _launch(q, k, v, do, dlse, fwd_blocks=Blocks(fm, fn, 4, 1), bwd_blocks=Blocks(bm, bn, 4, 1),
-                                 causal=causal, **rope)
+                                 causal=causal, prerotate=prerotate, **rope)
     q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
     o_ref, lse_ref = definition(q64, k64, v64, is_causal=causal, **rope)
     want = torch.autograd.grad((o_ref, lse_ref), (q64, k64, v64), (do.double(), dlse.double()))

@@ -5,8 +5,11 @@ Tensors arrive canonical, ``[B, S, H, D]`` with any strides but a contiguous las
 as one float32 row per token (``tab``: the core kernel's rotation of a unit vector, so every position mode and
 frequency source of :func:`ropekit.apply_rope` gives the same exact angles here): for the pair ``(c1, c2)`` of
 rotated columns, ``tab[c1]`` is its cosine and ``tab[c2]`` its sine, in both pairings. ``q_r = q_scale * R(theta) q``
-and ``k_r = k_scale * R(theta) k`` are rounded to the input dtype, as :func:`ropekit.apply_rope` would store them,
-and never written to memory; the backward rotates dq and dk by -theta before storing them.
+and ``k_r = k_scale * R(theta) k`` are rounded to the input dtype, as :func:`ropekit.apply_rope` would store them.
+Each kernel rotates the rows it keeps resident as it loads them (q in the forward and dq kernels, k in the dk/dv
+kernel); the operand it streams over, which every program re-reads, it takes either rotated as it loads (the
+``*_ROTATED`` constexprs False) or from a transient copy rotated once by :func:`rope_attention_rotate_kernel`. The
+backward rotates dq and dk by -theta before storing them.
 
 Scores are kept in base 2: ``t = (q_r . k_r) * QK_MULT`` with ``QK_MULT = scale * log2(e)`` (base-e softmax) or
 ``scale`` (base-2 softmax), so the softmax runs on ``exp2``. ``lse`` is stored as the natural log of the row's sum.
@@ -62,10 +65,16 @@ def _operand(x, DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _load_rotated(row_ptr, tab_row_ptr, row_ok, c1, c2, pair_ok, scale, ROWS_IN: tl.constexpr,
-                  PAIRS_IN: tl.constexpr, DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr):
+                  PAIRS_IN: tl.constexpr, DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
+                  ARRIVE_ROTATED: tl.constexpr):
     """The rows' rotated halves ``scale * R(theta) x`` rounded to ``DTYPE`` ([rows, HALF_BLOCK] each; 0 where
-    masked), as product operands. ``ROTATE`` False (benchmarks only: the cost of the rotation apart from the
-    attention) skips the rotation."""
+    masked), as product operands. ``ARRIVE_ROTATED``: the rows are a copy already rotated and scaled
+    (:func:`rope_attention_rotate_kernel`), loaded straight into the products. ``ROTATE`` False (benchmarks only:
+    the cost of the rotation apart from the attention) skips the rotation."""
+    if ARRIVE_ROTATED:
+        x1 = _load_tile(row_ptr + c1[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN)
+        x2 = _load_tile(row_ptr + c2[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN)
+        return _operand(x1, DTYPE, DOT_F32), _operand(x2, DTYPE, DOT_F32)
     x1 = _load_tile(row_ptr + c1[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN).to(tl.float32)
     x2 = _load_tile(row_ptr + c2[None, :], row_ok, pair_ok, ROWS_IN, PAIRS_IN).to(tl.float32)
     if ROTATE:
@@ -114,7 +123,7 @@ def _load_resident(rows_ptr, tab_rows, ok, c1, c2, pair_ok, pc, pass_ok, scale, 
     """A program's resident rows (q in the forward and dq kernels, k in the dk/dv kernel), rotated and scaled:
     the two halves and the pass-through columns (the first half again where there are none; never read)."""
     x1, x2 = _load_rotated(rows_ptr, tab_rows, ok, c1, c2, pair_ok, scale, False, HALF_BLOCK == ROT_HALF, DTYPE,
-                           DOT_F32, ROTATE)
+                           DOT_F32, ROTATE, False)
     xp = x1
     if PASS_LEN > 0:
         xp = _load_pass(rows_ptr, ok, pc, pass_ok, scale, False, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
@@ -125,16 +134,21 @@ def _load_resident(rows_ptr, tab_rows, ok, c1, c2, pair_ok, pc, pass_ok, scale, 
 def _scores(a1, a2, ap, b_rows, tab_rows, b_ok, c1, c2, pair_ok, pc, pass_ok, b_scale, ROWS_IN: tl.constexpr,
             ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
             PASS_BLOCK: tl.constexpr, DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, B_ROTATED: tl.constexpr):
     """Raw scores ``a . b^T`` ([A, B]) between the resident rotated rows ``a`` (halves a1, a2 and pass-through ap)
-    and the rows at ``b_rows``, rotated as they load; and b's rotated parts."""
+    and the rows at ``b_rows``, rotated as they load (``B_ROTATED``: a copy rotated and scaled already); and b's
+    rotated parts."""
     b1, b2 = _load_rotated(b_rows, tab_rows, b_ok, c1, c2, pair_ok, b_scale, ROWS_IN, HALF_BLOCK == ROT_HALF, DTYPE,
-                           DOT_F32, ROTATE)
+                           DOT_F32, ROTATE, B_ROTATED)
     s = tl.dot(a1, tl.trans(b1), input_precision=PRECISION)
     s = tl.dot(a2, tl.trans(b2), s, input_precision=PRECISION)
     bp = b1  # placeholder when there are no pass-through columns (never read)
     if PASS_LEN > 0:
-        bp = _load_pass(b_rows, b_ok, pc, pass_ok, b_scale, ROWS_IN, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
+        if B_ROTATED:
+            bp = _operand(_load_tile(b_rows + pc[None, :], b_ok, pass_ok, ROWS_IN, PASS_BLOCK == PASS_LEN), DTYPE,
+                          DOT_F32)
+        else:
+            bp = _load_pass(b_rows, b_ok, pc, pass_ok, b_scale, ROWS_IN, PASS_BLOCK == PASS_LEN, DTYPE, DOT_F32)
         s = tl.dot(ap, tl.trans(bp), s, input_precision=PRECISION)
     return s, b1, b2, bp
 
@@ -144,14 +158,14 @@ def _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, 
               pc, pass_ok, dv, dv_ok, k_scale, qk_mult, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_N: tl.constexpr, ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
               PASS_BLOCK: tl.constexpr, DV: tl.constexpr, DV_BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-              DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
+              DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr, K_ROTATED: tl.constexpr):
     """One key tile of the online softmax. ``MASKED``: the tile may hold keys past S or (causal) past a row."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < S
     cols64 = cols.to(tl.int64)[:, None]
     qk, k1, k2, kp = _scores(q1, q2, qp, k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, pc,
                              pass_ok, k_scale, not MASKED, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE,
-                             DOT_F32, ROTATE, PRECISION)
+                             DOT_F32, ROTATE, PRECISION, K_ROTATED)
     qk = qk * qk_mult
     if MASKED:
         keep = col_ok[None, :]
@@ -177,6 +191,7 @@ def rope_attention_fwd_kernel(
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
+    K_ROTATED: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); the last row
     blocks (the longest under a causal mask) start first. Key tiles wholly inside the sequence and (causal) wholly
@@ -213,12 +228,12 @@ def rope_attention_fwd_kernel(
         m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S,
                                   c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False, CAUSAL, BLOCK_N,
                                   ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE,
-                                  PRECISION)
+                                  PRECISION, K_ROTATED)
     for n0 in range(interior, end, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S,
                                   c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True, CAUSAL, BLOCK_N,
                                   ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE,
-                                  PRECISION)
+                                  PRECISION, K_ROTATED)
 
     acc = acc / l_i[:, None]
     o_rows = o_ptr + b * o_sb + h * o_sh + rows64 * o_ss
@@ -254,7 +269,8 @@ def _dkdv_tile(k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, 
                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
                PASS_LEN: tl.constexpr, PASS_BLOCK: tl.constexpr, DV: tl.constexpr, DV_BLOCK: tl.constexpr,
-               DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
+               DTYPE: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr,
+               Q_ROTATED: tl.constexpr):
     """One query tile's contribution to a key tile's dk and dv. Query rows past S load as zeros and contribute
     nothing (their do and delta are 0), so only loads and the causal mask need ``MASKED``."""
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -262,7 +278,7 @@ def _dkdv_tile(k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, 
     rows64 = rows.to(tl.int64)[:, None]
     s_t, q1, q2, qp = _scores(k1, k2, kp, q_base + rows64 * q_ss, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok,
                               pc, pass_ok, q_scale, not MASKED, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK,
-                              DTYPE, DOT_F32, ROTATE, PRECISION)
+                              DTYPE, DOT_F32, ROTATE, PRECISION, Q_ROTATED)
     if MASKED:
         lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
         delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
@@ -295,6 +311,7 @@ def rope_attention_bwd_dkdv_kernel(
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
+    Q_ROTATED: tl.constexpr,
 ):
     """One program: BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that share them
     (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S, BLOCK_N)). Query tiles on the causal
@@ -338,17 +355,20 @@ def rope_attention_bwd_dkdv_kernel(
             dk1, dk2, dkp, dv_acc = _dkdv_tile(
                 k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
                 delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
-                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION)
+                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION,
+                Q_ROTATED)
         for m0 in range(diagonal_end, full_rows, BLOCK_M):
             dk1, dk2, dkp, dv_acc = _dkdv_tile(
                 k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
                 delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, False, CAUSAL,
-                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION)
+                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION,
+                Q_ROTATED)
         for m0 in range(tail, S, BLOCK_M):
             dk1, dk2, dkp, dv_acc = _dkdv_tile(
                 k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
                 delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
-                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION)
+                BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION,
+                Q_ROTATED)
     # d(loss)/d(q_r . k_r) = ln 2 * qk_mult * p * (dp - delta); then dk = k_scale * R(-theta) dk_r
     ds_scale = LN2 * qk_mult * k_scale
     dk_rows = dk_ptr + b * dk_sb + hk * dk_sh + cols64 * dk_ss
@@ -365,7 +385,7 @@ def _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_bas
              c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
              BLOCK_N: tl.constexpr, ROT_HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr,
              PASS_BLOCK: tl.constexpr, DV: tl.constexpr, DV_BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-             DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
+             DOT_F32: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr, K_ROTATED: tl.constexpr):
     """One key tile's contribution to a query tile's dq. Keys past S load as zeros and add nothing (``ds * k``
     with k = 0), so only loads and the causal mask need ``MASKED``."""
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -373,7 +393,7 @@ def _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_bas
     cols64 = cols.to(tl.int64)[:, None]
     s, k1, k2, kp = _scores(q1, q2, qp, k_base + cols64 * k_ss, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, pc,
                             pass_ok, k_scale, not MASKED, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE,
-                            DOT_F32, ROTATE, PRECISION)
+                            DOT_F32, ROTATE, PRECISION, K_ROTATED)
     p = tl.math.exp2(s * qk_mult - lse2[:, None])
     if MASKED:
         if CAUSAL:
@@ -398,6 +418,7 @@ def rope_attention_bwd_dq_kernel(
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
+    K_ROTATED: tl.constexpr,
 ):
     """One program: dq for BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); key tiles
     split as in the forward."""
@@ -437,15 +458,46 @@ def rope_attention_bwd_dq_kernel(
         dq1, dq2, dqp = _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss,
                                  v_ss, t_ss, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False,
                                  CAUSAL, BLOCK_N, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE,
-                                 DOT_F32, ROTATE, PRECISION)
+                                 DOT_F32, ROTATE, PRECISION, K_ROTATED)
     for n0 in range(interior, end, BLOCK_N):
         dq1, dq2, dqp = _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss,
                                  v_ss, t_ss, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True,
                                  CAUSAL, BLOCK_N, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE,
-                                 DOT_F32, ROTATE, PRECISION)
+                                 DOT_F32, ROTATE, PRECISION, K_ROTATED)
     ds_scale = LN2 * qk_mult * q_scale
     dq_rows = dq_ptr + b * dq_sb + h * dq_sh + rows64 * dq_ss
     _store_unrotated(dq_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, dq1, dq2, ds_scale, ROTATE)
     if PASS_LEN > 0:
         tl.store(dq_rows + pc[None, :], (dqp * ds_scale).to(dq_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & pass_ok[None, :])
+
+
+@triton.jit
+def rope_attention_rotate_kernel(
+    x_ptr, tab_ptr, out_ptr, x_sb, x_ss, x_sh, t_sb, t_ss, o_sb, o_ss, o_sh, S, num_tokens, scale,
+    ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
+    PASS_LEN: tl.constexpr, BLOCK_T: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    ROTATE: tl.constexpr,
+):
+    """``out = scale * R(theta) x`` rounded to x's dtype, for the operand that the attention loop re-reads (k in
+    the forward and dq kernels, q in the dk/dv kernel): rotated once here instead of once per program that loads
+    it. One program: BLOCK_T tokens of one head. Grid: (cdiv(B * S, BLOCK_T), H)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = tokens < num_tokens
+    b = (tokens // S).to(tl.int64)[:, None]
+    s = (tokens % S).to(tl.int64)[:, None]
+    h = tl.program_id(1).to(tl.int64)
+    DTYPE = x_ptr.dtype.element_ty
+    c1, c2, pair_ok = _pair_columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX)
+    x_rows = x_ptr + b * x_sb + s * x_ss + h * x_sh
+    o_rows = out_ptr + b * o_sb + s * o_ss + h * o_sh
+    x1, x2 = _load_rotated(x_rows, tab_ptr + b * t_sb + s * t_ss, ok, c1, c2, pair_ok, scale, False,
+                           HALF_BLOCK == ROT_HALF, DTYPE, False, ROTATE, False)
+    m = ok[:, None] & pair_ok[None, :]
+    tl.store(o_rows + c1[None, :], x1, mask=m)
+    tl.store(o_rows + c2[None, :], x2, mask=m)
+    if PASS_LEN > 0:
+        pc = PASS_START + tl.arange(0, PASS_BLOCK)
+        pass_ok = tl.arange(0, PASS_BLOCK) < PASS_LEN
+        xp = _load_pass(x_rows, ok, pc, pass_ok, scale, False, PASS_BLOCK == PASS_LEN, DTYPE, False)
+        tl.store(o_rows + pc[None, :], xp, mask=ok[:, None] & pass_ok[None, :])

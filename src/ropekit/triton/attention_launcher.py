@@ -19,6 +19,7 @@ from ropekit.triton.attention_kernels import (
     rope_attention_bwd_dkdv_kernel,
     rope_attention_bwd_dq_kernel,
     rope_attention_fwd_kernel,
+    rope_attention_rotate_kernel,
 )
 
 _FLOATS = ("q_scale", "k_scale", "qk_mult")
@@ -26,6 +27,7 @@ FORWARD = runtime.KernelRoles(rope_attention_fwd_kernel, _FLOATS, ())
 DELTA = runtime.KernelRoles(rope_attention_bwd_delta_kernel, (), ())
 DKDV = runtime.KernelRoles(rope_attention_bwd_dkdv_kernel, _FLOATS, ())
 DQ = runtime.KernelRoles(rope_attention_bwd_dq_kernel, _FLOATS, ())
+ROTATE_ROWS = runtime.KernelRoles(rope_attention_rotate_kernel, ("scale",), ())
 
 
 class Rotation(NamedTuple):
@@ -85,6 +87,29 @@ def _layout_constexprs(rot: Rotation, head_dim: int, v_dim: int, causal: bool, d
     }
 
 
+def rotated_copy(x: torch.Tensor, angles: torch.Tensor, rot: Rotation, scale: float, rotate: bool = True
+                 ) -> torch.Tensor:
+    """``scale * R(theta) x`` in x's dtype, a new contiguous [B, S, H, D] tensor: the operand that the attention
+    loop re-reads (k for the forward and dq kernels, q for the dk/dv kernel), rotated once per call instead of once
+    per program that loads it -- GROUP * S / BLOCK_M times for k in the forward. It is transient (freed when the
+    launch returns) and never saved for the backward."""
+    B, S, H, D = x.shape
+    out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device)
+    if B * S * H == 0:
+        return out
+    pass_len = D - rot.rotary_dim
+    block_t = 16 if x.device.type != "cuda" else 32
+    args = {"x_ptr": x, "tab_ptr": angles, "out_ptr": out, **_strides(x, "x"),
+            "t_sb": angles.stride(0) if angles.shape[0] > 1 else 0, "t_ss": angles.stride(1), **_strides(out, "o"),
+            "S": S, "num_tokens": B * S, "scale": scale}
+    constexprs = {"ROT_START": rot.rotary_start, "ROT_HALF": rot.rotary_dim // 2, "NEOX": rot.neox,
+                  "PASS_START": rot.rotary_dim if rot.rotary_start == 0 else 0, "PASS_LEN": pass_len,
+                  "BLOCK_T": block_t, "HALF_BLOCK": max(16, heuristics.next_pow2(rot.rotary_dim // 2)),
+                  "PASS_BLOCK": max(16, heuristics.next_pow2(max(pass_len, 1))), "ROTATE": rotate}
+    runtime.launch(ROTATE_ROWS, (heuristics.cdiv(B * S, block_t), H, 1), args, constexprs, 4, x.device)
+    return out
+
+
 def _strides(x: torch.Tensor, prefix: str) -> dict:
     sb, ss, sh = x.stride()[:3]
     return {f"{prefix}_sb": sb, f"{prefix}_ss": ss, f"{prefix}_sh": sh}
@@ -97,27 +122,34 @@ def _scalars(q, k, angles, q_scale: float, k_scale: float, qk_mult: float) -> di
 
 
 def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_scale: float, qk_mult: float,
-                   causal: bool, blocks: Blocks | None = None, rotate: bool = True) -> None:
+                   causal: bool, blocks: Blocks | None = None, rotate: bool = True, prerotate: bool = True) -> None:
     """Write the attention output ``o`` [B, S, HQ, DV] and the natural-log ``lse`` [B, HQ, S] (float32).
-    ``blocks`` overrides the block shape and ``rotate=False`` skips the rotation (tuning and benchmarks only)."""
+    ``prerotate``: k is rotated once into a transient copy (:func:`rotated_copy`) rather than by every program
+    that loads a tile of it. ``blocks`` overrides the block shape and ``rotate=False`` skips the rotation (tuning
+    and benchmarks only)."""
     B, S, HQ, D = q.shape
     if B * S * HQ == 0:
         return
     blocks = blocks or forward_blocks(q.device, D, v.shape[3])
     if blocks.block_m % blocks.block_n:
         raise ValueError(f"the forward's BLOCK_M must be a multiple of BLOCK_N, got {blocks}")
+    if prerotate:
+        k, k_scale = rotated_copy(k, angles, rot, k_scale, rotate), 1.0
     args = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "o_ptr": o, "lse_ptr": lse,
             **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"),
             **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
-    constexprs = _layout_constexprs(rot, D, v.shape[3], causal, q.dtype, blocks, q.device, rotate)
+    constexprs = {**_layout_constexprs(rot, D, v.shape[3], causal, q.dtype, blocks, q.device, rotate),
+                  "K_ROTATED": prerotate}
     grid = (B * HQ, heuristics.cdiv(S, blocks.block_m), 1)
     runtime.launch(FORWARD, grid, args, constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
 
 
 def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation, q_scale: float, k_scale: float,
-                    qk_mult: float, causal: bool, blocks: Blocks | None = None, rotate: bool = True) -> None:
+                    qk_mult: float, causal: bool, blocks: Blocks | None = None, rotate: bool = True,
+                    prerotate: bool = True) -> None:
     """Write dq, dk, dv (each like its input) from the gradients of o (``do``) and of lse (``dlse``, contiguous
-    [B, HQ, S], or None) and the forward's ``o`` and ``lse``."""
+    [B, HQ, S], or None) and the forward's ``o`` and ``lse``. ``prerotate``: the dk/dv kernel reads q, and the dq
+    kernel k, from transient rotated copies (:func:`rotated_copy`)."""
     B, S, HQ, D = q.shape
     HK, DV = k.shape[2], v.shape[3]
     if B * S == 0:
@@ -136,12 +168,18 @@ def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation
                    {"DV": DV, "HAS_DLSE": dlse is not None, "BLOCK_M": delta_rows, "DV_BLOCK": dv_block}, 4,
                    q.device)
     constexprs = _layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device, rotate)
-    common = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse,
-              "delta_ptr": delta, **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
-              **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
+    common = {"v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse, "delta_ptr": delta,
+              **_strides(v, "v"), **_strides(do, "do"), **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
+    # each kernel keeps its own operand resident (rotated once per program) and may read the other from a copy
+    q_in, q_scale_in = (rotated_copy(q, angles, rot, q_scale, rotate), 1.0) if prerotate else (q, q_scale)
     runtime.launch(DKDV, (B * HK, heuristics.cdiv(S, blocks.block_n), 1),
-                   {**common, "dk_ptr": dk, "dv_ptr": dv, **_strides(dk, "dk"), **_strides(dv, "dv"), "HK": HK},
-                   constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+                   {**common, "q_ptr": q_in, "k_ptr": k, **_strides(q_in, "q"), **_strides(k, "k"),
+                    "q_scale": q_scale_in, "dk_ptr": dk, "dv_ptr": dv, **_strides(dk, "dk"), **_strides(dv, "dv"),
+                    "HK": HK},
+                   {**constexprs, "Q_ROTATED": prerotate}, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+    del q_in
+    k_in, k_scale_in = (rotated_copy(k, angles, rot, k_scale, rotate), 1.0) if prerotate else (k, k_scale)
     runtime.launch(DQ, (B * HQ, heuristics.cdiv(S, blocks.block_m), 1),
-                   {**common, "dq_ptr": dq, **_strides(dq, "dq")},
-                   constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+                   {**common, "q_ptr": q, "k_ptr": k_in, **_strides(q, "q"), **_strides(k_in, "k"),
+                    "k_scale": k_scale_in, "dq_ptr": dq, **_strides(dq, "dq")},
+                   {**constexprs, "K_ROTATED": prerotate}, blocks.num_warps, q.device, num_stages=blocks.num_stages)
