@@ -52,8 +52,8 @@ def forward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
         return Blocks(16, 16, 4, 1)
     if max(head_dim, v_dim) <= 64:
         return Blocks(128, 64, 4, 3)
-    if max(head_dim, v_dim) <= 128:  # H100 sweep at 4 x 4096, 32/8 heads (docs/perf-notes.md, "RoPE attention")
-        return Blocks(128, 32, 4, 3)
+    if max(head_dim, v_dim) <= 128:  # H200 sweep at 4 x 4096, 32/8 heads (docs/perf-notes.md, "RoPE attention")
+        return Blocks(128, 128, 8, 3)
     return Blocks(64, 32, 4, 2)
 
 
@@ -62,8 +62,8 @@ def backward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
         return Blocks(16, 16, 4, 1)
     if max(head_dim, v_dim) <= 64:
         return Blocks(64, 64, 4, 2)
-    if max(head_dim, v_dim) <= 128:  # the same sweep: 1.37-1.49x faster than (64, 64, 8, 2)
-        return Blocks(64, 128, 8, 2)
+    if max(head_dim, v_dim) <= 128:  # the same sweep
+        return Blocks(128, 128, 8, 2)
     return Blocks(32, 32, 4, 1)
 
 
