@@ -404,3 +404,16 @@ def test_batch_and_sequence_token_dims(route):
         engines.rotary_embedding(pos, q, k, D, cache, True)
     for out, ref in ((q_out, q_ref), (k_out, k_ref), (q, q_ref), (k, k_ref)):
         check(out, ref, route)
+
+
+def test_readme_example_runs():
+    """The README's example of this module, run as written on CPU tensors."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("### Serving-engine signatures")[1].split("```python")[1].split("```")[0]
+    qkv = torch.randn(T, (HQ + 2 * HKV) * D)
+    positions, cache = shuffled_positions("cpu"), cos_sin_cache(P, D, "cpu")
+    expected = rope_ref(positions, qkv[:, :HQ * D], D, cache, True)
+    exec(code, {"qkv": qkv, "positions": positions, "cos_sin_cache": cache, "Hq": HQ, "Hkv": HKV, "D": D})
+    check(qkv[:, :HQ * D], expected, "cpu")
