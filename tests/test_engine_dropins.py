@@ -417,3 +417,17 @@ def test_readme_example_runs():
     expected = rope_ref(positions, qkv[:, :HQ * D], D, cache, True)
     exec(code, {"qkv": qkv, "positions": positions, "cos_sin_cache": cache, "Hq": HQ, "Hkv": HKV, "D": D})
     check(qkv[:, :HQ * D], expected, "cpu")
+
+
+def test_sglang_cache_loc_minus_one_skips_the_token():
+    _, q, k, v = packed(torch.float32, "cpu", "2d")
+    cache, pos = cos_sin_cache(P, D, "cpu"), shuffled_positions("cpu")
+    k_buffer, v_buffer = torch.zeros(8, HKV * D), torch.zeros(8, HKV * D)
+    k_ref = rope_ref(pos, k, D, cache, True)
+    loc = torch.tensor([3, -1, 0, 7, 5])
+    engines.apply_rope_with_cos_sin_cache_inplace(pos, q, k, D, cache, fused_set_kv_buffer_arg=engines.
+                                                  FusedSetKVBufferArg(v, k_buffer, v_buffer, cache_loc=loc))
+    check(k, k_ref, "cpu")  # the skipped token is rotated all the same
+    written = (k_buffer != 0).any(-1)
+    assert written.tolist() == [i in (3, 0, 7, 5) for i in range(8)]
+    check(k_buffer[loc[loc >= 0]], k_ref.reshape(T, -1)[loc >= 0], "cpu")
