@@ -71,6 +71,10 @@ def run_base(tree: str, argv: list[str], out_dir: Path, impls: str | None) -> tu
         base_out = out_dir / "base"
         cmd = [sys.executable, "-m", "ropekit.bench", *base_argv(argv), "--out", str(base_out), "--no-plot",
                "--commit", label, "--impls", impls or "ropekit*"]
+        # older versions kept the registry in the repository (benchmarks/registry.py), not in the package
+        registry = src.parent / "benchmarks" / "registry.py"
+        if registry.is_file() and not any(a.split("=", 1)[0] == "--registry" for a in argv):
+            cmd += ["--registry", str(registry)]
         print(f"\n=== base {label}: {' '.join(cmd[1:])}", flush=True)
         before = set(base_out.glob("*.json")) if base_out.is_dir() else set()
         subprocess.run(cmd, check=True, env=env)
