@@ -1,4 +1,5 @@
-"""The float32 torch path of devices without Triton kernels or float64 (MPS, XPU, ...), forced on CPU tensors:
+"""The float32 torch path of CPU float16/bfloat16/float32 tensors and of devices without Triton kernels or float64
+(MPS, XPU, ...), forced on CPU tensors:
 every option, in and out of place, forward, backward and autograd, equal to the float64 reference within the
 kernels' precision (angles exact on the host, fp32 math, one rounding)."""
 
@@ -9,7 +10,7 @@ import torch
 
 import ropekit
 from ropekit import ops
-from ropekit.testing import assert_close_to_ref, float32_path_on_cpu, make_qk
+from ropekit.testing import assert_close_to_ref, float32_path_on_cpu, make_qk, reference_on_cpu
 
 B, S, HQ, HK, D = 2, 7, 4, 2, 32
 CASES = {
@@ -54,12 +55,15 @@ def test_float32_path_matches_reference(case, dtype):
 
 
 def test_float32_path_is_float32_math_not_float64():
-    """The switch really changes the path: float32 math differs from the float64 reference in the last bits."""
+    """The switches really change the path: float32 math differs from the float64 reference in the last bits;
+    float32_path_on_cpu wins over reference_on_cpu."""
     q, _ = make_qk(B, 64, HQ, HK, D)
-    want = ropekit.apply_rope(q, positions=12345)
-    with float32_path_on_cpu():
-        got = ropekit.apply_rope(q, positions=12345)
+    with reference_on_cpu():
+        want = ropekit.apply_rope(q, positions=12345)
+        with float32_path_on_cpu():
+            got = ropekit.apply_rope(q, positions=12345)
     assert not torch.equal(got, want)
+    assert torch.equal(ropekit.apply_rope(q, positions=12345), got)  # the CPU default
     assert_close_to_ref(got, ropekit.apply_rope(q.double(), positions=12345), torch.float32, backend="float32-path")
 
 

@@ -4,11 +4,14 @@
   environment when ropekit is imported, or :func:`ropekit.set_fast_path`, turns them off to rule them out when
   debugging -- every call then takes the validated full path.
 * ``kernels_on_cpu``: CPU tensors run the Triton kernels under the Triton interpreter (``TRITON_INTERPRET=1``)
-  instead of the float64 reference, plans included, with device-resident semantics (position values are not
+  instead of the float32 torch path, plans included, with device-resident semantics (position values are not
   read on the host). It exists so that CPU-only CI exercises the CUDA dispatch and the fast path; see
   :func:`ropekit.testing.kernels_on_cpu`.
-* ``float32_path_on_cpu``: CPU tensors take the float32 torch path that devices without Triton kernels or float64
-  use (MPS, XPU, ...), so that CPU-only CI tests it; see :func:`ropekit.testing.float32_path_on_cpu`.
+* ``float32_path_on_cpu``: CPU tensors take the float32 torch path -- the CPU default for float16/bfloat16/float32,
+  and the path of devices without Triton kernels or float64 (MPS, XPU, ...) -- even where ``reference_on_cpu`` is
+  set (``kernels_on_cpu`` wins over both); see :func:`ropekit.testing.float32_path_on_cpu`.
+* ``reference_on_cpu``: CPU tensors of every dtype take the float64 reference (float64 math, one rounding to the
+  output dtype) instead of the float32 torch path; see :func:`ropekit.testing.reference_on_cpu`.
 * ``exact_angles``: how the kernels reduce in-kernel angles exactly: None (by device: float64 on GPUs with fast
   float64, 64-bit integer turns on the others; float64 under the interpreter -- see
   ``ropekit.triton.heuristics.integer_angles``), ``"float64"`` or ``"integer"``. ``ROPEKIT_EXACT_ANGLES`` sets it at
@@ -22,6 +25,7 @@ import os
 fast_path: bool = os.environ.get("ROPEKIT_DISABLE_FAST_PATH", "0").strip().lower() in ("", "0", "false", "no")
 kernels_on_cpu: bool = False
 float32_path_on_cpu: bool = False
+reference_on_cpu: bool = False
 exact_angles: str | None = os.environ.get("ROPEKIT_EXACT_ANGLES") or None
 
 

@@ -4,9 +4,10 @@ attention prologue's ``ropekit::qk_norm_rope`` (with ``ropekit::qk_norm_rope_bac
 
 Both take ``q``, ``k`` and the fields of a validated :class:`ropekit._spec.RopeSpec`, in the order of the schema
 that :func:`ropekit._spec.op_schema` generates from it. CUDA tensors run the Triton kernel (float64 ones the
-reference, which keeps float64 math); CPU tensors the float64 reference (the Triton interpreter under
-:func:`ropekit.testing.kernels_on_cpu`); other devices (MPS, XPU, ...) the float32 torch path with host-exact
-angles (:func:`ropekit.reference.rope_float32`).
+reference, which keeps float64 math); float16/bfloat16/float32 tensors on the CPU and on other devices (MPS, XPU,
+...) the float32 torch path with host-exact angles (:func:`ropekit.reference.rope_float32_into`; on the CPU the
+Triton interpreter under :func:`ropekit.testing.kernels_on_cpu`, the float64 reference under
+:func:`ropekit.testing.reference_on_cpu`); float64 tensors everywhere the float64 reference.
 
 :func:`rotate_out_of_place` and :func:`rotate_in_place` are the ops' bodies, callable without the dispatcher by
 eager calls that need neither autograd nor tracing (its round trips cost more host time than a decode kernel).
@@ -29,12 +30,17 @@ def uses_kernels(x: Tensor) -> bool:
 
 
 def uses_float32_path(x: Tensor) -> bool:
-    """Whether ``x`` is rotated by the float32 torch path (:func:`ropekit.reference.rope_float32`): devices other
-    than CPU and CUDA, which may lack float64 (MPS), and CPU tensors under
-    :func:`ropekit.testing.float32_path_on_cpu`. float64 inputs keep float64 math wherever they exist."""
+    """Whether ``x`` is rotated by the float32 torch path (:func:`ropekit.reference.rope_float32_into`): float16,
+    bfloat16 and float32 tensors on the CPU (unless :func:`ropekit.testing.kernels_on_cpu` or
+    :func:`ropekit.testing.reference_on_cpu` routes them elsewhere) and on devices other than CUDA, which may lack
+    float64 (MPS, XPU, ...). float64 inputs keep float64 math wherever they exist."""
     if x.dtype == torch.float64:
         return False
-    return x.device.type not in ("cpu", "cuda") or (_config.float32_path_on_cpu and x.device.type == "cpu")
+    if x.device.type == "cpu":
+        if _config.kernels_on_cpu:
+            return False
+        return _config.float32_path_on_cpu or not _config.reference_on_cpu
+    return x.device.type != "cuda"
 
 
 def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec: RopeSpec) -> None:
@@ -48,10 +54,14 @@ def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec:
             if k is not None:
                 torch.autograd.graph.increment_version(k)
         return
-    from ropekit.reference import rope_float32, rope_reference
+    if uses_float32_path(q):  # straight into the outputs (in place when they are the inputs)
+        from ropekit.reference import rope_float32_into
 
-    rotate = rope_float32 if uses_float32_path(q) else rope_reference
-    results = rotate(q, k, spec._replace(out_dtype=q_out.dtype))
+        rope_float32_into(q, k, q_out, k_out, spec)
+        return
+    from ropekit.reference import rope_reference
+
+    results = rope_reference(q, k, spec._replace(out_dtype=q_out.dtype))
     q_out.copy_(results[0])
     if k is not None:
         k_out.copy_(results[1])

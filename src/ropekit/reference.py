@@ -161,11 +161,137 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> l
 
 
 def rope_float32(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> list[torch.Tensor]:
-    """The same rotation with float32 math on ``q``'s device, for devices without float64 (MPS and other torch
-    backends without Triton kernels): positions and angles are formed and reduced in float64 on the CPU (exact at
-    any position; reading device positions is a host sync), cos/sin rounded to float32 there, and the rotation
-    runs on the device in float32 with one rounding to the output dtype -- the kernels' precision."""
-    return _rope_torch(q, k, spec, math_dtype=torch.float32, angle_device=torch.device("cpu"))
+    """The rotation of :func:`rope_reference` with float32 math, into new tensors (in q's and k's layout and shape;
+    ``spec.out_dtype``, None: each input's dtype); see :func:`rope_float32_into`."""
+    outs = []
+    for x in (q, k):
+        if x is not None:
+            outs.append(torch.empty(x.shape, dtype=x.dtype if spec.out_dtype is None else spec.out_dtype,
+                                    device=x.device))
+    rope_float32_into(q, k, outs[0], outs[1] if k is not None else None, spec)
+    return outs
+
+
+# Elements of one tensor rotated per step of :func:`_rotate_float32`: the step's float32 working copy (1 MiB) and
+# its half-width temporary stay in the cache between the few elementwise ops of the step, and a step still has
+# enough elements for torch to split it over threads.
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
+                      spec: RopeSpec) -> None:
+    """Rotate ``q`` (and ``k``) as ``spec`` says into ``q_out`` (and ``k_out``) -- which may be the inputs
+    themselves (in place) -- with float32 math: the CPU path for float16/bfloat16/float32 tensors, and the path of
+    devices without Triton kernels or float64 (MPS, XPU, ...).
+
+    Positions and angles are formed and reduced in float64 on the CPU, once per call at the size of positions x
+    frequencies (one row for all sequences when they share their positions; exact at any position; reading
+    device positions is a host sync), and rounded to float32 cos/sin tables with the rotation's scales folded in.
+    The rotation then runs on the tensors' device in float32 torch ops, a block of tokens at a time, with one
+    rounding to the output's dtype: the kernels' precision. ``q``/``k`` [in ``spec.layout``] of any strides;
+    outputs of the inputs' shapes, any floating dtype (``spec.out_dtype`` is not read: the outputs' dtypes are
+    the rotation's). Tokens without a valid position come out NaN, as on the kernels."""
+    layout = spec.layout
+    qc = to_canonical(q, layout)
+    B, S = qc.shape[:2]
+    half = spec.rotary_dim // 2
+    neox = spec.style == "neox"
+    pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets, pos_offset=spec.pos_offset,
+                          cu_seqlens=spec.cu_seqlens, device=torch.device("cpu"))
+    tables_by_sequence = spec.freq_mode != "inv_freq" and spec.cos.shape[0] != 1
+    if pos.dim() == 2 and pos.shape[0] > 1 and pos.stride(0) == 0 and not tables_by_sequence:
+        pos = pos[:1]  # every sequence has the same positions and frequencies: one row of angles serves all
+    valid = (pos >= 0) & (pos <= MAX_POSITION)
+    if pos.dim() == 3:  # multi-axis: a token is valid when every axis is
+        valid = valid.all(0)
+    if spec.freq_mode != "inv_freq" and not spec.table_by_token:
+        valid &= pos < spec.cos.shape[1]
+    tables = rotation_tables(pos, half=half, neox=neox, freq_mode=spec.freq_mode, inv_freq=spec.inv_freq,
+                             cos=spec.cos, sin=spec.sin, table_by_token=spec.table_by_token, sections=spec.sections,
+                             section_layout=spec.section_layout)
+    all_valid = bool(valid.all())
+    if not all_valid:  # NaN cos/sin make the token's rotated columns NaN; its other columns below
+        tables = tuple(torch.where(valid[..., None], t, math.nan) for t in tables)
+    device = q.device
+    for x, out, scale in ((q, q_out, spec.q_scale), (k, k_out, spec.k_scale)):
+        if x is None:
+            continue
+        c_lo, c_hi, s_lo, s_hi = _float32_tables(tables, scale * spec.rotary_scale, spec.conjugate, device)
+        factor = None  # the columns outside the rotary part: times scale, NaN for invalid tokens
+        if spec.rotary_dim < x.shape[-1] and not all_valid:
+            factor = torch.where(valid, scale, math.nan).to(device=device, dtype=torch.float32)[:, :, None, None]
+        _rotate_float32(to_canonical(x, layout), to_canonical(out, layout), (c_lo, c_hi, s_lo, s_hi), factor,
+                        scale, spec.rotary_start, spec.rotary_dim, neox, inplace=out is x)
+
+
+def _float32_tables(tables: tuple, scale: float, conjugate: bool, device: torch.device) -> tuple:
+    """(cos_lo, cos_hi, sin_lo, sin_hi) float64 [Bt, S, R/2] times ``scale`` (in float64), the sines swapped and
+    negated for the conjugate, each rounded once to float32 [Bt, S, 1, R/2] on ``device`` (shared tables
+    converted once)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def one(t: torch.Tensor, sign: float) -> torch.Tensor:
+        key = id(t) * 2 + (sign < 0)
+        if key not in done:
+            done[key] = (t * (sign * scale)).to(device=device, dtype=torch.float32)[:, :, None, :]
+        return done[key]
+
+    c_lo, c_hi, s_lo, s_hi = tables
+    if conjugate:
+        return one(c_lo, 1.0), one(c_hi, 1.0), one(s_hi, -1.0), one(s_lo, -1.0)
+    return one(c_lo, 1.0), one(c_hi, 1.0), one(s_lo, 1.0), one(s_hi, 1.0)
+
+
+def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, factor: torch.Tensor | None, scale: float,
+                    rotary_start: int, rotary_dim: int, neox: bool, *, inplace: bool) -> None:
+    """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32, a block
+    of tokens at a time: ``lo' = lo*cos_lo - hi*sin_lo``, ``hi' = hi*cos_hi + lo*sin_hi`` with the float32
+    ``tables`` [Bt, S, 1, R/2] (scale folded in), the other columns times ``factor`` [Bt, S, 1, 1] or ``scale``."""
+    B, S, H, D = x.shape
+    step = max(1, _CHUNK_ELEMENTS // max(1, B * H * D))
+    direct = x.dtype == torch.float32 and out.dtype == torch.float32
+    end = rotary_start + rotary_dim
+    for s0 in range(0, S, step):
+        rows = slice(s0, min(S, s0 + step))
+        c_lo, c_hi, s_lo, s_hi = (t[:, rows] for t in tables)
+        f = None if factor is None else factor[:, rows]
+        xs, os_ = x[:, rows], out[:, rows]
+        if direct and not inplace:  # straight into the output: no temporaries
+            lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
+            olo, ohi = _pairs(os_, rotary_start, rotary_dim, neox)
+            torch.mul(lo, c_lo, out=olo).addcmul_(hi, s_lo, value=-1.0)
+            torch.mul(hi, c_hi, out=ohi).addcmul_(lo, s_hi)
+            for cols in (slice(0, rotary_start), slice(end, D)):
+                if cols.start < cols.stop:
+                    if f is not None:
+                        torch.mul(xs[..., cols], f, out=os_[..., cols])
+                    elif scale != 1.0:
+                        torch.mul(xs[..., cols], scale, out=os_[..., cols])
+                    else:
+                        os_[..., cols].copy_(xs[..., cols])
+            continue
+        # in place on a float32 block: x's own (float32 in place) or a working copy
+        y = xs if direct else xs.to(torch.float32, copy=True)
+        lo, hi = _pairs(y, rotary_start, rotary_dim, neox)
+        new_lo = torch.mul(lo, c_lo).addcmul_(hi, s_lo, value=-1.0)
+        hi.mul_(c_hi).addcmul_(lo, s_hi)
+        lo.copy_(new_lo)
+        for cols in (slice(0, rotary_start), slice(end, D)):
+            if cols.start < cols.stop:
+                if f is not None:
+                    y[..., cols].mul_(f)
+                elif scale != 1.0:
+                    y[..., cols].mul_(scale)
+        if not direct:
+            os_.copy_(y)  # the one rounding to the output's dtype
+
+
+def _pairs(y: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) views of the rotary part of ``y``'s last dim: halves for ``neox``, even/odd columns else."""
+    rot = y[..., rotary_start : rotary_start + rotary_dim]
+    if neox:
+        return rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+    return rot[..., 0::2], rot[..., 1::2]
 
 
 def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: torch.device) -> list[torch.Tensor]:

@@ -43,8 +43,10 @@ def kernels_on_cpu() -> Iterator[None]:
 
 @contextlib.contextmanager
 def float32_path_on_cpu() -> Iterator[None]:
-    """Within the block, CPU tensors (except float64) take the float32 torch path of devices without Triton
-    kernels or float64 (MPS, XPU, ...): angles exact in float64 on the host, the rotation in float32."""
+    """Within the block, CPU tensors (except float64) take the float32 torch path -- angles exact in float64 on
+    the host, the rotation in float32 -- even inside :func:`reference_on_cpu` (not inside :func:`kernels_on_cpu`). It is
+    the CPU default for float16/bfloat16/float32 tensors, and the path of devices without Triton kernels or
+    float64 (MPS, XPU, ...)."""
     from ropekit import _config
 
     previous = _config.float32_path_on_cpu
@@ -53,6 +55,20 @@ def float32_path_on_cpu() -> Iterator[None]:
         yield
     finally:
         _config.float32_path_on_cpu = previous
+
+
+@contextlib.contextmanager
+def reference_on_cpu() -> Iterator[None]:
+    """Within the block, CPU tensors of every dtype are rotated by the float64 reference (float64 math, one
+    rounding to the output dtype: the ``"cpu"`` rows of :data:`TOLERANCES`) instead of the float32 torch path."""
+    from ropekit import _config
+
+    previous = _config.reference_on_cpu
+    _config.reference_on_cpu = True
+    try:
+        yield
+    finally:
+        _config.reference_on_cpu = previous
 
 
 @contextlib.contextmanager
@@ -95,11 +111,13 @@ UNIT_MAX = 5.0
 #   "triton-interpreter": the same kernels under TRITON_INTERPRET=1 (CPU CI). The interpreter converts fp32 to
 #       bfloat16 by truncation (round toward zero, where compiled kernels round to nearest even): one bfloat16
 #       ulp (2**-7) instead of half.
-#   "cpu": the float64 reference path (CPU tensors, and float64 tensors everywhere): float64 math (~1e-15) and
-#       one rounding to nearest: half an ulp of the output dtype (2**-24 for float32), atol 1e-6 for the
-#       rounding of values near zero and of float32 tables the caller passes.
-#   "float32-path": the torch path of devices without Triton kernels or float64 (MPS, ...): angles exact in
-#       float64 on the host, cos/sin rounded to float32, products in float32, one rounding: as "kernels".
+#   "cpu": the float64 reference path (float64 tensors everywhere, and CPU tensors under
+#       ropekit.testing.reference_on_cpu): float64 math (~1e-15) and one rounding to nearest: half an ulp of the
+#       output dtype (2**-24 for float32), atol 1e-6 for the rounding of values near zero and of float32 tables
+#       the caller passes.
+#   "float32-path": the torch path of float16/bfloat16/float32 CPU tensors and of devices without Triton kernels
+#       or float64 (MPS, ...): angles exact in float64 on the host, cos/sin rounded to float32, products in
+#       float32, one rounding: as "kernels".
 #   "webgpu": the WGSL kernels with frequencies from the host (float64-formed table or inverse frequencies):
 #       f32 math like "kernels" and f16 stores rounded to nearest; float32 and float16 only.
 #   "webgpu-shader-frequencies": the WGSL kernels forming the frequencies themselves (f32 exp2/log2): an angle

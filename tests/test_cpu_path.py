@@ -1,0 +1,194 @@
+"""The CPU path: float16/bfloat16/float32 CPU tensors are rotated by the float32 torch path (angles exact in float64
+on the host, float32 math, one rounding) by default -- not the float64 reference, which float64 tensors, ``ropekit
+check``'s oracle and :func:`ropekit.testing.reference_on_cpu` keep -- and it stays within the float32 path's
+tolerance of the float64 reference over position modes, strides, in and out of place, and autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import reference
+from ropekit.testing import assert_close_to_ref, kernels_on_cpu, make_qk, reference_on_cpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+B, S, HQ, HK, D = 2, 9, 4, 2, 32
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Which torch path rotated each call: the names of the functions that ran, in order."""
+    seen: list[str] = []
+    for name in ("rope_float32_into", "rope_float32", "rope_reference"):
+        original = getattr(reference, name)
+
+        def recording(*args, _name=name, _original=original, **kwargs):
+            seen.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(reference, name, recording)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_cpu_route_is_float32_path(routes, dtype):
+    q, k = make_qk(1, 5, 2, 1, 16, dtype=dtype)
+    ropekit.apply_rope(q, k, positions=7)
+    ropekit.apply_rope_(q, k, positions=7)
+    ropekit.RotaryEmbedding(16)(q, k)
+    assert routes == ["rope_float32_into"] * 3
+
+
+def test_float64_and_reference_on_cpu_keep_the_float64_reference(routes):
+    q, k = make_qk(1, 5, 2, 1, 16, dtype=torch.float64)
+    ropekit.apply_rope(q, k, positions=7)
+    assert routes == ["rope_reference"]
+    routes.clear()
+    with reference_on_cpu():
+        ropekit.apply_rope(q.bfloat16(), k.bfloat16(), positions=7)
+    assert routes == ["rope_reference"]
+
+
+def test_kernels_on_cpu_still_runs_the_kernels(routes):
+    q, k = make_qk(1, 5, 2, 1, 16, dtype=torch.bfloat16)
+    with kernels_on_cpu():
+        got = ropekit.apply_rope(q, k, positions=7)
+    assert routes == []
+    want = ropekit.apply_rope(q.double(), k.double(), positions=7)
+    for g, w in zip(got, want):
+        assert_close_to_ref(g, w, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prologue_ops_take_the_float32_path(routes, dtype):
+    q, k = make_qk(1, 5, 4, 2, 16, dtype=dtype)
+    qw, kw = torch.rand(16, dtype=dtype) + 0.5, torch.rand(16, dtype=dtype) + 0.5
+    q_out, k_out = ropekit.qk_norm_rope(q, k, qw, kw, positions=3)
+    assert routes and "rope_reference" not in routes and set(routes) <= {"rope_float32", "rope_float32_into"}
+    norm = lambda x, w: reference.rms_norm_reference(x, w, 0.0, 1e-6)  # noqa: E731
+    want_q, want_k = ropekit.apply_rope(norm(q, qw), norm(k, kw), positions=3)
+    # inputs and weights are exact in float64; the float32 norm adds its few-ulp error before the rounding
+    assert_close_to_ref(q_out, want_q, dtype, backend="float32-path")
+    assert_close_to_ref(k_out, want_k, dtype, backend="float32-path")
+
+
+def _ids(b, s):
+    return torch.randint(0, 1 << 24, (b, s))
+
+
+# (kwargs factory, layout); every case is run with contiguous and non-contiguous q/k
+CASES = {
+    "range": lambda: dict(),
+    "int-offset-interleaved": lambda: dict(positions=(1 << 20) + 3, style="interleaved"),
+    "per-seq-offsets": lambda: dict(positions=torch.tensor([3, 90_000])),
+    "per-token-ids": lambda: dict(positions=_ids(B, S)),
+    "expanded-ids": lambda: dict(positions=_ids(1, S).expand(B, S)),
+    "inv-freq-partial-back-scales": lambda: dict(inv_freq=torch.rand(8) + 0.01, rotary_at="back", q_scale=0.5,
+                                                 k_scale=2.0, positions=_ids(B, S)),
+    "partial-front-interleaved": lambda: dict(rotary_dim=16, style="interleaved", q_scale=0.25),
+    "tables-full-width": lambda: dict(positions=torch.randint(0, 64, (B, S)), cos=torch.rand(64, D),
+                                      sin=torch.rand(64, D), rotary_scale=1.5),
+    "tables-per-sequence": lambda: dict(cos=torch.rand(B, S, D // 2), sin=torch.rand(B, S, D // 2)),
+    "angles": lambda: dict(angles=torch.rand(1, S, D // 2) * 1000),
+    "multi-axis": lambda: dict(positions=torch.randint(0, 1 << 20, (3, B, S)), sections=(4, 6, 6)),
+    "multi-axis-interleaved": lambda: dict(positions=torch.randint(0, 1 << 20, (3, B, S)), sections=(6, 5, 5),
+                                           section_layout="interleaved"),
+    "bhsd-base": lambda: dict(layout="bhsd", base=500000.0, positions=11),
+    "sbhd": lambda: dict(layout="sbhd", positions=torch.tensor([5, 70_000])),
+    "thd-varlen": lambda: dict(layout="thd", cu_seqlens=torch.tensor([0, 3, 2 * S - 4, 2 * S]), positions=2),
+}
+
+
+def _inputs(layout: str, dtype: torch.dtype, strided: bool):
+    """q, k in ``layout``; ``strided``: views into one packed q|k|v projection (non-contiguous, last dim dense)."""
+    shape = {"bshd": (B, S), "bhsd": (B, S), "sbhd": (S, B), "thd": (B * S,)}[layout]
+    if strided:
+        qkv = torch.randn(*shape, HQ + 2 * HK, D, dtype=torch.float64).to(dtype)
+        q, k, _ = qkv.split([HQ, HK, HK], dim=-2)
+    else:
+        q, k = (torch.randn(*shape, h, D, dtype=torch.float64).to(dtype) for h in (HQ, HK))
+    if layout == "bhsd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D] views
+    return q, k
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_path_matches_float64_reference(case, dtype, strided):
+    kwargs = CASES[case]()
+    q, k = _inputs(kwargs.get("layout", "bshd"), dtype, strided)
+    want_q, want_k = ropekit.apply_rope(q.double(), k.double(), **kwargs)
+    got_q, got_k = ropekit.apply_rope(q, k, **kwargs)
+    assert_close_to_ref(got_q, want_q, dtype, backend="float32-path")
+    assert_close_to_ref(got_k, want_k, dtype, backend="float32-path")
+    # in place: the views are written where they are, the rest of the packed buffer untouched
+    qi, ki = q.clone(), k.clone()
+    if strided:
+        base = q._base
+        before = base.clone()
+        qi, ki = q, k
+    ropekit.apply_rope_(qi, ki, **kwargs)
+    assert_close_to_ref(qi, want_q, dtype, backend="float32-path")
+    assert_close_to_ref(ki, want_k, dtype, backend="float32-path")
+    if strided:
+        v_cols = slice(HQ + HK, None)
+        assert torch.equal(base[..., v_cols, :], before[..., v_cols, :])
+    # autograd: the gradient is the conjugate rotation of the upstream gradient
+    q, k = _inputs(kwargs.get("layout", "bshd"), dtype, strided)
+    leaves = [q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()]
+    grads = [torch.randn(x.shape, dtype=torch.float64).to(dtype) for x in leaves]
+    got = torch.autograd.grad(ropekit.apply_rope(*leaves, **kwargs), leaves, grads)
+    want = ropekit.rope_backward(grads[0].double(), grads[1].double(), **kwargs)
+    for g, w in zip(got, want):
+        assert_close_to_ref(g, w, dtype, backend="float32-path")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_blocks_of_tokens_cover_every_token(monkeypatch, inplace):
+    """Long inputs are rotated a block of tokens at a time: blocks of one and of several tokens, a last short one."""
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 3 * B * HQ * D)
+    q, k = make_qk(B, 3 * 4 + 2, HQ, HK, D, dtype=torch.bfloat16)
+    ids = _ids(B, q.shape[1])
+    want = ropekit.apply_rope(q.double(), k.double(), positions=ids, rotary_dim=24)
+    got = (q, k) if inplace else None
+    if inplace:
+        ropekit.apply_rope_(q, k, positions=ids, rotary_dim=24)
+    else:
+        got = ropekit.apply_rope(q, k, positions=ids, rotary_dim=24)
+    for g, w in zip(got, want):
+        assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invalid_positions_make_whole_tokens_nan(dtype):
+    """A per-token id past a table, with the tensors' values not read on the host: the token's rotated and
+    pass-through columns are NaN, the others exact."""
+    from ropekit._validation import validate
+
+    q, k = make_qk(1, 4, 2, 1, 16, dtype=dtype)
+    spec = validate(q, k, positions=torch.tensor([[0, 1, 2, 3]]), cos=torch.rand(8, 4), sin=torch.rand(8, 4),
+                    rotary_dim=8, q_scale=0.5)
+    spec.positions[0, 2] = 100
+    q_out, k_out = reference.rope_float32(q, k, spec)
+    for out in (q_out, k_out):
+        assert torch.isnan(out[0, 2]).all() and not torch.isnan(out[0, [0, 1, 3]]).any()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_out_dtype(out_dtype):
+    q, k = make_qk(B, S, HQ, HK, D, dtype=torch.float32 if out_dtype == torch.bfloat16 else torch.bfloat16)
+    ids = _ids(B, S)
+    want = ropekit.apply_rope(q.double(), k.double(), positions=ids)
+    got = ropekit.apply_rope(q, k, positions=ids, out_dtype=out_dtype)
+    for g, w in zip(got, want):
+        assert_close_to_ref(g, w, out_dtype, backend="float32-path")
+
+
+def test_decode_size_one_token_per_sequence():
+    q, k = make_qk(32, 1, HQ, HK, 128, dtype=torch.bfloat16)
+    pos = torch.randint(0, 1 << 20, (32, 1))
+    want = ropekit.apply_rope(q.double(), k.double(), positions=pos)
+    for g, w in zip(ropekit.apply_rope(q, k, positions=pos), want):
+        assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")
