@@ -20,6 +20,7 @@ from ropekit.triton.heuristics import TILE_BYTES
 _FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ.value, "table": kernel.FREQ_TABLE.value,
                "angles": kernel.FREQ_ANGLES.value}
 
+_NVIDIA = heuristics.fast_trig("cuda", torch.version.hip)  # fast_trig on CUDA devices: not a ROCm build
 ROPE = runtime.KernelRoles(kernel.rope_kernel, ("q_scale", "k_scale", "rotary_scale"), ("pos_offset",))
 #: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
 ROW_STRIDES = tuple(f"{t}_s{d}" for t in ("q", "qo", "k", "ko") for d in ("b", "s", "h"))
@@ -116,7 +117,7 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         pos_mode = (kernel.POS_VARLEN if cu_seqlens is not None else kernel.POS_PER_SEQ if seq_offsets is not None
                     else kernel.POS_RANGE).value
     n_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
-    n_search_steps = max(1, math.ceil(math.log2(max(n_seqs, 1)))) + 1
+    n_search_steps = max(1, (max(n_seqs, 1) - 1).bit_length()) + 1  # 1 + ceil(log2(n_seqs)), at least 2
 
     if cos is not None:  # tables are [Bt, rows, W], W = R/2 (one value per pair) or R (one per column)
         t_sb = cos.stride(0) if cos.shape[0] > 1 else 0
@@ -127,40 +128,44 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         t_sb = t_sr = t_sc = table_rows = 0
         table_full = False
 
+    # host time: this runs on every call without a plan, so device facts are read once
+    device = q.device
+    on_cuda = device.type == "cuda"
+    elem = q.element_size()
     freq_mode_id = _FREQ_MODES[freq_mode]
-    if freq_mode == "inv_freq" and inv_freq.dtype == torch.float32 and heuristics.integer_angles(q.device):
+    if freq_mode == "inv_freq" and inv_freq.dtype == torch.float32 and heuristics.integer_angles(device):
         freq_mode_id = kernel.FREQ_INV_FREQ_INT.value
     copy_pass_q = D != rotary_dim and (q_out.data_ptr() != q.data_ptr() or q_scale != 1.0)
     copy_pass_k = has_k and D != rotary_dim and (k_out.data_ptr() != k.data_ptr() or k_scale != 1.0)
-    if q.device.type != "cuda":  # the CPU interpreter pays per program: fewer, larger ones
+    if not on_cuda:  # the CPU interpreter pays per program: fewer, larger ones
         tile_bytes = max(tile_bytes, heuristics.INTERPRETER_TILE_BYTES)
     # Streaming (heuristics.STREAM_*): range or per-sequence positions, the whole head rotated, slower DRAM.
-    stream = (q.device.type == "cuda" and pos_mode in (kernel.POS_RANGE.value, kernel.POS_PER_SEQ.value)
-              and rotary_dim == D and 0 < heuristics.dram_gbps(q.device.index) < heuristics.STREAM_DRAM_GBPS)
+    stream = (on_cuda and pos_mode in (kernel.POS_RANGE.value, kernel.POS_PER_SEQ.value)
+              and rotary_dim == D and 0 < heuristics.dram_gbps(device.index) < heuristics.STREAM_DRAM_GBPS)
     # Axes that share one row (stride 0: positions expanded from one id tensor, as transformers' Qwen2-VL text
     # model builds them without images) are 1-D positions: one load a token instead of one a pair.
     axes = axis_constexprs(sections if pos_sa != 0 else None, section_layout)  # (NUM_AXES, AXES_INTERLEAVED, ...)
     stride_constant = axes[0] > 1 and num_tokens <= heuristics.AXIS_STRIDE_CONSTANT_TOKENS
     shape, axis_loads = heuristics.block_plan(
-        num_tokens, HQ, HK, D, q.element_size(), heuristics.num_programs_wanted(q.device), tile_bytes, stream,
-        freq_mode == "table" and table_full and q.device.type == "cuda", pair_axes=axes[1],
-        small_grid=q.element_size() == 2 and freq_mode == "inv_freq",  # measured faster only there
+        num_tokens, HQ, HK, D, elem, heuristics.num_programs_wanted(device), tile_bytes, stream,
+        freq_mode == "table" and table_full and on_cuda, pair_axes=axes[1],
+        small_grid=elem == 2 and freq_mode == "inv_freq",  # measured faster only there
         axis_stride_constant=stride_constant)
     block_t, block_hq, block_hk, num_warps = config or shape  # an override changes the shape, not the loads
     # Per-axis position loads (POS_PER_AXIS) only where they measured faster: 2-byte dtypes, interleaved sections
     # or a constant axis stride (docs/perf-notes.md, "Tuning constants", POS_PER_AXIS).
-    axis_loads = axis_loads and q.element_size() == 2 and (axes[1] or stride_constant)
-    n_hb = heuristics.cdiv(HQ, block_hq) + (heuristics.cdiv(HK, block_hk) if has_k else 0)
+    axis_loads = axis_loads and elem == 2 and (axes[1] or stride_constant)
+    n_hb = -(-HQ // block_hq) + (-(-HK // block_hk) if has_k else 0)  # ceil divisions, inline (host time)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
-    n_tb = heuristics.cdiv(num_tokens, block_t)
-    n_z = heuristics.cdiv(n_tb, heuristics.MAX_GRID_Y)
-    grid = (n_hb, heuristics.cdiv(n_tb, n_z), n_z)
+    n_tb = -(-num_tokens // block_t)
+    n_z = -(-n_tb // heuristics.MAX_GRID_Y)
+    grid = (n_hb, -(-n_tb // n_z), n_z)
     dummy = q  # stands for absent tensors (never read)
     (q_sb, q_ss, q_sh), (qo_sb, qo_ss, qo_sh) = qc.stride()[:3], qoc.stride()[:3]
     (k_sb, k_ss, k_sh), (ko_sb, ko_ss, ko_sh) = kc.stride()[:3], koc.stride()[:3]
     # stride_unit's rule on the strides read once (this runs on every call without a plan: host time)
     unit = _unit_of(math.gcd(q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh),
-                    max(q.element_size(), q_out.element_size(), kc.element_size(), koc.element_size()))
+                    max(elem, q_out.element_size(), kc.element_size(), koc.element_size()))
     args = {
         "q_ptr": qc, "qo_ptr": qoc, "k_ptr": kc, "ko_ptr": koc,
         # ROW_STRIDES, in units of STRIDE_UNIT elements
@@ -185,7 +190,7 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         "COPY_PASS_Q": copy_pass_q, "COPY_PASS_K": copy_pass_k,
         "BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk,
         "HALF_BLOCK": heuristics.next_pow2(rotary_dim // 2), "PASS_BLOCK": heuristics.next_pow2(max(D - rotary_dim, 1)),
-        "FAST_TRIG": heuristics.fast_trig(q.device.type, torch.version.hip),
+        "FAST_TRIG": on_cuda and _NVIDIA,
         "NUM_AXES": num_axes, "AXES_INTERLEAVED": interleaved, "AXIS_BOUND_1": bound_1, "AXIS_BOUND_2": bound_2,
         "AXIS_BOUND_3": bound_3, "STRIDE_UNIT": unit, "POS_AXIS_STRIDE": pos_sa if stride_constant else 0,
         "POS_PER_AXIS": axis_loads,
