@@ -159,7 +159,7 @@ def test_model_moved_after_patching_and_dtype_cast():
 
 def test_errors():
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
-    with pytest.raises(ValueError, match=r"cannot patch model_type 'gpt2'; supported: \["):
+    with pytest.raises(ValueError, match=r"cannot patch model_type 'gpt2': patch\(model\) supports the model types \["):
         patch(transformers.GPT2LMHeadModel(config))
     with pytest.raises(TypeError, match="expects a transformers PreTrainedModel"):
         patch(torch.nn.Linear(2, 2))

@@ -43,7 +43,20 @@ class ModelFamily:
         R pass through: Phi-3, NeoX), ``"interleaved"`` (pairs (2i, 2i+1) with angle i, R the cos width, the tail
         passes through: GLM), ``"interleaved_to_halves"`` (pairs (2i, 2i+1), output laid out as [rotated evens,
         rotated odds]: DeepSeek-V3), ``"vision"`` (a vision tower's 2-D axial rotation of its patches' (h, w) ids,
-        ``apply_rotary_pos_emb_vision``).
+        ``apply_rotary_pos_emb_vision``), ``"neox_cast"`` (as ``"neox"``, outputs in q's and k's own dtypes: OLMo),
+        ``"interleaved_cast"`` (as ``"interleaved"``, float32 math, outputs in q's dtype: ERNIE 4.5), ``"pairs"``
+        (pairs (2i, 2i+1) with tables in the repeated-pairs layout ``[a0, a0, a1, a1, ...]``),
+        ``"pairs_cast"`` (the same, float32 math and outputs in q's dtype: Cohere), ``"half_tables"`` (pairs
+        (i, i + R/2) from tables of one column per pair: GPT-OSS), ``"complex"`` (Llama 4's ``apply_rotary_emb(xq,
+        xk, freqs_cis)``: q, k [B, S, H, D] times complex ``freqs_cis`` [B, S, R/2], pairs (2i, 2i+1), outputs in
+        q's and k's dtypes).
+    rotary_tables : str
+        What the family's rotary-embedding module returns, which a patched module returns too (the values built
+        only if read): ``"halves"`` (cos, sin ``cat(a, a)`` in the hidden states' dtype), ``"halves_float32"`` (the
+        same, kept float32: OLMo, ERNIE 4.5), ``"pairs"`` (``repeat_interleave(a, 2)``: Cohere), ``"half"``
+        (one column per pair: GPT-OSS) or ``"complex"`` (one complex64 ``freqs_cis`` = ``scaling * exp(i a)``:
+        Llama 4). A module whose ``forward`` takes a ``layer_type`` (Gemma 3, OLMo 3, ...) gets one frequency set
+        per layer type (its ``config.rope_parameters[layer_type]``).
     """
 
     pairing: str = "neox"
@@ -53,9 +66,20 @@ class ModelFamily:
     mrope_interleaved: bool = False
     legacy_yarn_is_longrope: bool = False
     patched_functions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    rotary_tables: str = "halves"
 
 
 _NEOX = {"apply_rotary_pos_emb": "neox"}
+_PATCHED = ModelFamily(patched_functions=_NEOX)
+# transformers families whose modeling module copies Llama's rotary module (or Gemma 3's, one frequency set per
+# layer type) and whose apply_rotary_pos_emb is Llama's rotate_half rotation of the whole head, or GPT-NeoX's of
+# the first cos.shape[-1] columns with the rest passed through (the "neox" kind covers both)
+_NEOX_FAMILIES = (
+    "afmoe", "apertus", "arcee", "bitnet", "cwm", "exaone4", "exaone_moe", "falcon", "gemma", "gemma2", "gemma3",
+    "glm4_moe", "granite", "granitemoe", "granitemoeshared", "jetmoe", "lfm2", "ministral3", "mixtral", "nemotron",
+    "olmoe", "persimmon", "phi", "qwen2_moe", "qwen3_moe", "qwen3_next", "smollm3", "stablelm", "starcoder2",
+    "vaultgemma",
+)
 _NEOX_AND_VISION = {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"}
 
 #: ``config.model_type`` -> :class:`ModelFamily`.
@@ -84,7 +108,25 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen2_5_vl": ModelFamily(mrope_section=(16, 24, 24), patched_functions=_NEOX),
     "qwen3_vl": ModelFamily(mrope_section=(24, 20, 20), mrope_interleaved=True, patched_functions=_NEOX_AND_VISION),
     "qwen3_vl_moe": ModelFamily(mrope_section=(24, 20, 20), mrope_interleaved=True),
+    # float32 tables, outputs cast back to q's dtype; OLMo-2's QK-norm (over all heads) is the model's own code
+    **{name: ModelFamily(rotary_tables="halves_float32", patched_functions={"apply_rotary_pos_emb": "neox_cast"})
+       for name in ("olmo", "olmo2", "olmo3")},
+    "ernie4_5": ModelFamily(pairing="interleaved", rotary_tables="halves_float32",
+                            patched_functions={"apply_rotary_pos_emb": "interleaved_cast"}),
+    "ernie4_5_moe": ModelFamily(pairing="interleaved", rotary_tables="halves_float32",
+                                patched_functions={"apply_rotary_pos_emb": "interleaved_cast"}),
+    "cohere": ModelFamily(pairing="interleaved", rotary_tables="pairs",
+                          patched_functions={"apply_rotary_pos_emb": "pairs_cast"}),
+    "cohere2": ModelFamily(pairing="interleaved", rotary_tables="pairs",
+                           patched_functions={"apply_rotary_pos_emb": "pairs_cast"}),
+    "gpt_oss": ModelFamily(rotary_tables="half", patched_functions={"apply_rotary_pos_emb": "half_tables"}),
+    # Llama 4's text model: model_type "llama4_text", found under "llama4" (family_of drops "_text")
+    "llama4": ModelFamily(pairing="interleaved", rotary_tables="complex",
+                          patched_functions={"apply_rotary_emb": "complex"}),
 }
+for _name in _NEOX_FAMILIES:
+    MODEL_FAMILIES.setdefault(_name, _PATCHED)
+del _name
 
 
 def family_of(model_type: str | None) -> ModelFamily | None:

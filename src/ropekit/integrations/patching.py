@@ -81,6 +81,7 @@ class _Plan:
     width: int  # cos.shape[-1]
     sections: tuple[int, ...] | None = None  # M-RoPE pairs per axis
     section_layout: str = "contiguous"
+    rotary_dim: int | None = None  # R, when the table is not R wide (one column per pair, complex): None = width
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -99,13 +100,13 @@ class _TableBuilder:
     __slots__ = ("_args", "_shape", "_tables", "_version")
 
     def __init__(self, position_ids: Tensor, inv: Tensor, scale: float, sections, section_layout: str,
-                 dtype: torch.dtype, shape: tuple[int, ...]):
+                 dtype: torch.dtype, shape: tuple[int, ...], layout: str = "halves"):
         self._shape = shape
         if position_ids.is_inference():
             position_ids, self._version = position_ids.clone(), None
         else:
             self._version = position_ids._version
-        self._args = (position_ids, inv, scale, sections, section_layout, dtype)
+        self._args = (position_ids, inv, scale, sections, section_layout, dtype, layout)
         self._tables: tuple[Tensor, Tensor] | None = None
 
     def tables(self) -> tuple[Tensor, Tensor]:
@@ -125,13 +126,21 @@ class _TableBuilder:
 
 
 def _eager_tables(position_ids: Tensor, inv: Tensor, scale: float, sections, section_layout: str,
-                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The ``(cos, sin)`` transformers returns, built by ropekit: float32 from exact angles, then ``dtype``."""
+                  dtype: torch.dtype, layout: str = "halves") -> tuple[Tensor, ...]:
+    """The ``(cos, sin)`` transformers returns, built by ropekit: float32 from exact angles, then ``dtype``.
+
+    ``layout`` (the family's ``rotary_tables``): ``"halves"`` [..., R] ``cat(a, a)``, ``"pairs"`` [..., R]
+    ``repeat_interleave(a, 2)``, ``"half"`` [..., R/2] one column per pair (``dtype`` for all three), or
+    ``"complex"``: the one-tensor tuple ``(cos + i sin,)`` [..., R/2], complex64 whatever ``dtype`` says."""
     with torch.no_grad():
         pair_axis = None
         if sections is not None:  # vision-language models: position_ids [3, B, S]
             pair_axis = pair_axis_tensor(sections, section_layout, position_ids.device)
-        cos, sin = hf_tables(position_ids, inv, scale, pair_axis=pair_axis)
+        cos, sin = hf_tables(position_ids, inv, scale, full=layout == "halves", pair_axis=pair_axis)
+        if layout == "complex":
+            return (torch.complex(cos, sin),)
+        if layout == "pairs":
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         return cos.to(dtype), sin.to(dtype)
 
 
@@ -217,13 +226,22 @@ def _tracing() -> bool:
 
 
 def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type: str | None = None
-                    ) -> tuple[Tensor, Tensor]:
+                    ) -> tuple[Tensor, Tensor] | Tensor:
     """Replacement of a transformers ``*RotaryEmbedding.forward``: HF-style tables, built lazily (on first read),
-    with cos tagged with a plan, from which the dispatcher rotates without reading the tables."""
-    if layer_type is not None:
-        raise ValueError("ropekit's patch covers models with one rotary embedding for all layers; this call asked "
-                         f"for layer_type={layer_type!r}")
-    rope: RotaryEmbedding = getattr(self, _STATE_ATTR).rope
+    with cos tagged with a plan, from which the dispatcher rotates without reading the tables. A module with one
+    frequency set per layer type (Gemma 3) takes ``layer_type`` as the original does; Llama 4's returns one complex
+    ``freqs_cis`` tensor (tagged the same way) instead of a pair."""
+    state: _ModuleState = getattr(self, _STATE_ATTR)
+    if state.per_layer is not None:
+        rope = state.per_layer.get(layer_type)
+        if rope is None:
+            raise ValueError(f"layer_type {layer_type!r} has no rope parameters in this model's config; it has "
+                             f"{sorted(state.per_layer)}")
+    elif layer_type is not None and state.takes_layer_type is False:
+        raise TypeError(f"this rotary embedding takes no layer_type, got layer_type={layer_type!r}")
+    else:
+        rope = state.rope
+    layout = state.tables
     if rope.frequencies.sections is not None:
         # as the original M-RoPE module: ids [B, S], [1, B, S] or [A, B|1, S] broadcast to the A axes (a view);
         # other shapes raise here, as there
@@ -233,19 +251,23 @@ def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, layer_type
     # use these frequencies), so threads sharing the model each get the frequencies their call selected
     seq_len = int(position_ids.max()) + 1 if rope.frequencies.is_dynamic else None
     f, cached, inv = rope._choose(seq_len, x.device)
+    dtype = {"halves_float32": torch.float32, "complex": torch.complex64}.get(layout, x.dtype)
+    layout = "halves" if layout == "halves_float32" else layout
     if _tracing() or type(x) is not Tensor or type(position_ids) is not Tensor:
-        cos, sin = _eager_tables(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype)
+        tables = _eager_tables(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, dtype, layout)
     else:
         # hf_tables' shape: the positions' ([B, S]; M-RoPE's [A, B, S] less the axis dim), then W
-        shape = (*position_ids.shape[f.sections is not None:], 2 * inv.shape[-1])
-        builder = _TableBuilder(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, x.dtype,
-                                shape)
-        cos = _LazyTable(builder, 0, shape, x.dtype, position_ids.device)
-        sin = _LazyTable(builder, 1, shape, x.dtype, position_ids.device)
+        width = inv.shape[-1] * (1 if layout in ("half", "complex") else 2)
+        shape = (*position_ids.shape[f.sections is not None:], width)
+        builder = _TableBuilder(position_ids, inv, f.attention_scaling, f.sections, f.section_layout, dtype,
+                                shape, layout)
+        tables = tuple(_LazyTable(builder, i, shape, dtype, position_ids.device)
+                       for i in range(1 if layout == "complex" else 2))
     rope._commit(f, cached, inv)
-    setattr(cos, _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
-                                   width=cos.shape[-1], sections=f.sections, section_layout=f.section_layout))
-    return cos, sin
+    setattr(tables[0], _PLAN_ATTR, _Plan(positions=position_ids, inv_freq=inv, scale=float(f.attention_scaling),
+                                         width=tables[0].shape[-1], sections=f.sections,
+                                         section_layout=f.section_layout, rotary_dim=2 * inv.shape[-1]))
+    return tables[0] if layout == "complex" else tables
 
 
 def _is_vision_rotary(module: nn.Module, modeling: str) -> bool:
@@ -291,6 +313,8 @@ def _unsqueeze_dim(signature: inspect.Signature, args: tuple, kwargs: dict) -> i
 
 
 def _make_dispatcher(original: Callable, kind: str) -> Callable:
+    if kind == "complex":
+        return _make_complex_dispatcher(original)
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -306,13 +330,39 @@ def _make_dispatcher(original: Callable, kind: str) -> Callable:
     return dispatcher
 
 
+def _make_complex_dispatcher(original: Callable) -> Callable:
+    """Llama 4's ``apply_rotary_emb(xq, xk, freqs_cis)``: the table is the third argument and there is no sin."""
+
+    @functools.wraps(original)
+    def dispatcher(xq, xk, freqs_cis, *args, **kwargs):
+        plan = getattr(freqs_cis, _PLAN_ATTR, None)
+        if plan is not None and not args and not kwargs:
+            out = _rotate(plan, "complex", xq, xk, freqs_cis, None)
+            if out is not None:
+                return out
+        return original(xq, xk, freqs_cis, *args, **kwargs)
+
+    dispatcher._ropekit_original = original  # type: ignore[attr-defined]
+    return dispatcher
+
+
+# How each kind pairs columns, and whether its outputs keep q's dtype (the function casts back, or does its math in
+# float32 and casts) rather than promoting q's dtype with the table's.
+_STYLE = {"neox": "neox", "neox_cast": "neox", "half_tables": "neox", "interleaved": "interleaved",
+          "interleaved_cast": "interleaved", "interleaved_to_halves": "interleaved", "pairs": "interleaved",
+          "pairs_cast": "interleaved", "complex": "interleaved"}
+_KEEPS_DTYPE = {"neox_cast", "interleaved_cast", "pairs_cast", "complex"}
+# kinds whose function rotates the whole head (no pass-through tail): other widths go to the original
+_WHOLE_HEAD = {"pairs", "pairs_cast", "half_tables", "complex"}
+
+
 def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze_dim: int | None):
     """The ropekit rotation for one dispatcher call, or None when the call falls outside what the plan covers
     (then the original function runs). Reads only cos's metadata (shape, dtype): reading its values would build the
     lazy tables."""
     if kind == "vision":
         return _rotate_patches(plan, q, k, cos)
-    layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
+    layout = "bshd" if kind == "complex" else {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
     if layout is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
         return None
     if k.dtype != q.dtype or cos.shape[-1] != plan.width:
@@ -323,13 +373,14 @@ def _rotate(plan: _Plan, kind: str, q: Tensor, k: Tensor, cos: Tensor, unsqueeze
     B, S = q.shape[0], q.shape[seq_axis]
     if plan.positions.shape[-1] != S or plan.positions.shape[-2] not in (1, B) or k.shape[seq_axis] != S:
         return None
-    rotary_dim = plan.width if kind != "interleaved_to_halves" else q.shape[-1]
-    if kind == "interleaved_to_halves" and plan.width != rotary_dim:
+    rotary_dim = plan.rotary_dim or plan.width
+    if kind in ("interleaved_to_halves", *_WHOLE_HEAD) and q.shape[-1] != rotary_dim:
         return None
     if q.shape[-1] < rotary_dim or k.shape[-1] != q.shape[-1] or q.stride(-1) != 1 or k.stride(-1) != 1:
         return None
-    style = "neox" if kind == "neox" else "interleaved"
-    out_dtype = torch.promote_types(q.dtype, cos.dtype)  # transformers' output dtype
+    style = _STYLE[kind]
+    # transformers' output dtype: q's where the function casts back, else q's promoted with the table's
+    out_dtype = q.dtype if kind in _KEEPS_DTYPE else torch.promote_types(q.dtype, cos.dtype)
     multi_axis = {} if plan.sections is None else dict(sections=plan.sections, section_layout=plan.section_layout)
     q_out, k_out = apply_rope(q, k, positions=plan.positions, inv_freq=plan.inv_freq, style=style, layout=layout,
                               rotary_dim=rotary_dim, rotary_scale=plan.scale, out_dtype=out_dtype, **multi_axis)
@@ -364,6 +415,24 @@ def _rotate_patches(plan: _Plan, q: Tensor, k: Tensor, cos: Tensor):
 class _ModuleState:
     rope: RotaryEmbedding | None  # None for a vision tower's rotary (its own forward builds the tables)
     modeling: str
+    tables: str = "halves"  # the family's rotary_tables
+    per_layer: dict[str, RotaryEmbedding] | None = None  # forward(x, position_ids, layer_type): a set per type
+    takes_layer_type: bool = False  # the original forward has a layer_type parameter
+
+
+def _per_layer_ropes(rotary: nn.Module) -> dict[str, RotaryEmbedding] | None:
+    """One ropekit module per layer type for a rotary module whose ``forward`` chooses its frequencies by
+    ``layer_type`` (Gemma 3's ``{layer_type}_inv_freq`` buffers), else None."""
+    layer_types = getattr(rotary, "layer_types", None)
+    if "layer_type" not in inspect.signature(type(rotary).forward).parameters or not layer_types:
+        return None
+    ropes = {}
+    parameters = getattr(rotary.config, "rope_parameters", None) or {}
+    for layer_type in layer_types:
+        if isinstance(parameters, dict) and layer_type in parameters and parameters[layer_type] is None:
+            continue  # the original module builds nothing for it either
+        ropes[layer_type] = RotaryEmbedding(rotary.config, layer_type=layer_type)
+    return ropes
 
 
 def _rotary_modules(model: nn.Module, modeling: str) -> list[nn.Module]:
@@ -394,8 +463,11 @@ def _model_type(model: nn.Module) -> str:
 def patch(model: nn.Module) -> nn.Module:
     """Make ``model`` (a transformers model) apply its rotary embedding with ropekit; returns ``model``.
 
-    Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    GPT-NeoX, GLM, GLM-4, DeepSeek-V3, and the language model of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose multi-axis
+    Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Mixtral, Qwen2/3 and their
+    MoE, Qwen3-Next, Gemma 1/2/3 (one frequency set per layer type), Llama 4 (complex ``freqs_cis``), OLMo 1/2/3,
+    GPT-OSS, Cohere 1/2 (interleaved pairs), Falcon, StableLM, Phi, Phi-3, SmolLM3, GPT-NeoX, GLM, GLM-4, GLM-4.5
+    MoE, DeepSeek-V3, ERNIE 4.5, and more; a multimodal family's ``<type>_text`` model too), and the language model
+    of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose multi-axis
     M-RoPE positions ropekit rotates by exactly; the vision towers of Qwen2-VL and Qwen3-VL too, by their patches'
     (h, w) ids, while Qwen2.5-VL's, which reorders its tables for window attention, keeps its own). Every rope type
     works (default, linear, dynamic, yarn, longrope, llama3, ...); partial rotary and attention scaling follow the
@@ -414,9 +486,13 @@ def patch(model: nn.Module) -> nn.Module:
     """
     _check_model(model, "patch")
     model_type = _model_type(model)
+    if model_type not in _FAMILIES and model_type.removesuffix("_text") in _FAMILIES:
+        model_type = model_type.removesuffix("_text")  # a multimodal family's text-only model (gemma3_text)
     if model_type not in _FAMILIES:
-        raise ValueError(f"ropekit cannot patch model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(f"ropekit cannot patch model_type {model_type!r}: patch(model) supports the model types "
+                         f"{list(SUPPORTED_MODEL_TYPES)} (a multimodal family's '<type>_text' models too)")
     modeling = f"transformers.models.{model_type}.modeling_{model_type}"
+    tables = MODEL_FAMILIES[model_type].rotary_tables
     module = importlib.import_module(modeling)
     rotaries = _rotary_modules(model, modeling)
     if not rotaries:
@@ -432,11 +508,16 @@ def patch(model: nn.Module) -> nn.Module:
             if is_tower:
                 state, forward = _ModuleState(rope=None, modeling=modeling), _vision_rotary_forward
             else:
-                rope = RotaryEmbedding(rotary.config)
-                buffer = getattr(rotary, "inv_freq", None)
-                if isinstance(buffer, Tensor):
-                    rope.to(buffer.device)
-                state, forward = _ModuleState(rope=rope, modeling=modeling), _rotary_forward
+                per_layer = _per_layer_ropes(rotary)
+                rope = RotaryEmbedding(rotary.config) if per_layer is None else None
+                buffer = next((b for b in rotary.buffers(recurse=False) if b.is_floating_point()), None)
+                for own in [rope] if per_layer is None else per_layer.values():
+                    if isinstance(buffer, Tensor):
+                        own.to(buffer.device)
+                takes = "layer_type" in inspect.signature(type(rotary).forward).parameters
+                state = _ModuleState(rope=rope, modeling=modeling, tables=tables, per_layer=per_layer,
+                                     takes_layer_type=takes)
+                forward = _rotary_forward
             # not registered as a submodule: the model's module tree and state dict stay as they were
             object.__setattr__(rotary, _STATE_ATTR, state)
             rotary.forward = types.MethodType(forward, rotary)
@@ -490,4 +571,6 @@ def _ropekit_module(model: nn.Module) -> RotaryEmbedding | None:
         state = m.__dict__.get(_STATE_ATTR)
         if state is not None and state.rope is not None:
             return state.rope
+        if state is not None and state.per_layer:
+            return next(iter(state.per_layer.values()))
     return None

@@ -17,8 +17,9 @@ from ropekit.api import apply_rope
 if TYPE_CHECKING:  # served lazily by __getattr__ below, so that importing this module never imports transformers
     from ropekit.integrations.patching import SUPPORTED_MODEL_TYPES, is_patched, patch, unpatch
 
-__all__ = ["apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb_vision", "rotate_half",
-           "patch", "unpatch", "is_patched", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb_vision",
+           "apply_rotary_pos_emb_interleaved", "apply_rotary_emb_complex", "rotate_half", "patch", "unpatch",
+           "is_patched", "SUPPORTED_MODEL_TYPES"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -111,6 +112,76 @@ def apply_rotary_pos_emb_vision(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) 
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     return apply_rope(q, k, cos=cos[None], sin=sin[None], style="neox", layout="thd", rotary_dim=q.shape[-1])
+
+
+def _rotate_pairs(x: Tensor) -> Tensor:
+    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: Cohere's ``rotate_half``, for the eager fallback."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb_interleaved(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+                                     ) -> tuple[Tensor, Tensor]:
+    """Drop-in for Cohere's (and Cohere 2's) ``apply_rotary_pos_emb``: the same signature, results, output dtype
+    and gradients.
+
+    Pairs columns (2i, 2i+1): ``x * cos + rotate_pairs(x) * sin`` in float32, returned in q's dtype, with
+    ``cos``/``sin`` [B, S, D] (or [S, D]) in the repeated-pairs layout ``[c0, c0, c1, c1, ...]`` of Cohere's
+    rotary module, unsqueezed at ``unsqueeze_dim`` (q, k [B, H, S, D] with 1, [B, S, H, D] with 2). One ropekit
+    launch on the per-pair columns ``cos[..., 0::2]``; other shapes, or tables that require grad, run the original
+    formula."""
+    fast = (
+        isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor)
+        and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+        and unsqueeze_dim in (1, 2) and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype
+        and cos.dtype in FLOAT_DTYPES and sin.dtype in FLOAT_DTYPES
+        and q.device == k.device == cos.device == sin.device
+        and q.shape[-1] % 2 == 0 and k.shape[-1] == q.shape[-1] == cos.shape[-1]
+        and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+    )
+    if fast:
+        layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
+        batch, seqlen = q.shape[0], q.shape[2 if layout == "bhsd" else 1]
+        fast = cos.shape[0] in (1, batch) and cos.shape[1] == seqlen and k.shape[0] == batch \
+            and k.shape[2 if layout == "bhsd" else 1] == seqlen
+    if not fast:
+        dtype = q.dtype
+        q, k = q.float(), k.float()
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return ((q * cos + _rotate_pairs(q) * sin).to(dtype), (k * cos + _rotate_pairs(k) * sin).to(dtype))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    return apply_rope(q, k, cos=cos[..., 0::2].contiguous(), sin=sin[..., 0::2].contiguous(), style="interleaved",
+                      layout=layout, rotary_dim=q.shape[-1], out_dtype=q.dtype)
+
+
+def apply_rotary_emb_complex(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop-in for Llama 4's ``apply_rotary_emb(xq, xk, freqs_cis)``: the same signature, results, output dtypes
+    and gradients.
+
+    xq, xk [B, S, H, D] (any float dtype); ``freqs_cis`` complex [B, S, D/2] (or [1, S, D/2]), one unit-or-scaled
+    complex number per pair: the pair (2i, 2i+1) read as ``x[2i] + 1j * x[2i+1]`` is multiplied by
+    ``freqs_cis[..., i]`` in float32 and the outputs are returned in xq's and xk's dtypes. One ropekit launch with
+    ``cos = freqs_cis.real``, ``sin = freqs_cis.imag``; other shapes, or a table that requires grad, run the
+    original complex product."""
+    fast = (
+        isinstance(xq, Tensor) and isinstance(xk, Tensor) and isinstance(freqs_cis, Tensor)
+        and xq.dim() == 4 and xk.dim() == 4 and freqs_cis.dim() == 3 and freqs_cis.dtype == torch.complex64
+        and xq.dtype in FLOAT_DTYPES and xk.dtype == xq.dtype and xq.device == xk.device == freqs_cis.device
+        and xq.shape[-1] == xk.shape[-1] == 2 * freqs_cis.shape[-1]
+        and freqs_cis.shape[0] in (1, xq.shape[0]) and freqs_cis.shape[1] == xq.shape[1]
+        and xk.shape[:2] == xq.shape[:2]
+        and not (torch.is_grad_enabled() and freqs_cis.requires_grad)
+    )
+    if not fast:
+        q_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        k_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+        q_out = torch.view_as_real(q_ * freqs_cis[:, :, None, :]).flatten(3)
+        k_out = torch.view_as_real(k_ * freqs_cis[:, :, None, :]).flatten(3)
+        return q_out.type_as(xq), k_out.type_as(xk)
+    xq = xq if xq.stride(-1) == 1 else xq.contiguous()
+    xk = xk if xk.stride(-1) == 1 else xk.contiguous()
+    return apply_rope(xq, xk, cos=freqs_cis.real.contiguous(), sin=freqs_cis.imag.contiguous(), style="interleaved",
+                      layout="bshd", rotary_dim=xq.shape[-1], out_dtype=xq.dtype)
 
 
 def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mrope_section: list[int],
