@@ -1024,3 +1024,36 @@ def test_cuda_opcheck():
     q, k, v = make_qkv(2, 40, 4, 2, 64, 32, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(torch.ops.ropekit.rope_attention.default,
                           _op_args(q, k, v, positions=torch.tensor([3, 70], device="cuda")))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no-grad"])
+def test_eager_route_equals_the_registered_op(route, grad):
+    """Eager calls skip the dispatcher (``ropekit.autograd.EagerRopeAttention``); compiled ones run
+    ``ropekit::rope_attention`` and its registered backward. Both run the same bodies: o, lse and every gradient
+    (through o and lse, three calls with fresh data) agree bit for bit, and without autograd nothing records."""
+    from ropekit import ops
+    from ropekit._spec import RopeArgs
+    from ropekit.attention import _unit_rows
+
+    device = route_device(route)
+    for call in range(3):
+        q, k, v = make_qkv(1, 19 + call, 4, 2, 16, 8, device=device)
+        q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+        do = torch.randn(1, 19 + call, 4, 8, device=device)
+        dlse = torch.randn(1, 4, 19 + call, device=device)
+        with route_context(route), torch.set_grad_enabled(grad):
+            o, lse = ropekit.rope_attention(q, k, v, is_causal=True, return_lse=True, positions=torch.tensor([3]),
+                                            q_scale=0.5)
+            table, (start, rot_dim, neox) = _unit_rows(q, RopeArgs(positions=torch.tensor([3]), q_scale=0.5))
+            o_op, lse_op = ops.rope_attention(q, k, v, table, "bshd", start, rot_dim, neox, 0.5, 1.0,
+                                              (1 / math.sqrt(16)) / LN2, True)
+            assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+            if not grad:
+                assert o.grad_fn is None and lse.grad_fn is None
+                continue
+            assert type(o.grad_fn).__name__.startswith("EagerRopeAttention")
+            got = torch.autograd.grad((o, lse), (q, k, v), (do, dlse))
+            want = torch.autograd.grad((o_op, lse_op), (q, k, v), (do, dlse))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

@@ -17,10 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ropekit import ops
 from ropekit._device_cache import device_cache
 from ropekit._spec import FORWARD, LAYOUTS, Positions, RopeArgs, to_canonical
 from ropekit._validation import validate_args
+from ropekit.autograd import attend
 
 __all__ = ["rope_attention", "FOLDS"]
 
@@ -204,8 +204,8 @@ def rope_attention(
     table, (rotary_start, rot_dim, neox) = _unit_rows(q, args)
     qk_mult = a * (1.0 if log2 else _LOG2E)
     q_in, k_in, v_in = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o, lse = ops.rope_attention(q_in, k_in, v_in, table, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
-                                bool(is_causal))
+    o, lse = attend(q_in, k_in, v_in, table, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
+                    bool(is_causal))
     outs = [o]
     if return_lse:
         outs.append(lse)

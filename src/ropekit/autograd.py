@@ -272,3 +272,34 @@ def _attention_backward(ctx, grad_o, grad_lse):
 
 torch.library.register_autograd("ropekit::rope_attention", _attention_backward,
                                 setup_context=_attention_setup_context)
+
+
+class EagerRopeAttention(torch.autograd.Function):
+    """Eager autograd for RoPE attention without the dispatcher round trips of ``ropekit::rope_attention`` (half
+    the host time of a call, which bounds short sequences); the same op bodies and the same backward as the op's
+    registered formula above, which ``torch.compile`` uses."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, angles, *params):
+        o, lse = ops.attention_forward(q, k, v, angles, *params)
+        ctx.save_for_backward(q, k, v, angles, o, lse)
+        ctx.params = params
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, angles, o, lse = ctx.saved_tensors
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv = ops.attention_backward(grad_o, grad_lse, q, k, v, angles, o, lse, *ctx.params)
+        return dq, dk, dv, None, *[None] * len(ctx.params)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, *params) -> tuple[Tensor, Tensor]:
+    """(o, lse) of RoPE attention by the cheapest route, as :func:`norm_rotate`: eager calls skip the dispatcher
+    (:class:`EagerRopeAttention` where autograd records), tracing uses ``ropekit::rope_attention``."""
+    if torch.compiler.is_compiling():
+        return ops.rope_attention(q, k, v, angles, *params)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return EagerRopeAttention.apply(q, k, v, angles, *params)
+    return ops.attention_forward(q, k, v, angles, *params)

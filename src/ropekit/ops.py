@@ -290,6 +290,9 @@ def _rope_attention_backward(do, dlse, q, k, v, angles, o, lse, layout, rotary_s
     return dq, dk, dv
 
 
+# the op bodies, callable without the dispatcher (eager calls: ropekit.autograd.attend)
+attention_forward, attention_backward = _rope_attention, _rope_attention_backward
+
 _ATTENTION_ARGS = ("Tensor angles, str layout, int rotary_start, int rotary_dim, bool neox, float q_scale, "
                    "float k_scale, float qk_mult, bool causal")
 rope_attention = torch.library.custom_op(
