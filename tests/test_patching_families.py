@@ -52,7 +52,8 @@ TINY = {
     "olmo": dict(),
     "olmo2": dict(),
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+    # every token uses all 4 experts: bf16 rounding cannot flip the routing between patched and unpatched runs
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=4, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters=_YARN),
     "cohere": dict(),
     "cohere2": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
@@ -270,3 +271,22 @@ def test_complex_dropin_matches_llama4(dtype):
     got = torch.autograd.grad((got_q * weight_q).sum() + (got_k * weight_k).sum(), (xq, xk))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "gpt_oss", "gemma3_text", "ernie4_5"])
+def test_bf16_family_keeps_dtypes_and_accuracy(model_type, rope_calls):
+    """In bf16 the families whose functions cast back to q's dtype (OLMo, Cohere, Llama 4, ERNIE) or take float32
+    or half-width tables give logits of the unpatched dtype, as close to the fp32 model as transformers' own."""
+    ids = torch.randint(2, 128, (2, 24))
+    with torch.no_grad():
+        exact = _tiny(model_type)(ids).logits
+        model = _tiny(model_type).to(torch.bfloat16)
+        ref = model(ids).logits
+        patch(model)
+        try:
+            out = model(ids).logits
+        finally:
+            unpatch(model)
+    assert rope_calls and out.dtype == ref.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref.float()) < 2e-2
+    assert rel_err(out.float(), exact) <= 1.5 * rel_err(ref.float(), exact) + 2e-3
