@@ -77,8 +77,8 @@ _PATCHED = ModelFamily(patched_functions=_NEOX)
 _NEOX_FAMILIES = (
     "afmoe", "apertus", "arcee", "bitnet", "cwm", "exaone4", "exaone_moe", "falcon", "gemma", "gemma2", "gemma3",
     "glm4_moe", "granite", "granitemoe", "granitemoeshared", "jetmoe", "lfm2", "ministral3", "mixtral", "nemotron",
-    "olmoe", "persimmon", "phi", "qwen2_moe", "qwen3_moe", "qwen3_next", "smollm3", "stablelm", "starcoder2",
-    "vaultgemma",
+    "olmoe", "persimmon", "phi", "qwen2_moe", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "stablelm",
+    "starcoder2", "vaultgemma",
 )
 _NEOX_AND_VISION = {"apply_rotary_pos_emb": "neox", "apply_rotary_pos_emb_vision": "vision"}
 
