@@ -43,13 +43,12 @@ class ModelFamily:
         R pass through: Phi-3, NeoX), ``"interleaved"`` (pairs (2i, 2i+1) with angle i, R the cos width, the tail
         passes through: GLM), ``"interleaved_to_halves"`` (pairs (2i, 2i+1), output laid out as [rotated evens,
         rotated odds]: DeepSeek-V3), ``"vision"`` (a vision tower's 2-D axial rotation of its patches' (h, w) ids,
-        ``apply_rotary_pos_emb_vision``), ``"neox_cast"`` (as ``"neox"``, outputs in q's and k's own dtypes: OLMo),
-        ``"interleaved_cast"`` (as ``"interleaved"``, float32 math, outputs in q's dtype: ERNIE 4.5), ``"pairs"``
-        (pairs (2i, 2i+1) with tables in the repeated-pairs layout ``[a0, a0, a1, a1, ...]``),
-        ``"pairs_cast"`` (the same, float32 math and outputs in q's dtype: Cohere), ``"half_tables"`` (pairs
-        (i, i + R/2) from tables of one column per pair: GPT-OSS), ``"complex"`` (Llama 4's ``apply_rotary_emb(xq,
-        xk, freqs_cis)``: q, k [B, S, H, D] times complex ``freqs_cis`` [B, S, R/2], pairs (2i, 2i+1), outputs in
-        q's and k's dtypes).
+        ``apply_rotary_pos_emb_vision``). The tables a function reads are the family's ``rotary_tables`` (Cohere's
+        ``"interleaved"`` reads repeated pairs, GPT-OSS's ``"neox"`` one column per pair, Llama 4's
+        ``"interleaved"`` ``apply_rotary_emb(xq, xk, freqs_cis)`` a complex ``freqs_cis``, with q, k [B, S, H, D]).
+    rotation_dtype : str
+        The dtype of the patched functions' outputs: ``"promote"`` (q's promoted with the tables', as Llama's
+        ``q * cos``) or ``"q"`` (q's and k's own: the function casts back, as OLMo, ERNIE 4.5, Cohere and Llama 4).
     rotary_tables : str
         What the family's rotary-embedding module returns, which a patched module returns too (the values built
         only if read): ``"halves"`` (cos, sin ``cat(a, a)`` in the hidden states' dtype), ``"halves_float32"`` (the
@@ -67,6 +66,7 @@ class ModelFamily:
     legacy_yarn_is_longrope: bool = False
     patched_functions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     rotary_tables: str = "halves"
+    rotation_dtype: str = "promote"
 
 
 _NEOX = {"apply_rotary_pos_emb": "neox"}
@@ -109,20 +109,18 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen3_vl": ModelFamily(mrope_section=(24, 20, 20), mrope_interleaved=True, patched_functions=_NEOX_AND_VISION),
     "qwen3_vl_moe": ModelFamily(mrope_section=(24, 20, 20), mrope_interleaved=True),
     # float32 tables, outputs cast back to q's dtype; OLMo-2's QK-norm (over all heads) is the model's own code
-    **{name: ModelFamily(rotary_tables="halves_float32", patched_functions={"apply_rotary_pos_emb": "neox_cast"})
+    **{name: ModelFamily(rotary_tables="halves_float32", rotation_dtype="q", patched_functions=_NEOX)
        for name in ("olmo", "olmo2", "olmo3")},
-    "ernie4_5": ModelFamily(pairing="interleaved", rotary_tables="halves_float32",
-                            patched_functions={"apply_rotary_pos_emb": "interleaved_cast"}),
-    "ernie4_5_moe": ModelFamily(pairing="interleaved", rotary_tables="halves_float32",
-                                patched_functions={"apply_rotary_pos_emb": "interleaved_cast"}),
-    "cohere": ModelFamily(pairing="interleaved", rotary_tables="pairs",
-                          patched_functions={"apply_rotary_pos_emb": "pairs_cast"}),
-    "cohere2": ModelFamily(pairing="interleaved", rotary_tables="pairs",
-                           patched_functions={"apply_rotary_pos_emb": "pairs_cast"}),
-    "gpt_oss": ModelFamily(rotary_tables="half", patched_functions={"apply_rotary_pos_emb": "half_tables"}),
+    **{name: ModelFamily(pairing="interleaved", rotary_tables="halves_float32", rotation_dtype="q",
+                         patched_functions={"apply_rotary_pos_emb": "interleaved"})
+       for name in ("ernie4_5", "ernie4_5_moe")},
+    **{name: ModelFamily(pairing="interleaved", rotary_tables="pairs", rotation_dtype="q",
+                         patched_functions={"apply_rotary_pos_emb": "interleaved"})
+       for name in ("cohere", "cohere2")},
+    "gpt_oss": ModelFamily(rotary_tables="half", patched_functions=_NEOX),
     # Llama 4's text model: model_type "llama4_text", found under "llama4" (family_of drops "_text")
-    "llama4": ModelFamily(pairing="interleaved", rotary_tables="complex",
-                          patched_functions={"apply_rotary_emb": "complex"}),
+    "llama4": ModelFamily(pairing="interleaved", rotary_tables="complex", rotation_dtype="q",
+                          patched_functions={"apply_rotary_emb": "interleaved"}),
 }
 for _name in _NEOX_FAMILIES:
     MODEL_FAMILIES.setdefault(_name, _PATCHED)

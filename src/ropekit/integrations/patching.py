@@ -346,6 +346,20 @@ def _make_complex_dispatcher(original: Callable) -> Callable:
     return dispatcher
 
 
+def _dispatch_kind(kind: str, family) -> str:
+    """The dispatcher's kind for a family's function of ``kind`` (its pairing, "vision" or
+    "interleaved_to_halves"), given the tables its rotary module returns and the dtype its function returns."""
+    if family.rotary_tables == "complex":
+        return "complex"
+    if family.rotary_tables == "half":
+        return "half_tables"
+    if family.rotary_tables == "pairs":
+        return "pairs_cast" if family.rotation_dtype == "q" else "pairs"
+    if family.rotation_dtype == "q" and kind in ("neox", "interleaved"):
+        return f"{kind}_cast"
+    return kind
+
+
 # How each kind pairs columns, and whether its outputs keep q's dtype (the function casts back, or does its math in
 # float32 and casts) rather than promoting q's dtype with the table's.
 _STYLE = {"neox": "neox", "neox_cast": "neox", "half_tables": "neox", "interleaved": "interleaved",
@@ -528,7 +542,7 @@ def patch(model: nn.Module) -> nn.Module:
                 continue
             if not hasattr(current, "_ropekit_original"):
                 _ORIGINALS[(modeling, name)] = current
-                setattr(module, name, _make_dispatcher(current, kind))
+                setattr(module, name, _make_dispatcher(current, _dispatch_kind(kind, MODEL_FAMILIES[model_type])))
     return model
 
 
