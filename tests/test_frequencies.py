@@ -323,13 +323,15 @@ def test_one_table_of_model_families_feeds_config_parsing_and_patching():
                                                       fam.mrope_section), model_type
         assert f.section_layout == ("interleaved" if fam.mrope_interleaved else "contiguous"), model_type
         assert family_of(f"{model_type}_text") is fam  # a vision-language model's text config: its model's family
-        # ... and so do the functions patch replaces, whose plain apply_rotary_pos_emb pairs as the family's attention
-        # does unless a config key switches the pairing (DeepSeek-V3's rope_interleave picks between two functions).
+        # ... and so do the functions patch replaces, whose text rotation (apply_rotary_pos_emb; Llama 4's
+        # apply_rotary_emb) pairs as the family's attention does unless a config key switches the pairing
+        # (DeepSeek-V3's rope_interleave picks between two functions).
         assert fam.pairing in STYLES
         kinds = dict(fam.patched_functions)
         assert set(kinds.values()) <= {"neox", "interleaved", "interleaved_to_halves", "vision"}, model_type
         if kinds and fam.interleave_key is None:
-            assert kinds["apply_rotary_pos_emb"] == fam.pairing, model_type
+            text_rotation = kinds.get("apply_rotary_pos_emb", kinds.get("apply_rotary_emb"))
+            assert text_rotation == fam.pairing, model_type
     assert from_hf_config({**head, "model_type": "deepseek_v3", "rope_interleave": False}).style == "neox"
     assert family_of("mamba") is None and from_hf_config({**head, "model_type": "mamba"}).style == "neox"
 
