@@ -262,12 +262,18 @@ def _attention_setup_context(ctx, inputs, output) -> None:
     ctx.params = params
 
 
-def _attention_backward(ctx, grad_o, grad_lse):
+def _attention_grads(ctx, grad_o, grad_lse, backward) -> tuple:
+    """dq, dk, dv (and None for every other input) from what the forward saved, by ``backward`` (the op or its
+    body)."""
     q, k, v, angles, o, lse = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = ops.rope_attention_backward(grad_o, grad_lse, q, k, v, angles, o, lse, *ctx.params)
+    dq, dk, dv = backward(grad_o, grad_lse, q, k, v, angles, o, lse, *ctx.params)
     return dq, dk, dv, None, *[None] * len(ctx.params)
+
+
+def _attention_backward(ctx, grad_o, grad_lse):
+    return _attention_grads(ctx, grad_o, grad_lse, ops.rope_attention_backward)
 
 
 torch.library.register_autograd("ropekit::rope_attention", _attention_backward,
@@ -288,11 +294,7 @@ class EagerRopeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        q, k, v, angles, o, lse = ctx.saved_tensors
-        if grad_o is None:
-            grad_o = torch.zeros_like(o)
-        dq, dk, dv = ops.attention_backward(grad_o, grad_lse, q, k, v, angles, o, lse, *ctx.params)
-        return dq, dk, dv, None, *[None] * len(ctx.params)
+        return _attention_grads(ctx, grad_o, grad_lse, ops.attention_backward)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, *params) -> tuple[Tensor, Tensor]:
