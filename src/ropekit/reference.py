@@ -210,91 +210,98 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
                              cos=spec.cos, sin=spec.sin, table_by_token=spec.table_by_token, sections=spec.sections,
                              section_layout=spec.section_layout)
     all_valid = bool(valid.all())
-    if not all_valid:  # NaN cos/sin make the token's rotated columns NaN; its other columns below
+    if not all_valid:  # NaN cos/sin make the token's rotated columns NaN; its other columns by ``passed`` below
         tables = tuple(torch.where(valid[..., None], t, math.nan) for t in tables)
-    device = q.device
+    device, D = q.device, q.shape[-1]
+    made: dict[float, tuple] = {}  # q and k share their tables when their scales agree
     for x, out, scale in ((q, q_out, spec.q_scale), (k, k_out, spec.k_scale)):
         if x is None:
             continue
-        c_lo, c_hi, s_lo, s_hi = _float32_tables(tables, scale * spec.rotary_scale, spec.conjugate, device)
-        factor = None  # the columns outside the rotary part: times scale, NaN for invalid tokens
-        if spec.rotary_dim < x.shape[-1] and not all_valid:
-            factor = torch.where(valid, scale, math.nan).to(device=device, dtype=torch.float32)[:, :, None, None]
-        _rotate_float32(to_canonical(x, layout), to_canonical(out, layout), (c_lo, c_hi, s_lo, s_hi), factor,
-                        scale, spec.rotary_start, spec.rotary_dim, neox, inplace=out is x)
+        if scale not in made:
+            passed = scale if all_valid else torch.where(valid, scale, math.nan)[:, :, None, None]
+            made[scale] = _float32_tables(tables, scale, spec.rotary_scale, spec.conjugate, passed, D,
+                                          spec.rotary_start, spec.rotary_dim, neox, device)
+        _rotate_float32(to_canonical(x, layout), to_canonical(out, layout), made[scale], spec.rotary_start,
+                        spec.rotary_dim, neox, inplace=out is x)
 
 
-def _float32_tables(tables: tuple, scale: float, conjugate: bool, device: torch.device) -> tuple:
-    """(cos_lo, cos_hi, sin_lo, sin_hi) float64 [Bt, S, R/2] times ``scale`` (in float64), the sines swapped and
-    negated for the conjugate, each rounded once to float32 [Bt, S, 1, R/2] on ``device`` (shared tables
-    converted once)."""
+def _float32_tables(tables: tuple, scale: float, rotary_scale: float, conjugate: bool, passed, D: int,
+                    rotary_start: int, rotary_dim: int, neox: bool, device: torch.device) -> tuple:
+    """The float32 tables of :func:`_rotate_float32` from the float64 ``(cos_lo, cos_hi, sin_lo, sin_hi)``
+    [Bt, S, R/2], each rounded once: ``(C, sin_a, sign_a, sin_b, sign_b)``. ``C`` [Bt, S, 1, D] holds
+    ``cos * rotary_scale * scale`` at the rotary columns and ``passed`` (``scale``, or [Bt, S, 1, 1] with NaN for
+    invalid tokens) at the others; then ``lo' = lo*C_lo + sign_a * hi*sin_a`` and ``hi' = hi*C_hi + sign_b *
+    lo*sin_b``, the sines [Bt, S, 1, R/2] times ``rotary_scale * scale``: ``(sin_lo, -1, sin_hi, +1)`` forward,
+    ``(sin_hi, +1, sin_lo, -1)`` for the conjugate (the transpose)."""
+    c_lo, c_hi, s_lo, s_hi = tables
+    factor = scale * rotary_scale
+    Bt, S = c_lo.shape[:2]
+    C = torch.empty(Bt, S, 1, D, dtype=torch.float32, device=device)
+    lo, hi = _pairs(C, rotary_start, rotary_dim, neox)
+    for dst, src in ((lo, c_lo), (hi, c_hi)):
+        dst.copy_((src if factor == 1.0 else src * factor)[:, :, None, :])  # one rounding, float64 -> float32
+    for cols in (slice(0, rotary_start), slice(rotary_start + rotary_dim, D)):
+        if cols.start < cols.stop:
+            if isinstance(passed, torch.Tensor):
+                C[..., cols].copy_(passed.to(device))
+            else:
+                C[..., cols].fill_(passed)
     done: dict[int, torch.Tensor] = {}
 
-    def one(t: torch.Tensor, sign: float) -> torch.Tensor:
-        key = id(t) * 2 + (sign < 0)
-        if key not in done:
-            done[key] = (t * (sign * scale)).to(device=device, dtype=torch.float32)[:, :, None, :]
-        return done[key]
+    def sines(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            done[id(t)] = (t if factor == 1.0 else t * factor).to(device=device, dtype=torch.float32)[:, :, None, :]
+        return done[id(t)]
 
-    c_lo, c_hi, s_lo, s_hi = tables
     if conjugate:
-        return one(c_lo, 1.0), one(c_hi, 1.0), one(s_hi, -1.0), one(s_lo, -1.0)
-    return one(c_lo, 1.0), one(c_hi, 1.0), one(s_lo, 1.0), one(s_hi, 1.0)
+        return C, sines(s_hi), 1.0, sines(s_lo), -1.0
+    return C, sines(s_lo), -1.0, sines(s_hi), 1.0
 
 
-def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, factor: torch.Tensor | None, scale: float,
-                    rotary_start: int, rotary_dim: int, neox: bool, *, inplace: bool) -> None:
-    """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32, a block
-    of tokens at a time: ``lo' = lo*cos_lo - hi*sin_lo``, ``hi' = hi*cos_hi + lo*sin_hi`` with the float32
-    ``tables`` [Bt, S, 1, R/2] (scale folded in), the other columns times ``factor`` [Bt, S, 1, 1] or ``scale``."""
+def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_start: int, rotary_dim: int,
+                    neox: bool, *, inplace: bool) -> None:
+    """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32 with the
+    ``tables`` of :func:`_float32_tables`, a block of tokens at a time through two reused float32 buffers (the
+    working copy and the result) that stay in the cache: ``out = x * C``, then the sines' terms added on the lo
+    and hi columns, then one rounding to ``out``'s dtype. float32 out of place writes straight into ``out``."""
+    C, sin_a, sign_a, sin_b, sign_b = tables
     B, S, H, D = x.shape
-    step = max(1, _CHUNK_ELEMENTS // max(1, B * H * D))
-    direct = x.dtype == torch.float32 and out.dtype == torch.float32
-    end = rotary_start + rotary_dim
+    step = min(S, max(1, _CHUNK_ELEMENTS // max(1, B * H * D)))
+    direct = x.dtype == torch.float32 and out.dtype == torch.float32 and not inplace
+    copy_in = x.dtype != torch.float32
+    work = None if direct else torch.empty(B, step, H, D, dtype=torch.float32, device=x.device)
+    copy = torch.empty(B, step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
     for s0 in range(0, S, step):
-        rows = slice(s0, min(S, s0 + step))
-        c_lo, c_hi, s_lo, s_hi = (t[:, rows] for t in tables)
-        f = None if factor is None else factor[:, rows]
-        xs, os_ = x[:, rows], out[:, rows]
-        if direct and not inplace:  # straight into the output: no temporaries
-            lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
-            olo, ohi = _pairs(os_, rotary_start, rotary_dim, neox)
-            torch.mul(lo, c_lo, out=olo).addcmul_(hi, s_lo, value=-1.0)
-            torch.mul(hi, c_hi, out=ohi).addcmul_(lo, s_hi)
-            for cols in (slice(0, rotary_start), slice(end, D)):
-                if cols.start < cols.stop:
-                    if f is not None:
-                        torch.mul(xs[..., cols], f, out=os_[..., cols])
-                    elif scale != 1.0:
-                        torch.mul(xs[..., cols], scale, out=os_[..., cols])
-                    else:
-                        os_[..., cols].copy_(xs[..., cols])
-            continue
-        # in place on a float32 block: x's own (float32 in place) or a working copy
-        y = xs if direct else xs.to(torch.float32, copy=True)
-        lo, hi = _pairs(y, rotary_start, rotary_dim, neox)
-        new_lo = torch.mul(lo, c_lo).addcmul_(hi, s_lo, value=-1.0)
-        hi.mul_(c_hi).addcmul_(lo, s_hi)
-        lo.copy_(new_lo)
-        for cols in (slice(0, rotary_start), slice(end, D)):
-            if cols.start < cols.stop:
-                if f is not None:
-                    y[..., cols].mul_(f)
-                elif scale != 1.0:
-                    y[..., cols].mul_(scale)
+        n = min(step, S - s0)
+        if n == S:  # one block (decode sizes): no slicing, whose host time is a good part of a small call's
+            xs, os_, c, sa, sb = x, out, C, sin_a, sin_b
+        else:
+            xs, os_ = x.narrow(1, s0, n), out.narrow(1, s0, n)
+            c, sa, sb = C.narrow(1, s0, n), sin_a.narrow(1, s0, n), sin_b.narrow(1, s0, n)
+        if copy_in:
+            xs = (copy if n == step else copy.narrow(1, 0, n)).copy_(xs)
+        res = os_ if direct else work if n == step else work.narrow(1, 0, n)
+        lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
+        rlo, rhi = _pairs(res, rotary_start, rotary_dim, neox)
+        torch.mul(xs, c, out=res)
+        rlo.addcmul_(hi, sa, value=sign_a)
+        rhi.addcmul_(lo, sb, value=sign_b)
         if not direct:
-            os_.copy_(y)  # the one rounding to the output's dtype
+            os_.copy_(res)  # the one rounding to the output's dtype (in place: after the block is read)
 
 
 def _pairs(y: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi) views of the rotary part of ``y``'s last dim: halves for ``neox``, even/odd columns else."""
-    rot = y[..., rotary_start : rotary_start + rotary_dim]
+    half = rotary_dim // 2
     if neox:
-        return rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+        return y.narrow(-1, rotary_start, half), y.narrow(-1, rotary_start + half, half)
+    rot = y.narrow(-1, rotary_start, rotary_dim)
     return rot[..., 0::2], rot[..., 1::2]
 
 
 def _rope_torch(q, k, spec: RopeSpec, *, math_dtype: torch.dtype, angle_device: torch.device) -> list[torch.Tensor]:
+    if math_dtype == torch.float32:  # one float32 path, so that its callers agree bit for bit
+        return rope_float32(q, k, spec)
     # fields by name: a new RopeSpec field must not shift these
     positions, seq_offsets, cu_seqlens = spec.positions, spec.seq_offsets, spec.cu_seqlens
     inv_freq, cos, sin, freq_mode = spec.inv_freq, spec.cos, spec.sin, spec.freq_mode
