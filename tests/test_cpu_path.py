@@ -192,3 +192,10 @@ def test_decode_size_one_token_per_sequence():
     want = ropekit.apply_rope(q.double(), k.double(), positions=pos)
     for g, w in zip(ropekit.apply_rope(q, k, positions=pos), want):
         assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_no_tokens(inplace):
+    q, k = make_qk(2, 0, HQ, HK, D, dtype=torch.bfloat16)
+    outs = ropekit.apply_rope_(q, k) if inplace else ropekit.apply_rope(q, k)
+    assert [o.shape for o in outs] == [q.shape, k.shape]

@@ -266,7 +266,7 @@ def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_st
     and hi columns, then one rounding to ``out``'s dtype. float32 out of place writes straight into ``out``."""
     C, sin_a, sign_a, sin_b, sign_b = tables
     B, S, H, D = x.shape
-    step = min(S, max(1, _CHUNK_ELEMENTS // max(1, B * H * D)))
+    step = max(1, min(S, _CHUNK_ELEMENTS // max(1, B * H * D)))  # at least 1: S may be 0
     direct = x.dtype == torch.float32 and out.dtype == torch.float32 and not inplace
     copy_in = x.dtype != torch.float32
     work = None if direct else torch.empty(B, step, H, D, dtype=torch.float32, device=x.device)
