@@ -53,8 +53,8 @@ def apply_rope(
         ``"sbhd"`` [S, B, H, D] or ``"thd"`` [T, H, D] (packed tokens). Head counts may differ (GQA/MQA); both
         are rotated in one kernel launch. Any strides with a contiguous last dim (views into a packed QKV
         projection are used in place, never copied). float16, bfloat16, float32 (float64 on CPU); k has q's
-        dtype. Math is fp32 on GPU (float64 on CPU) with one rounding at the store; outputs keep the input dtype
-        unless ``out_dtype`` says otherwise.
+        dtype. Math is fp32 (float64 for float64 inputs) with exact angles and one rounding at the store;
+        outputs keep the input dtype unless ``out_dtype`` says otherwise.
     positions : None, int or Tensor
         ``None``: 0..S-1. ``int``: offset added to 0..S-1 (KV-cache continuation). Tensor [B] (int32/int64):
         per-sequence offsets (with ``cu_seqlens``: one per packed sequence). Tensor [B, S] or [1, S] (``thd``:
@@ -106,13 +106,13 @@ def apply_rope(
         out-of-bounds access or a wrong number).
     out_dtype : torch.dtype, optional
         dtype of the outputs (default: the inputs'), e.g. float32 outputs from bfloat16 inputs, as transformers
-        returns when its cos/sin tables are float32. Rounded once from the fp32 (float64 on CPU) result. In place
-        it must be the inputs' dtype.
+        returns when its cos/sin tables are float32. Rounded once from the fp32 (float64 for float64 inputs)
+        result. In place it must be the inputs' dtype.
     backend : {"auto", "webgpu"}
-        ``auto``: the Triton kernels for CUDA tensors, the float64 reference for CPU tensors. ``webgpu``: the WGSL
-        kernels through wgpu on CPU tensors (``pip install "ropekit[webgpu]"``), for layouts ``bshd``/``thd``,
-        an int offset, full rotary, unit scales, the inputs' dtype and no autograd; other arguments raise
-        ``ValueError``.
+        ``auto``: the Triton kernels for CUDA tensors; for CPU tensors the float32 torch path (float64 inputs:
+        the float64 reference). ``webgpu``: the WGSL kernels through wgpu on CPU tensors (``pip install
+        "ropekit[webgpu]"``), for layouts ``bshd``/``thd``, an int offset, full rotary, unit scales, the inputs'
+        dtype and no autograd; other arguments raise ``ValueError``.
 
     Sign convention: the forward rotation is by +theta, ``x0' = x0*cos - x1*sin``, ``x1' = x0*sin + x1*cos``.
     Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument; nothing is written when it raises.
@@ -191,8 +191,8 @@ def qk_norm_rope(
     k_weight; ``torch.compile`` traces it as the op ``ropekit::qk_norm_rope``.
 
     ``x_out = rope(x / sqrt(mean(x**2) + eps) * (weight + weight_offset))`` per head, with the mean over all D
-    columns (the pass-through columns of a partial rotary come out normalised, not rotated). fp32 math on the GPU
-    (float64 on CPU) with one rounding at the store: unlike transformers' modules, the normalised values are not
+    columns (the pass-through columns of a partial rotary come out normalised, not rotated). fp32 math (float64
+    for float64 inputs) with one rounding at the store: unlike transformers' modules, the normalised values are not
     rounded to the input dtype before the rotation.
 
     q_weight, k_weight : Tensor [D]

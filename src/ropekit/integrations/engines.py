@@ -24,7 +24,7 @@ What they share:
 * query/key/value: ``[T, H * head_size]`` or ``[T, H, head_size]`` (``[B, S, ...]`` with [B, S] positions),
   float16/bfloat16/float32, any strides with a contiguous last dim: the q and k slices of a packed qkv projection
   are used (and written) in place, never copied. The key may have fewer heads than the query (GQA/MQA).
-* Math in fp32 on the GPU (float64 on CPU) with one rounding to the input dtype at the store.
+* Math in fp32 (float64 for float64 inputs) with one rounding to the input dtype at the store.
 * Bad input raises ``TypeError``/``ValueError`` naming the argument before anything is written. In-place writes go
   through ropekit's in-place ops or ``Tensor.copy_``: autograd's version counters see them, so a tensor saved for a
   backward and then rotated here makes that backward raise instead of giving a wrong gradient.
@@ -299,8 +299,8 @@ def fused_qk_norm_rope(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_head
     check_positions : bool
         As :func:`rotary_embedding`.
 
-    The norm is computed in fp32 (float64 on CPU) and not rounded before the rotation (vLLM's kernel rounds the
-    normalised value to the input dtype before the weight; the results differ by that rounding). Computed by
+    The norm is computed in fp32 (float64 for float64 inputs) and not rounded before the rotation (vLLM's kernel
+    rounds the normalised value to the input dtype before the weight; the results differ by that rounding). Computed by
     :func:`ropekit.qk_norm_rope` into new tensors and copied back into ``qkv`` (differentiable where qkv is not a
     leaf). Returns None. Raises ``TypeError``/``ValueError`` naming the argument; nothing is written when it raises.
     """
