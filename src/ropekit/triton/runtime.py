@@ -48,18 +48,13 @@ def _is_constexpr(annotation) -> bool:
     return "constexpr" in (annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
 
 
-def _getter(names: tuple[str, ...]):
-    """A function from a dict to the tuple of its values at ``names``, in that order."""
-    get = operator.itemgetter(*names)
-    return (lambda d: (get(d),)) if len(names) == 1 else get
-
-
-def _positions_getter(positions: tuple[int, ...]):
-    """A function from a sequence to the tuple of its items at ``positions``, in that order."""
-    if not positions:
-        return lambda seq: ()
-    get = operator.itemgetter(*positions)
-    return (lambda seq: (get(seq),)) if len(positions) == 1 else get
+def _getter(keys: tuple):
+    """A function from a dict (names) or a sequence (positions) to the tuple of its items at ``keys``, in that
+    order: one C-level gather."""
+    if not keys:
+        return lambda d: ()
+    get = operator.itemgetter(*keys)
+    return (lambda d: (get(d),)) if len(keys) == 1 else get
 
 
 def _int_class(v: int) -> int:
@@ -90,7 +85,7 @@ class KernelRoles:
         self.ints = tuple(i for i, n in enumerate(self.runtime)
                           if i not in self.pointers and n not in floats and n not in dynamic)
         # C-level gathers for key(), which runs on every launch of an uncached call (host time)
-        self._pointer_values, self._int_values = _positions_getter(self.pointers), _positions_getter(self.ints)
+        self._pointer_values, self._int_values = _getter(self.pointers), _getter(self.ints)
 
     def ordered(self, args: Mapping[str, Any], constexprs: Mapping[str, Any]) -> tuple[tuple, tuple]:
         """``args`` and ``constexprs`` (by parameter name) in the kernel's order; every parameter named once."""
