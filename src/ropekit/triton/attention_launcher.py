@@ -67,20 +67,26 @@ def backward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
     return Blocks(32, 32, 4, 1)
 
 
-def _layout_constexprs(rot: Rotation, head_dim: int, v_dim: int, causal: bool, dtype: torch.dtype,
-                       blocks: Blocks, device: torch.device, rotate: bool = True) -> dict:
+def _rotation_constexprs(rot: Rotation, head_dim: int) -> dict:
+    """Which columns every kernel rotates and passes through, and their (power-of-2) block widths."""
     pass_len = head_dim - rot.rotary_dim
-    dot_f32 = device.type != "cuda" and dtype == torch.bfloat16  # the interpreter's bf16 products are wrong
     if pass_len and rot.rotary_start not in (0, pass_len):
         raise ValueError("the rotated columns must be the first or the last rotary_dim of the head")
     return {
         "ROT_START": rot.rotary_start, "ROT_HALF": rot.rotary_dim // 2, "NEOX": rot.neox,
-        "PASS_START": rot.rotary_dim if rot.rotary_start == 0 else 0, "PASS_LEN": pass_len, "DV": v_dim,
-        "CAUSAL": causal, "BLOCK_M": blocks.block_m, "BLOCK_N": blocks.block_n,
+        "PASS_START": rot.rotary_dim if rot.rotary_start == 0 else 0, "PASS_LEN": pass_len,
         # tl.dot takes no dimension below 16
         "HALF_BLOCK": max(16, heuristics.next_pow2(rot.rotary_dim // 2)),
         "PASS_BLOCK": max(16, heuristics.next_pow2(max(pass_len, 1))),
-        "DV_BLOCK": max(16, heuristics.next_pow2(v_dim)),
+    }
+
+
+def _layout_constexprs(rot: Rotation, head_dim: int, v_dim: int, causal: bool, dtype: torch.dtype,
+                       blocks: Blocks, device: torch.device, rotate: bool = True) -> dict:
+    dot_f32 = device.type != "cuda" and dtype == torch.bfloat16  # the interpreter's bf16 products are wrong
+    return {
+        **_rotation_constexprs(rot, head_dim), "DV": v_dim, "CAUSAL": causal, "BLOCK_M": blocks.block_m,
+        "BLOCK_N": blocks.block_n, "DV_BLOCK": max(16, heuristics.next_pow2(v_dim)),
         # float32 operands: full-precision products (the default would round them to tf32)
         "PRECISION": "ieee" if dtype == torch.float32 or dot_f32 else "tf32",
         "DOT_F32": dot_f32, "ROTATE": rotate,
@@ -97,15 +103,11 @@ def rotated_copy(x: torch.Tensor, angles: torch.Tensor, rot: Rotation, scale: fl
     out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device)
     if B * S * H == 0:
         return out
-    pass_len = D - rot.rotary_dim
     block_t = 16 if x.device.type != "cuda" else 32
     args = {"x_ptr": x, "tab_ptr": angles, "out_ptr": out, **_strides(x, "x"),
             "t_sb": angles.stride(0) if angles.shape[0] > 1 else 0, "t_ss": angles.stride(1), **_strides(out, "o"),
             "S": S, "num_tokens": B * S, "scale": scale}
-    constexprs = {"ROT_START": rot.rotary_start, "ROT_HALF": rot.rotary_dim // 2, "NEOX": rot.neox,
-                  "PASS_START": rot.rotary_dim if rot.rotary_start == 0 else 0, "PASS_LEN": pass_len,
-                  "BLOCK_T": block_t, "HALF_BLOCK": max(16, heuristics.next_pow2(rot.rotary_dim // 2)),
-                  "PASS_BLOCK": max(16, heuristics.next_pow2(max(pass_len, 1))), "ROTATE": rotate}
+    constexprs = {**_rotation_constexprs(rot, D), "BLOCK_T": block_t, "ROTATE": rotate}
     runtime.launch(ROTATE_ROWS, (heuristics.cdiv(B * S, block_t), H, 1), args, constexprs, 4, x.device)
     return out
 
