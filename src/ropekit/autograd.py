@@ -288,8 +288,7 @@ class EagerRopeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, angles, *params):
         o, lse = ops.attention_forward(q, k, v, angles, *params)
-        ctx.save_for_backward(q, k, v, angles, o, lse)
-        ctx.params = params
+        _attention_setup_context(ctx, (q, k, v, angles, *params), (o, lse))
         return o, lse
 
     @staticmethod
