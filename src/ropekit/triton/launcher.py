@@ -155,11 +155,11 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
     # Per-axis position loads (POS_PER_AXIS) only where they measured faster: 2-byte dtypes, interleaved sections
     # or a constant axis stride (docs/perf-notes.md, "Tuning constants", POS_PER_AXIS).
     axis_loads = axis_loads and elem == 2 and (axes[1] or stride_constant)
-    n_hb = -(-HQ // block_hq) + (-(-HK // block_hk) if has_k else 0)  # ceil divisions, inline (host time)
+    n_hb = heuristics.cdiv(HQ, block_hq) + (heuristics.cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
-    n_tb = -(-num_tokens // block_t)
-    n_z = -(-n_tb // heuristics.MAX_GRID_Y)
-    grid = (n_hb, -(-n_tb // n_z), n_z)
+    n_tb = heuristics.cdiv(num_tokens, block_t)
+    n_z = heuristics.cdiv(n_tb, heuristics.MAX_GRID_Y)
+    grid = (n_hb, heuristics.cdiv(n_tb, n_z), n_z)
     dummy = q  # stands for absent tensors (never read)
     (q_sb, q_ss, q_sh), (qo_sb, qo_ss, qo_sh) = qc.stride()[:3], qoc.stride()[:3]
     (k_sb, k_ss, k_sh), (ko_sb, ko_ss, ko_sh) = kc.stride()[:3], koc.stride()[:3]
