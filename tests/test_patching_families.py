@@ -226,6 +226,20 @@ def test_unsupported_family_error_lists_the_supported_types():
 # ------------------------------------------------------------------------------- the drop-ins, against transformers
 
 
+def _assert_same_rotation(got: tuple, want: tuple, inputs: tuple, dtype: torch.dtype) -> None:
+    """A drop-in's (q, k) against transformers' function's: same dtypes, values and input gradients (fp32 within
+    1e-5, bf16 within its rounding)."""
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)
+    weights = [torch.randn_like(w) for w in want]
+    want_grads = torch.autograd.grad(sum((w * x).sum() for w, x in zip(want, weights)), inputs)
+    got_grads = torch.autograd.grad(sum((g * x).sum() for g, x in zip(got, weights)), inputs)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_interleaved_dropin_matches_cohere(dtype, unsqueeze_dim):
@@ -238,17 +252,9 @@ def test_interleaved_dropin_matches_cohere(dtype, unsqueeze_dim):
     q = torch.randn(shape_q, dtype=dtype, requires_grad=True)
     k = torch.randn(shape_k, dtype=dtype, requires_grad=True)
     cos, sin = rotary(torch.zeros(1, dtype=dtype), torch.randint(0, 60, (B, S)))
-    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    got_q, got_k = apply_rotary_pos_emb_interleaved(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    assert got_q.dtype == want_q.dtype and got_k.dtype == want_k.dtype
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
-    torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(got_k, want_k, **tol)
-    weight_q, weight_k = torch.randn_like(want_q), torch.randn_like(want_k)
-    want = torch.autograd.grad((want_q * weight_q).sum() + (want_k * weight_k).sum(), (q, k))
-    got = torch.autograd.grad((got_q * weight_q).sum() + (got_k * weight_k).sum(), (q, k))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **tol)
+    want = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    got = apply_rotary_pos_emb_interleaved(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    _assert_same_rotation(got, want, (q, k), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -261,17 +267,10 @@ def test_complex_dropin_matches_llama4(dtype):
     xq = torch.randn(B, S, 4, D, dtype=dtype, requires_grad=True)
     xk = torch.randn(B, S, 2, D, dtype=dtype, requires_grad=True)
     freqs_cis = rotary(torch.zeros(1, dtype=dtype), torch.randint(0, 60, (B, S)))
-    want_q, want_k = apply_rotary_emb(xq, xk, freqs_cis)
-    got_q, got_k = apply_rotary_emb_complex(xq, xk, freqs_cis)
-    assert got_q.dtype == want_q.dtype == dtype and got_k.dtype == want_k.dtype
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
-    torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(got_k, want_k, **tol)
-    weight_q, weight_k = torch.randn_like(want_q), torch.randn_like(want_k)
-    want = torch.autograd.grad((want_q * weight_q).sum() + (want_k * weight_k).sum(), (xq, xk))
-    got = torch.autograd.grad((got_q * weight_q).sum() + (got_k * weight_k).sum(), (xq, xk))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **tol)
+    want = apply_rotary_emb(xq, xk, freqs_cis)
+    got = apply_rotary_emb_complex(xq, xk, freqs_cis)
+    assert got[0].dtype == dtype
+    _assert_same_rotation(got, want, (xq, xk), dtype)
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "gpt_oss", "gemma3_text", "ernie4_5"])
