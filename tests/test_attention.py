@@ -827,7 +827,7 @@ def _good(**over):
 
 
 @pytest.mark.parametrize("make, kwargs, exc, match", [
-    (lambda: _good(), dict(layout="thd"), ValueError, "thd"),
+    (lambda: _good(), dict(layout="thd"), ValueError, r"\bq\b.*3-D"),
     (lambda: _good(), dict(layout="bsd"), ValueError, "layout"),
     (lambda: _good(q=torch.randn(4, 4, 16)), {}, ValueError, r"\bq\b.*4-D"),
     (lambda: _good(v=torch.randn(1, 4, 32)), {}, ValueError, r"\bv\b.*4-D"),
@@ -905,7 +905,7 @@ def _op_args(q, k, v, layout="bshd", causal=True, **rope):
     D = to_canonical(q, layout).shape[3]
     a = 1.0 / math.sqrt(D)
     table, (start, R, neox) = _unit_rows(q, RopeArgs(layout=layout, **rope))
-    return (q, k, v, table, layout, start, R, neox, 1.0, 1.0, a / LN2, causal)
+    return (q, k, v, table, None, layout, start, R, neox, 1.0, 1.0, a / LN2, causal, 0)
 
 
 @pytest.mark.parametrize("layout, rope", [("bshd", dict(positions=3)),
@@ -936,7 +936,7 @@ def test_opcheck_rope_attention_backward():
     args = _op_args(q, k, v)
     o, lse = torch.ops.ropekit.rope_attention(*args)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
-    bargs = (do, dlse, q.detach(), k.detach(), v.detach(), args[3], o, lse, *args[4:])
+    bargs = (do, dlse, q.detach(), k.detach(), v.detach(), args[3], args[4], o, lse, *args[5:])
     torch.library.opcheck(torch.ops.ropekit.rope_attention_backward.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.ropekit.rope_attention_backward.default, (do, None, *bargs[2:]),
@@ -1046,8 +1046,8 @@ def test_eager_route_equals_the_registered_op(route, grad):
             o, lse = ropekit.rope_attention(q, k, v, is_causal=True, return_lse=True, positions=torch.tensor([3]),
                                             q_scale=0.5)
             table, (start, rot_dim, neox) = _unit_rows(q, RopeArgs(positions=torch.tensor([3]), q_scale=0.5))
-            o_op, lse_op = ops.rope_attention(q, k, v, table, "bshd", start, rot_dim, neox, 0.5, 1.0,
-                                              (1 / math.sqrt(16)) / LN2, True)
+            o_op, lse_op = ops.rope_attention(q, k, v, table, None, "bshd", start, rot_dim, neox, 0.5, 1.0,
+                                              (1 / math.sqrt(16)) / LN2, True, 0)
             assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
             if not grad:
                 assert o.grad_fn is None and lse.grad_fn is None

@@ -53,11 +53,10 @@ def _check_inputs(q, k, v, layout: str) -> None:
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "thd":
-        raise ValueError("rope_attention does not take layout='thd' (packed sequences) yet: pad to [B, S, H, D]")
+    rank = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D in layout {layout!r}, got shape {tuple(t.shape)}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D in layout {layout!r}, got shape {tuple(t.shape)}")
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -75,6 +74,41 @@ def _check_inputs(q, k, v, layout: str) -> None:
         raise ValueError(f"q's heads ({HQ}) must be a multiple of k's ({HK}) (GQA/MQA)")
     if DV == 0 or D == 0:
         raise ValueError("head_dim must be positive")
+
+
+def _sequences(q: Tensor, layout: str, cu_seqlens, max_seqlen, check: bool) -> tuple[Tensor | None, int]:
+    """(the packed sequences' boundaries as the kernels take them -- int32 on q's device -- and the longest
+    sequence's length), or (None, 0) without ``cu_seqlens``. Boundary values are checked on the host (one sync for
+    device tensors) unless they live on the device and ``max_seqlen`` is given without ``check``."""
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen is the longest packed sequence's length: it needs cu_seqlens")
+        return None, 0
+    if layout != "thd":
+        raise ValueError(f"cu_seqlens marks packed sequences: it needs layout='thd', got layout={layout!r}")
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor [num_seqs + 1] of sequence boundaries")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the CPU or q's device ({q.device}), got {cu_seqlens.device}")
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool)
+                                   or max_seqlen < 0):
+        raise ValueError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
+    T = q.shape[0]
+    if torch.compiler.is_compiling():  # no host reads in a graph: the kernels clamp the boundaries
+        if max_seqlen is None:
+            raise ValueError("under torch.compile, give max_seqlen with cu_seqlens (it sizes the kernels' grid)")
+    elif check or max_seqlen is None or cu_seqlens.device.type == "cpu":
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != T or any(b > c for b, c in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to the number of tokens ({T}) without falling, got "
+                             f"{bounds if len(bounds) <= 8 else bounds[:4] + ['...'] + bounds[-2:]}")
+        longest = max(c - b for b, c in zip(bounds, bounds[1:]))
+        if max_seqlen is not None and max_seqlen < longest:
+            raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest packed sequence ({longest})")
+        max_seqlen = longest if max_seqlen is None else max_seqlen
+    return cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen
 
 
 def _scales(fold: str, scale: float | None, log2_softmax: bool, q_scale: float, k_scale: float,
@@ -129,7 +163,7 @@ def _unit_rows(q: Tensor, args: RopeArgs) -> tuple[Tensor, tuple[int, int, bool]
     layout = args.layout
     B, S, _, D = to_canonical(q, layout).shape
     rows = B if _per_batch(args) else 1
-    shape = {"bshd": (rows, S, 1, D), "bhsd": (rows, 1, S, D), "sbhd": (S, rows, 1, D)}[layout]
+    shape = {"bshd": (rows, S, 1, D), "bhsd": (rows, 1, S, D), "sbhd": (S, rows, 1, D), "thd": (S, 1, D)}[layout]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     unit_args = args._replace(q_scale=1.0, k_scale=1.0, out_dtype=None)
     spec = validate_args(_zeros(shape, dtype, q.device), None, unit_args, FORWARD)
@@ -146,8 +180,8 @@ def rope_attention(
     positions: Positions = None, inv_freq: Tensor | None = None, base: float = 10000.0, cos: Tensor | None = None,
     sin: Tensor | None = None, angles: Tensor | None = None, style: str = "neox", layout: str = "bshd",
     rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
-    rotary_scale: float = 1.0, sections: Sequence[int] | None = None, section_layout: str = "contiguous",
-    check_positions: bool = False,
+    rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
+    sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
 ):
     """Attention over rotated queries and keys in one op (seed 003's RoPE -> SDPA graph):
     ``o = softmax_b(scale * (q_scale R q) (k_scale R k)^T + mask) v`` per head, where R rotates by each token's
@@ -157,7 +191,8 @@ def rope_attention(
 
     Parameters
     ----------
-    q : Tensor [B, S, Hq, D] (``layout="bhsd"``: [B, Hq, S, D]; ``"sbhd"``: [S, B, Hq, D])
+    q : Tensor [B, S, Hq, D] (``layout="bhsd"``: [B, Hq, S, D]; ``"sbhd"``: [S, B, Hq, D]; ``"thd"``: [T, Hq, D],
+        packed sequences)
     k : Tensor, like q with Hkv heads (Hq a multiple of Hkv: GQA/MQA)
     v : Tensor, like k with its own head dim Dv (MLA: D 192, Dv 128)
         float16, bfloat16 or float32 (float64 on CPU), one dtype; any strides with a contiguous last dim. fp32
@@ -177,17 +212,28 @@ def rope_attention(
         sqrt(a) into k's, base-2 softmax. The backward takes each rotation's scale from its forward (the chain
         rule does the rest), so o and every gradient agree across presets up to rounding.
     return_lse : bool
-        Also return the log-sum-exp of each row's scores [B, Hq, S], float32, natural log (whatever the
-        softmax's base); differentiable.
+        Also return the log-sum-exp of each row's scores [B, Hq, S] (``thd``: [Hq, T]), float32, natural log
+        (whatever the softmax's base); differentiable.
     return_rotated : bool
         Also return the rotated, scaled ``q_rot``, ``k_rot`` (cuDNN's user-bound outputs, e.g. for a KV cache), by
         one more rotation launch.
+    cu_seqlens : Tensor, optional
+        With ``layout="thd"``: int32/int64 [num_seqs + 1] boundaries of the packed sequences (0, then each
+        sequence's end; empty sequences allowed). A token attends only to its own sequence (causal: top-left
+        within it), and its position restarts at 0 there (plus ``positions`` as :func:`apply_rope` reads them with
+        ``cu_seqlens``). Without it a ``thd`` input is one sequence.
+    max_seqlen : int, optional
+        The longest packed sequence's length (it sizes the kernels' grid). Without it, it is read from
+        ``cu_seqlens`` on the host (one sync for a device tensor), which also checks the boundaries. Give it with a
+        device ``cu_seqlens`` to avoid the sync (CUDA graphs), and always under ``torch.compile``: the boundaries
+        are then not checked (unless ``check_positions`` in eager calls); the kernels clamp them into the tensors,
+        so bad ones never read or write outside them, but rows outside every sequence, or past ``max_seqlen``,
+        are left unwritten.
 
     Every other keyword is :func:`apply_rope`'s: positions (offset, per-sequence, per-token, multi-axis
     ``sections``), frequencies (``base``, ``inv_freq``, ``cos``/``sin`` tables, raw ``angles``), ``style``,
     partial rotary (``rotary_dim``, ``rotary_at="back"`` for MLA's trailing rope columns), ``q_scale``/``k_scale``
-    (cuDNN's ``output_scale``), ``rotary_scale``. Packed sequences (``layout="thd"``, ``cu_seqlens``) are not
-    supported yet.
+    (cuDNN's ``output_scale``), ``rotary_scale``.
 
     Returns ``o`` (q's layout, Dv columns, q's dtype), or a tuple ``(o, lse)``, ``(o, q_rot, k_rot)`` or
     ``(o, lse, q_rot, k_rot)`` as asked. Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument.
@@ -197,18 +243,19 @@ def rope_attention(
     _check_inputs(q, k, v, layout)
     D = to_canonical(q, layout).shape[3]
     q_eff, k_eff, a, log2 = _scales(fold, scale, log2_softmax, q_scale, k_scale, D)
+    sequences, longest = _sequences(q, layout, cu_seqlens, max_seqlen, check_positions)
     args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_eff, k_scale=k_eff,
-                    rotary_scale=rotary_scale, sections=sections, section_layout=section_layout,
-                    check_positions=check_positions)
+                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
+                    section_layout=section_layout, check_positions=check_positions)
     table, (rotary_start, rot_dim, neox) = _unit_rows(q, args)
     qk_mult = a * (1.0 if log2 else _LOG2E)
     q_in, k_in, v_in = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o, lse = attend(q_in, k_in, v_in, table, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
-                    bool(is_causal))
+    o, lse = attend(q_in, k_in, v_in, table, sequences, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
+                    bool(is_causal), longest)
     outs = [o]
     if return_lse:
-        outs.append(lse)
+        outs.append(lse[0] if layout == "thd" else lse)
     if return_rotated:
         from ropekit.api import _rope
 

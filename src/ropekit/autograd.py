@@ -256,20 +256,20 @@ def write_kv(q: Tensor, k: Tensor, v: Tensor, norm: NormSpec, spec: RopeSpec, ca
 # --- RoPE attention -------------------------------------------------------------------------------------------
 
 def _attention_setup_context(ctx, inputs, output) -> None:
-    q, k, v, angles, *params = inputs
+    q, k, v, angles, cu_seqlens, *params = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, angles, o, lse)
+    ctx.save_for_backward(q, k, v, angles, cu_seqlens, o, lse)
     ctx.params = params
 
 
 def _attention_grads(ctx, grad_o, grad_lse, backward) -> tuple:
     """dq, dk, dv (and None for every other input) from what the forward saved, by ``backward`` (the op or its
     body)."""
-    q, k, v, angles, o, lse = ctx.saved_tensors
+    q, k, v, angles, cu_seqlens, o, lse = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = backward(grad_o, grad_lse, q, k, v, angles, o, lse, *ctx.params)
-    return dq, dk, dv, None, *[None] * len(ctx.params)
+    dq, dk, dv = backward(grad_o, grad_lse, q, k, v, angles, cu_seqlens, o, lse, *ctx.params)
+    return dq, dk, dv, None, None, *[None] * len(ctx.params)
 
 
 def _attention_backward(ctx, grad_o, grad_lse):
@@ -286,9 +286,9 @@ class EagerRopeAttention(torch.autograd.Function):
     registered formula above, which ``torch.compile`` uses."""
 
     @staticmethod
-    def forward(ctx, q, k, v, angles, *params):
-        o, lse = ops.attention_forward(q, k, v, angles, *params)
-        _attention_setup_context(ctx, (q, k, v, angles, *params), (o, lse))
+    def forward(ctx, q, k, v, angles, cu_seqlens, *params):
+        o, lse = ops.attention_forward(q, k, v, angles, cu_seqlens, *params)
+        _attention_setup_context(ctx, (q, k, v, angles, cu_seqlens, *params), (o, lse))
         return o, lse
 
     @staticmethod
@@ -296,11 +296,12 @@ class EagerRopeAttention(torch.autograd.Function):
         return _attention_grads(ctx, grad_o, grad_lse, ops.attention_backward)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, *params) -> tuple[Tensor, Tensor]:
+def attend(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, cu_seqlens: Tensor | None, *params
+           ) -> tuple[Tensor, Tensor]:
     """(o, lse) of RoPE attention by the cheapest route, as :func:`norm_rotate`: eager calls skip the dispatcher
     (:class:`EagerRopeAttention` where autograd records), tracing uses ``ropekit::rope_attention``."""
     if torch.compiler.is_compiling():
-        return ops.rope_attention(q, k, v, angles, *params)
+        return ops.rope_attention(q, k, v, angles, cu_seqlens, *params)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return EagerRopeAttention.apply(q, k, v, angles, *params)
-    return ops.attention_forward(q, k, v, angles, *params)
+        return EagerRopeAttention.apply(q, k, v, angles, cu_seqlens, *params)
+    return ops.attention_forward(q, k, v, angles, cu_seqlens, *params)

@@ -248,8 +248,8 @@ def _attention_out(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     return o, q.new_empty((B, HQ, S), dtype=torch.float32)
 
 
-def _rope_attention(q, k, v, angles, layout, rotary_start, rotary_dim, neox, q_scale, k_scale, qk_mult,
-                    causal) -> tuple[Tensor, Tensor]:
+def _rope_attention(q, k, v, angles, cu_seqlens, layout, rotary_start, rotary_dim, neox, q_scale, k_scale,
+                    qk_mult, causal, max_seqlen) -> tuple[Tensor, Tensor]:
     o, lse = _attention_out(q, v, layout)
     qc, kc, vc = _canonical_qkv(q, k, v, layout)
     oc = to_canonical(o, layout)
@@ -257,19 +257,19 @@ def _rope_attention(q, k, v, angles, layout, rotary_start, rotary_dim, neox, q_s
         from ropekit.triton.attention_launcher import Rotation, launch_forward
 
         launch_forward(qc, kc, vc, angles, oc, lse, Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
-                       qk_mult, causal)
+                       qk_mult, causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     else:
         from ropekit.reference import rope_attention_reference
 
         o64, lse64 = rope_attention_reference(qc, kc, vc, angles, rotary_start, rotary_dim, neox, q_scale, k_scale,
-                                              qk_mult, causal)
+                                              qk_mult, causal, cu_seqlens)
         oc.copy_(o64)
         lse.copy_(lse64)
     return o, lse
 
 
-def _rope_attention_backward(do, dlse, q, k, v, angles, o, lse, layout, rotary_start, rotary_dim, neox, q_scale,
-                             k_scale, qk_mult, causal) -> tuple[Tensor, Tensor, Tensor]:
+def _rope_attention_backward(do, dlse, q, k, v, angles, cu_seqlens, o, lse, layout, rotary_start, rotary_dim, neox,
+                             q_scale, k_scale, qk_mult, causal, max_seqlen) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qc, kc, vc = _canonical_qkv(q, k, v, layout)
     if uses_kernels(q):
@@ -279,12 +279,12 @@ def _rope_attention_backward(do, dlse, q, k, v, angles, o, lse, layout, rotary_s
         launch_backward(to_canonical(do, layout), None if dlse is None else dlse.float().contiguous(), qc, kc, vc,
                         angles, to_canonical(o, layout), lse, to_canonical(dq, layout), to_canonical(dk, layout),
                         to_canonical(dv, layout), Rotation(rotary_start, rotary_dim, neox), q_scale, k_scale,
-                        qk_mult, causal)
+                        qk_mult, causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return dq, dk, dv
     from ropekit.reference import rope_attention_backward_reference
 
     grads = rope_attention_backward_reference(to_canonical(do, layout), dlse, qc, kc, vc, angles, rotary_start,
-                                              rotary_dim, neox, q_scale, k_scale, qk_mult, causal)
+                                              rotary_dim, neox, q_scale, k_scale, qk_mult, causal, cu_seqlens)
     for out, g in zip((dq, dk, dv), grads):
         to_canonical(out, layout).copy_(g)
     return dq, dk, dv
@@ -293,19 +293,19 @@ def _rope_attention_backward(do, dlse, q, k, v, angles, o, lse, layout, rotary_s
 # the op bodies, callable without the dispatcher (eager calls: ropekit.autograd.attend)
 attention_forward, attention_backward = _rope_attention, _rope_attention_backward
 
-_ATTENTION_ARGS = ("Tensor angles, str layout, int rotary_start, int rotary_dim, bool neox, float q_scale, "
-                   "float k_scale, float qk_mult, bool causal")
+_ATTENTION_ARGS = ("str layout, int rotary_start, int rotary_dim, bool neox, float q_scale, float k_scale, "
+                   "float qk_mult, bool causal, int max_seqlen")
 rope_attention = torch.library.custom_op(
     "ropekit::rope_attention", _rope_attention, mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) -> (Tensor, Tensor)")
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor angles, Tensor? cu_seqlens, {_ATTENTION_ARGS}) -> (Tensor, Tensor)")
 rope_attention_backward = torch.library.custom_op(
     "ropekit::rope_attention_backward", _rope_attention_backward, mutates_args=(),
-    schema=("(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor angles, Tensor o, Tensor lse, "
-            f"{_ATTENTION_ARGS.removeprefix('Tensor angles, ')}) -> (Tensor, Tensor, Tensor)"))
+    schema=("(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor angles, Tensor? cu_seqlens, Tensor o, "
+            f"Tensor lse, {_ATTENTION_ARGS}) -> (Tensor, Tensor, Tensor)"))
 
 
 @rope_attention.register_fake
-def _rope_attention_fake(q, k, v, angles, layout, *args):
+def _rope_attention_fake(q, k, v, angles, cu_seqlens, layout, *args):
     return _attention_out(q, v, layout)
 
 

@@ -420,35 +420,46 @@ def _rotate_pairs(x: torch.Tensor, c1, c2, cos, sin, scale: float, inverse: bool
     return out * scale
 
 
-def _attention_probs(qr, kr, qk_mult: float, causal: bool):
-    """(P [B, H, S, S], lse [B, H, S]) of base-2 scores ``(qr . kr) * qk_mult`` ([B, H, S, D] inputs)."""
+def _attention_probs(qr, kr, qk_mult: float, causal: bool, cu_seqlens=None):
+    """(P [B, H, S, S], lse [B, H, S]) of base-2 scores ``(qr . kr) * qk_mult`` ([B, H, S, D] inputs); with
+    ``cu_seqlens`` (B = 1) a token attends only to tokens of its own packed sequence."""
     s = (qr @ kr.transpose(-1, -2)) * (qk_mult * math.log(2.0))  # natural-log scores
     if causal:
-        S = qr.shape[2]
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=qr.device).triu(1), float("-inf"))
+        hidden |= torch.ones(S, S, dtype=torch.bool, device=qr.device).triu(1)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.to(device=qr.device, dtype=torch.int64)
+        sequence = torch.searchsorted(bounds[1:], torch.arange(S, device=qr.device), right=True)
+        hidden |= sequence[:, None] != sequence[None, :]
+    if causal or cu_seqlens is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse[..., None]), lse
 
 
 def rope_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, angles: torch.Tensor,
                              rotary_start: int, rotary_dim: int, neox: bool, q_scale: float, k_scale: float,
-                             qk_mult: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                             qk_mult: float, causal: bool, cu_seqlens: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE attention in float64 on canonical [B, S, H, D] tensors, the math of
     :mod:`ropekit.triton.attention_kernels`: ``q_r = q_scale * R q``, ``k_r = k_scale * R k`` with the cosine and
     sine of each pair read from ``angles`` [B or 1, S, D] at the pair's columns; base-2 scores
-    ``t = (q_r . k_r) * qk_mult``, causal (top-left) or not; ``o = softmax_2(t) v`` [B, S, H, Dv] and the
-    natural-log ``lse = ln(sum 2**t)`` [B, H, S], both float64."""
+    ``t = (q_r . k_r) * qk_mult``, causal (top-left) or not, within each packed sequence of ``cu_seqlens``
+    (tensors [1, T, H, D]) where given; ``o = softmax_2(t) v`` [B, S, H, Dv] and the natural-log
+    ``lse = ln(sum 2**t)`` [B, H, S], both float64."""
     c1, c2, cos, sin = _attention_rotation(angles, rotary_start, rotary_dim, neox)
     group = q.shape[2] // k.shape[2]
     qr = _rotate_pairs(q, c1, c2, cos, sin, q_scale).transpose(1, 2)
+    S = qr.shape[2]
+    hidden = torch.zeros(S, S, dtype=torch.bool, device=qr.device)
     kr = _rotate_pairs(k, c1, c2, cos, sin, k_scale).transpose(1, 2).repeat_interleave(group, dim=1)
-    p, lse = _attention_probs(qr, kr, qk_mult, causal)
+    p, lse = _attention_probs(qr, kr, qk_mult, causal, cu_seqlens)
     o = p @ v.double().transpose(1, 2).repeat_interleave(group, dim=1)
     return o.transpose(1, 2), lse
 
 
 def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: int, rotary_dim: int, neox: bool,
-                                      q_scale: float, k_scale: float, qk_mult: float, causal: bool) -> tuple:
+                                      q_scale: float, k_scale: float, qk_mult: float, causal: bool,
+                                      cu_seqlens: torch.Tensor | None = None) -> tuple:
     """(dq, dk, dv) in float64 of :func:`rope_attention_reference` given the gradients of o (``do``, canonical)
     and of lse (``dlse`` or None), written out: ``dS = P * (dP - rowsum(do * o) + dlse)`` on the natural-log
     scores, the rotated gradients ``dS k_r`` and ``dS^T q_r`` times ``ln 2 * qk_mult``, then ``R(-theta)`` and the
@@ -460,7 +471,7 @@ def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: i
     qr = _rotate_pairs(q, c1, c2, cos, sin, q_scale).transpose(1, 2)
     kr = _rotate_pairs(k, c1, c2, cos, sin, k_scale).transpose(1, 2).repeat_interleave(group, dim=1)
     vv = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
-    p, _ = _attention_probs(qr, kr, qk_mult, causal)
+    p, _ = _attention_probs(qr, kr, qk_mult, causal, cu_seqlens)
     g = do.double().transpose(1, 2)
     o = p @ vv
     dp = g @ vv.transpose(-1, -2)

@@ -117,6 +117,18 @@ def _columns(HALF_BLOCK: tl.constexpr, ROT_START: tl.constexpr, ROT_HALF: tl.con
 
 
 @triton.jit
+def _sequence(cu_ptr, b, S, VARLEN: tl.constexpr):
+    """(batch index into the tensors, first token, length) of sequence ``b``. ``VARLEN``: packed sequences, the
+    tensors [1, T, H, D] and sequence b the tokens ``cu[b]:cu[b+1]``, clamped into 0..T so that a bad boundary
+    reads and writes nothing outside the tensors; else the batch's b, its tokens 0..S."""
+    if VARLEN:
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), S)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), S)
+        return b * 0, start.to(tl.int64), (end - start).to(tl.int32)
+    return b, b * 0, S
+
+
+@triton.jit
 def _load_resident(rows_ptr, tab_rows, ok, c1, c2, pair_ok, pc, pass_ok, scale, ROT_HALF: tl.constexpr,
                    HALF_BLOCK: tl.constexpr, PASS_LEN: tl.constexpr, PASS_BLOCK: tl.constexpr, DTYPE: tl.constexpr,
                    DOT_F32: tl.constexpr, ROTATE: tl.constexpr):
@@ -184,62 +196,68 @@ def _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, 
 
 @triton.jit
 def rope_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, tab_ptr, o_ptr, lse_ptr, cu_ptr,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, o_sb, o_ss, o_sh,
     S, HQ, GROUP, q_scale, k_scale, qk_mult,
     ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
-    K_ROTATED: tl.constexpr,
+    K_ROTATED: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); the last row
-    blocks (the longest under a causal mask) start first. Key tiles wholly inside the sequence and (causal) wholly
-    before the block's first row run without masks; the rest with them. BLOCK_M is a multiple of BLOCK_N."""
+    """One program: BLOCK_M query rows of one (batch or packed sequence, q head). Grid: (B * HQ, cdiv(S or the
+    longest sequence, BLOCK_M)); the last row blocks (the longest under a causal mask) start first. Key tiles
+    wholly inside the sequence and (causal) wholly before the block's first row run without masks; the rest with
+    them. BLOCK_M is a multiple of BLOCK_N."""
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     bh = tl.program_id(0)
-    b = (bh // HQ).to(tl.int64)
     h = (bh % HQ).to(tl.int64)
+    b, start, seq_len = _sequence(cu_ptr, (bh // HQ).to(tl.int64), S, VARLEN)
+    if VARLEN:
+        if pid_m * BLOCK_M >= seq_len:  # a packed sequence shorter than the grid's longest
+            return
     hk = h // GROUP
     DTYPE = q_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < S
+    row_ok = rows < seq_len
     c1, c2, pair_ok, pc, pass_ok, dv, dv_ok = _columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX, PASS_START, PASS_LEN,
                                                        PASS_BLOCK, DV, DV_BLOCK)
 
     rows64 = rows.to(tl.int64)[:, None]
-    q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
-    tab_b = tab_ptr + b * t_sb
+    q_rows = q_ptr + b * q_sb + start * q_ss + h * q_sh + rows64 * q_ss
+    tab_b = tab_ptr + b * t_sb + start * t_ss
     q1, q2, qp = _load_resident(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, pc, pass_ok, q_scale,
                                 ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE, DOT_F32, ROTATE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_BLOCK], tl.float32)
-    k_base = k_ptr + b * k_sb + hk * k_sh
-    v_base = v_ptr + b * v_sb + hk * v_sh
+    k_base = k_ptr + b * k_sb + start * k_ss + hk * k_sh
+    v_base = v_ptr + b * v_sb + start * v_ss + hk * v_sh
     if CAUSAL:
         interior = pid_m * BLOCK_M
-        end = tl.minimum((pid_m + 1) * BLOCK_M, S)
+        end = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
     else:
-        interior = S // BLOCK_N * BLOCK_N
-        end = S
+        interior = seq_len // BLOCK_N * BLOCK_N
+        end = seq_len
     for n0 in range(0, interior, BLOCK_N):
-        m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S,
+        m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss,
+                                  seq_len,
                                   c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False, CAUSAL, BLOCK_N,
                                   ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE,
                                   PRECISION, K_ROTATED)
     for n0 in range(interior, end, BLOCK_N):
-        m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss, S,
+        m_i, l_i, acc = _fwd_tile(q1, q2, qp, m_i, l_i, acc, n0, rows, k_base, v_base, tab_b, k_ss, v_ss, t_ss,
+                                  seq_len,
                                   c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True, CAUSAL, BLOCK_N,
                                   ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE,
                                   PRECISION, K_ROTATED)
 
     acc = acc / l_i[:, None]
-    o_rows = o_ptr + b * o_sb + h * o_sh + rows64 * o_ss
+    o_rows = o_ptr + b * o_sb + start * o_ss + h * o_sh + rows64 * o_ss
     tl.store(o_rows + dv[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-    # lse [B, HQ, S], natural log
-    tl.store(lse_ptr + bh.to(tl.int64) * S + rows, (m_i + tl.math.log2(l_i)) * LN2, mask=row_ok)
+    # lse [B, HQ, S] ([1, HQ, T] packed), natural log
+    tl.store(lse_ptr + (b * HQ + h) * S + start + rows, (m_i + tl.math.log2(l_i)) * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -303,7 +321,7 @@ def _dkdv_tile(k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, 
 
 @triton.jit
 def rope_attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_ptr,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, do_sb, do_ss, do_sh,
     dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
     S, HQ, HK, GROUP, q_scale, k_scale, qk_mult,
@@ -311,73 +329,76 @@ def rope_attention_bwd_dkdv_kernel(
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
-    Q_ROTATED: tl.constexpr,
+    Q_ROTATED: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """One program: BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that share them
-    (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S, BLOCK_N)). Query tiles on the causal
-    diagonal or past S run with masks, the rest without."""
+    """One program: BLOCK_N key rows of one (batch or packed sequence, kv head), summed over the GROUP query heads
+    that share them (GQA): k and v are loaded and rotated once. Grid: (B * HK, cdiv(S or the longest sequence,
+    BLOCK_N)). Query tiles on the causal diagonal or past the sequence run with masks, the rest without."""
     pid_n = tl.program_id(1)
     bh = tl.program_id(0)
-    b = (bh // HK).to(tl.int64)
     hk = (bh % HK).to(tl.int64)
-    DTYPE = q_ptr.dtype.element_ty
+    b, start, seq_len = _sequence(cu_ptr, (bh // HK).to(tl.int64), S, VARLEN)
     c0 = pid_n * BLOCK_N
+    if VARLEN:
+        if c0 >= seq_len:  # a packed sequence shorter than the grid's longest
+            return
+    DTYPE = q_ptr.dtype.element_ty
     cols = c0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < S
+    col_ok = cols < seq_len
     cols64 = cols.to(tl.int64)[:, None]
     c1, c2, pair_ok, pc, pass_ok, dv, dv_ok = _columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX, PASS_START, PASS_LEN,
                                                        PASS_BLOCK, DV, DV_BLOCK)
 
-    tab_b = tab_ptr + b * t_sb
-    k_rows = k_ptr + b * k_sb + hk * k_sh + cols64 * k_ss
+    tab_b = tab_ptr + b * t_sb + start * t_ss
+    k_rows = k_ptr + b * k_sb + start * k_ss + hk * k_sh + cols64 * k_ss
     k1, k2, kp = _load_resident(k_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, pc, pass_ok, k_scale,
                                 ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE, DOT_F32, ROTATE)
-    v = _operand(_load_tile(v_ptr + b * v_sb + hk * v_sh + cols64 * v_ss + dv[None, :], col_ok, dv_ok, False,
-                            DV_BLOCK == DV), DTYPE, DOT_F32)
+    v_rows = v_ptr + b * v_sb + start * v_ss + hk * v_sh + cols64 * v_ss
+    v = _operand(_load_tile(v_rows + dv[None, :], col_ok, dv_ok, False, DV_BLOCK == DV), DTYPE, DOT_F32)
     dk1 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
     dk2 = tl.zeros([BLOCK_N, HALF_BLOCK], tl.float32)
     dkp = tl.zeros([BLOCK_N, PASS_BLOCK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, DV_BLOCK], tl.float32)
-    full_rows = S // BLOCK_M * BLOCK_M
+    full_rows = seq_len // BLOCK_M * BLOCK_M
     if CAUSAL:  # query tiles before the key tile see none of it; those that reach into it need the mask
-        start = c0 // BLOCK_M * BLOCK_M
-        diagonal_end = tl.minimum(tl.cdiv(c0 + BLOCK_N, BLOCK_M) * BLOCK_M, S)
+        first = c0 // BLOCK_M * BLOCK_M
+        diagonal_end = tl.minimum(tl.cdiv(c0 + BLOCK_N, BLOCK_M) * BLOCK_M, seq_len)
     else:
-        start = 0
+        first = 0
         diagonal_end = 0
     tail = tl.maximum(diagonal_end, full_rows)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = q_ptr + b * q_sb + h * q_sh
-        do_base = do_ptr + b * do_sb + h * do_sh
-        stat = (b * HQ + h) * S
-        for m0 in range(start, diagonal_end, BLOCK_M):
+        q_base = q_ptr + b * q_sb + start * q_ss + h * q_sh
+        do_base = do_ptr + b * do_sb + start * do_ss + h * do_sh
+        stat = (b * HQ + h) * S + start
+        for m0 in range(first, diagonal_end, BLOCK_M):
             dk1, dk2, dkp, dv_acc = _dkdv_tile(
                 k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
-                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
+                delta_ptr, stat, seq_len, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
                 BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION,
                 Q_ROTATED)
         for m0 in range(diagonal_end, full_rows, BLOCK_M):
             dk1, dk2, dkp, dv_acc = _dkdv_tile(
                 k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
-                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, False, CAUSAL,
+                delta_ptr, stat, seq_len, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, False, CAUSAL,
                 BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION,
                 Q_ROTATED)
-        for m0 in range(tail, S, BLOCK_M):
+        for m0 in range(tail, seq_len, BLOCK_M):
             dk1, dk2, dkp, dv_acc = _dkdv_tile(
                 k1, k2, kp, v, dk1, dk2, dkp, dv_acc, m0, cols, q_base, do_base, tab_b, q_ss, do_ss, t_ss, lse_ptr,
-                delta_ptr, stat, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
+                delta_ptr, stat, seq_len, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, q_scale, qk_mult, True, CAUSAL,
                 BLOCK_M, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE, DOT_F32, ROTATE, PRECISION,
                 Q_ROTATED)
     # d(loss)/d(q_r . k_r) = ln 2 * qk_mult * p * (dp - delta); then dk = k_scale * R(-theta) dk_r
     ds_scale = LN2 * qk_mult * k_scale
-    dk_rows = dk_ptr + b * dk_sb + hk * dk_sh + cols64 * dk_ss
+    dk_rows = dk_ptr + b * dk_sb + start * dk_ss + hk * dk_sh + cols64 * dk_ss
     _store_unrotated(dk_rows, tab_b + cols64 * t_ss, col_ok, c1, c2, pair_ok, dk1, dk2, ds_scale, ROTATE)
     if PASS_LEN > 0:
         tl.store(dk_rows + pc[None, :], (dkp * ds_scale).to(dk_ptr.dtype.element_ty),
                  mask=col_ok[:, None] & pass_ok[None, :])
-    tl.store(dv_ptr + b * dv_sb + hk * dv_sh + cols64 * dv_ss + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
-             mask=col_ok[:, None] & dv_ok[None, :])
+    dv_rows = dv_ptr + b * dv_sb + start * dv_ss + hk * dv_sh + cols64 * dv_ss
+    tl.store(dv_rows + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -411,61 +432,64 @@ def _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_bas
 
 @triton.jit
 def rope_attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, tab_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, t_sb, t_ss, do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh,
     S, HQ, GROUP, q_scale, k_scale, qk_mult,
     ROT_START: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr, PASS_START: tl.constexpr,
     PASS_LEN: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     DV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr,
-    K_ROTATED: tl.constexpr,
+    K_ROTATED: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """One program: dq for BLOCK_M query rows of one (batch, q head). Grid: (B * HQ, cdiv(S, BLOCK_M)); key tiles
-    split as in the forward."""
+    """One program: dq for BLOCK_M query rows of one (batch or packed sequence, q head). Grid as the forward's;
+    key tiles split as in the forward."""
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     bh = tl.program_id(0)
-    b = (bh // HQ).to(tl.int64)
     h = (bh % HQ).to(tl.int64)
+    b, start, seq_len = _sequence(cu_ptr, (bh // HQ).to(tl.int64), S, VARLEN)
+    if VARLEN:
+        if pid_m * BLOCK_M >= seq_len:  # a packed sequence shorter than the grid's longest
+            return
     hk = h // GROUP
     DTYPE = q_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < S
+    row_ok = rows < seq_len
     rows64 = rows.to(tl.int64)[:, None]
     c1, c2, pair_ok, pc, pass_ok, dv, dv_ok = _columns(HALF_BLOCK, ROT_START, ROT_HALF, NEOX, PASS_START, PASS_LEN,
                                                        PASS_BLOCK, DV, DV_BLOCK)
 
-    tab_b = tab_ptr + b * t_sb
-    q_rows = q_ptr + b * q_sb + h * q_sh + rows64 * q_ss
+    tab_b = tab_ptr + b * t_sb + start * t_ss
+    q_rows = q_ptr + b * q_sb + start * q_ss + h * q_sh + rows64 * q_ss
     q1, q2, qp = _load_resident(q_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, pc, pass_ok, q_scale,
                                 ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DTYPE, DOT_F32, ROTATE)
-    do = _operand(_load_tile(do_ptr + b * do_sb + h * do_sh + rows64 * do_ss + dv[None, :], row_ok, dv_ok, False,
-                             DV_BLOCK == DV), DTYPE, DOT_F32)
-    stat = bh.to(tl.int64) * S
+    do = _operand(_load_tile(do_ptr + b * do_sb + start * do_ss + h * do_sh + rows64 * do_ss + dv[None, :], row_ok,
+                             dv_ok, False, DV_BLOCK == DV), DTYPE, DOT_F32)
+    stat = (b * HQ + h) * S + start
     lse2 = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0) * (1.0 / LN2)
     delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
     dq1 = tl.zeros([BLOCK_M, HALF_BLOCK], tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_BLOCK], tl.float32)
     dqp = tl.zeros([BLOCK_M, PASS_BLOCK], tl.float32)
-    k_base = k_ptr + b * k_sb + hk * k_sh
-    v_base = v_ptr + b * v_sb + hk * v_sh
+    k_base = k_ptr + b * k_sb + start * k_ss + hk * k_sh
+    v_base = v_ptr + b * v_sb + start * v_ss + hk * v_sh
     if CAUSAL:
         interior = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
-        end = tl.minimum((pid_m + 1) * BLOCK_M, S)
+        end = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
     else:
-        interior = S // BLOCK_N * BLOCK_N
-        end = S
+        interior = seq_len // BLOCK_N * BLOCK_N
+        end = seq_len
     for n0 in range(0, interior, BLOCK_N):
         dq1, dq2, dqp = _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss,
-                                 v_ss, t_ss, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False,
+                                 v_ss, t_ss, seq_len, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, False,
                                  CAUSAL, BLOCK_N, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE,
                                  DOT_F32, ROTATE, PRECISION, K_ROTATED)
     for n0 in range(interior, end, BLOCK_N):
         dq1, dq2, dqp = _dq_tile(q1, q2, qp, do, lse2, delta, dq1, dq2, dqp, n0, rows, k_base, v_base, tab_b, k_ss,
-                                 v_ss, t_ss, S, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True,
+                                 v_ss, t_ss, seq_len, c1, c2, pair_ok, pc, pass_ok, dv, dv_ok, k_scale, qk_mult, True,
                                  CAUSAL, BLOCK_N, ROT_HALF, HALF_BLOCK, PASS_LEN, PASS_BLOCK, DV, DV_BLOCK, DTYPE,
                                  DOT_F32, ROTATE, PRECISION, K_ROTATED)
     ds_scale = LN2 * qk_mult * q_scale
-    dq_rows = dq_ptr + b * dq_sb + h * dq_sh + rows64 * dq_ss
+    dq_rows = dq_ptr + b * dq_sb + start * dq_ss + h * dq_sh + rows64 * dq_ss
     _store_unrotated(dq_rows, tab_b + rows64 * t_ss, row_ok, c1, c2, pair_ok, dq1, dq2, ds_scale, ROTATE)
     if PASS_LEN > 0:
         tl.store(dq_rows + pc[None, :], (dqp * ds_scale).to(dq_ptr.dtype.element_ty),

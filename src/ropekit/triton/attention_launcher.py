@@ -4,7 +4,9 @@
 ``delta`` rows.
 
 Every tensor is canonical ``[B, S, H, D]`` (any strides, contiguous last dim); ``angles`` is ``[B or 1, S, D]``
-float32 with the cosine and sine of each rotated pair at the pair's columns (see the kernels' module).
+float32 with the cosine and sine of each rotated pair at the pair's columns (see the kernels' module). Packed
+sequences come as ``[1, T, H, D]`` with ``cu_seqlens`` (int32 [num_seqs + 1], on the device) and the longest
+sequence's length ``max_seqlen``, which sizes the grid.
 """
 
 from __future__ import annotations
@@ -123,32 +125,42 @@ def _scalars(q, k, angles, q_scale: float, k_scale: float, qk_mult: float) -> di
             "t_sb": angles.stride(0) if angles.shape[0] > 1 else 0, "t_ss": angles.stride(1)}
 
 
+def _sequences(q, cu_seqlens, max_seqlen: int) -> tuple[int, int, dict]:
+    """(number of sequences, their longest length, the kernels' sequence arguments): the batch's, or the packed
+    sequences of ``cu_seqlens``."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[1], {"cu_ptr": q}  # cu_ptr is never read
+    return cu_seqlens.shape[0] - 1, max_seqlen, {"cu_ptr": cu_seqlens}
+
+
 def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_scale: float, qk_mult: float,
-                   causal: bool, blocks: Blocks | None = None, rotate: bool = True, prerotate: bool = True) -> None:
+                   causal: bool, blocks: Blocks | None = None, rotate: bool = True, prerotate: bool = True,
+                   cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0) -> None:
     """Write the attention output ``o`` [B, S, HQ, DV] and the natural-log ``lse`` [B, HQ, S] (float32).
     ``prerotate``: k is rotated once into a transient copy (:func:`rotated_copy`) rather than by every program
     that loads a tile of it. ``blocks`` overrides the block shape and ``rotate=False`` skips the rotation (tuning
     and benchmarks only)."""
-    B, S, HQ, D = q.shape
-    if B * S * HQ == 0:
+    _, S, HQ, D = q.shape
+    B, longest, sequences = _sequences(q, cu_seqlens, max_seqlen)
+    if B * longest * HQ == 0:
         return
     blocks = blocks or forward_blocks(q.device, D, v.shape[3])
     if blocks.block_m % blocks.block_n:
         raise ValueError(f"the forward's BLOCK_M must be a multiple of BLOCK_N, got {blocks}")
     if prerotate:
         k, k_scale = rotated_copy(k, angles, rot, k_scale, rotate), 1.0
-    args = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "o_ptr": o, "lse_ptr": lse,
+    args = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "tab_ptr": angles, "o_ptr": o, "lse_ptr": lse, **sequences,
             **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"),
             **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
     constexprs = {**_layout_constexprs(rot, D, v.shape[3], causal, q.dtype, blocks, q.device, rotate),
-                  "K_ROTATED": prerotate}
-    grid = (B * HQ, heuristics.cdiv(S, blocks.block_m), 1)
+                  "K_ROTATED": prerotate, "VARLEN": cu_seqlens is not None}
+    grid = (B * HQ, heuristics.cdiv(longest, blocks.block_m), 1)
     runtime.launch(FORWARD, grid, args, constexprs, blocks.num_warps, q.device, num_stages=blocks.num_stages)
 
 
 def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation, q_scale: float, k_scale: float,
                     qk_mult: float, causal: bool, blocks: Blocks | None = None, rotate: bool = True,
-                    prerotate: bool = True) -> None:
+                    prerotate: bool = True, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0) -> None:
     """Write dq, dk, dv (each like its input) from the gradients of o (``do``) and of lse (``dlse``, contiguous
     [B, HQ, S], or None) and the forward's ``o`` and ``lse``. ``prerotate``: the dk/dv kernel reads q, and the dq
     kernel k, from transient rotated copies (:func:`rotated_copy`)."""
@@ -156,6 +168,7 @@ def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation
     HK, DV = k.shape[2], v.shape[3]
     if B * S == 0:
         return
+    num_seqs, longest, sequences = _sequences(q, cu_seqlens, max_seqlen)
     if HQ == 0:
         dk.zero_()
         dv.zero_()
@@ -169,19 +182,20 @@ def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation
                     **_strides(o, "o"), **_strides(do, "do"), "S": S, "HQ": HQ},
                    {"DV": DV, "HAS_DLSE": dlse is not None, "BLOCK_M": delta_rows, "DV_BLOCK": dv_block}, 4,
                    q.device)
-    constexprs = _layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device, rotate)
-    common = {"v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse, "delta_ptr": delta,
+    constexprs = {**_layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device, rotate),
+                  "VARLEN": cu_seqlens is not None}
+    common = {"v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse, "delta_ptr": delta, **sequences,
               **_strides(v, "v"), **_strides(do, "do"), **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
     # each kernel keeps its own operand resident (rotated once per program) and may read the other from a copy
     q_in, q_scale_in = (rotated_copy(q, angles, rot, q_scale, rotate), 1.0) if prerotate else (q, q_scale)
-    runtime.launch(DKDV, (B * HK, heuristics.cdiv(S, blocks.block_n), 1),
+    runtime.launch(DKDV, (num_seqs * HK, heuristics.cdiv(longest, blocks.block_n), 1),
                    {**common, "q_ptr": q_in, "k_ptr": k, **_strides(q_in, "q"), **_strides(k, "k"),
                     "q_scale": q_scale_in, "dk_ptr": dk, "dv_ptr": dv, **_strides(dk, "dk"), **_strides(dv, "dv"),
                     "HK": HK},
                    {**constexprs, "Q_ROTATED": prerotate}, blocks.num_warps, q.device, num_stages=blocks.num_stages)
     del q_in
     k_in, k_scale_in = (rotated_copy(k, angles, rot, k_scale, rotate), 1.0) if prerotate else (k, k_scale)
-    runtime.launch(DQ, (B * HQ, heuristics.cdiv(S, blocks.block_m), 1),
+    runtime.launch(DQ, (num_seqs * HQ, heuristics.cdiv(longest, blocks.block_m), 1),
                    {**common, "q_ptr": q, "k_ptr": k_in, **_strides(q, "q"), **_strides(k_in, "k"),
                     "k_scale": k_scale_in, "dq_ptr": dq, **_strides(dq, "dq")},
                    {**constexprs, "K_ROTATED": prerotate}, blocks.num_warps, q.device, num_stages=blocks.num_stages)
