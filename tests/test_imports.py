@@ -26,7 +26,7 @@ VALIDATION = (*SPEC, "ropekit._validation")
 # Everything importable from ropekit, bottom to top; subpackages stand for all their modules.
 ALL = (*VALIDATION, "ropekit.reference", "ropekit.triton", "ropekit.ops", "ropekit.autograd", "ropekit._fastpath",
        "ropekit.distributed",
-       "ropekit.api", "ropekit.attention", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations",
+       "ropekit.api", "ropekit.attention", "ropekit.mla", "ropekit.webgpu", "ropekit.modules", "ropekit.integrations",
        "ropekit.testing",
        "ropekit.check", "ropekit.plot", "ropekit.bench", "ropekit.cli")
 TOP = ("ropekit.check", "ropekit.bench", "ropekit.cli")
@@ -66,6 +66,13 @@ RULES = {
     "ropekit.triton.attention_kernels": (*_except("ropekit.triton"), "ropekit.triton.launcher",
                                          "ropekit.triton.prologue_launcher", "ropekit.triton.runtime",
                                          "ropekit.triton.heuristics"),
+    # the MLA prologue: a public function on the ops, beside the API (no fast path, no launch plans yet)
+    "ropekit.mla": ("ropekit._fastpath", "ropekit.distributed", "ropekit.api", "ropekit.attention", "ropekit.webgpu",
+                    *ABOVE_API),
+    "ropekit.triton.mla_kernels": (*_except("ropekit.triton"), "ropekit.triton.launcher",
+                                   "ropekit.triton.prologue_launcher", "ropekit.triton.runtime",
+                                   "ropekit.triton.heuristics", "ropekit.triton.mla_launcher"),
+    "ropekit.triton.mla_launcher": (*_except(*SPEC, "ropekit.triton"), "ropekit.triton.prologue_launcher"),
     "ropekit.modules": TOP,
     "ropekit.integrations.transformers": TOP,
 }

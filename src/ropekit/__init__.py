@@ -25,6 +25,7 @@ _EXPORTS = {
     "rope_backward": "ropekit.api",
     "qk_norm_rope": "ropekit.api",
     "rope_kv_write": "ropekit.api",
+    "mla_rope_kv_write": "ropekit.mla",
     "rope_attention": "ropekit.attention",
     "RopeFrequencies": "ropekit.frequencies",
     "from_hf_config": "ropekit.frequencies",
@@ -35,7 +36,7 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", "apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write",
-           "rope_attention",
+           "rope_attention", "mla_rope_kv_write",
            "RopeFrequencies", "from_hf_config",
            "rope_frequencies", "axial_inv_freq", "RotaryEmbedding", "set_fast_path"]
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ropekit.api import apply_rope, apply_rope_, qk_norm_rope, rope_backward, rope_kv_write
     from ropekit.attention import rope_attention
     from ropekit.frequencies import RopeFrequencies, axial_inv_freq, from_hf_config, rope_frequencies
+    from ropekit.mla import mla_rope_kv_write
     from ropekit.modules import RotaryEmbedding
 
 

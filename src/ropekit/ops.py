@@ -312,3 +312,71 @@ def _rope_attention_fake(q, k, v, angles, cu_seqlens, layout, *args):
 @rope_attention_backward.register_fake
 def _rope_attention_backward_fake(do, dlse, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+# --- MLA: ropekit::mla_rope (differentiable) and ropekit::mla_rope_kv_write (writes the latent cache) ----------
+
+def _mla_outputs(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, rotary_dim: int) -> list[Tensor]:
+    """New ``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]`` (k_pe's shape with ``k_heads`` heads) in q's dtype."""
+    if split_q:
+        outs = [q.new_empty((*q.shape[:-1], q.shape[-1] - rotary_dim)), q.new_empty((*q.shape[:-1], rotary_dim))]
+    else:
+        outs = [q.new_empty(q.shape)]
+    return [*outs, k_pe.new_empty((*k_pe.shape[:-2], k_heads, k_pe.shape[-1]))]
+
+
+def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeSpec, **cache) -> list[Tensor]:
+    """The body of both MLA ops: the rotated q (whole, or split) and k_pe, and with ``cache`` (the keywords of
+    :func:`ropekit.triton.mla_launcher.launch_mla` after the outputs) each token's latent cache row."""
+    outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim)
+    if uses_kernels(q):
+        from ropekit.triton.mla_launcher import launch_mla
+
+        q_nope, q_pe = (outs[0], outs[1]) if split_q else (outs[0], outs[0])
+        launch_mla(q, k_pe, q_nope, q_pe, outs[-1], spec, **cache)
+        for name in ("ckv_cache", "kpe_cache"):  # the kernel's writes are invisible to autograd: declare them
+            if cache.get(name) is not None:
+                torch.autograd.graph.increment_version(cache[name])
+        return outs
+    from ropekit.reference import mla_reference
+
+    with torch.no_grad():
+        mla_reference(q, k_pe, outs, spec, **cache)
+    return outs
+
+
+def _mla_rope(q, k_pe, k_heads, split_q, *spec) -> list[Tensor]:
+    return mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec))
+
+
+def _three(outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``ropekit::mla_rope_kv_write``'s fixed outputs (a list output of an op that mutates its arguments is not
+    functionalised): q or q_nope, q_pe (unsplit q: an empty tensor), k_out."""
+    return (outs[0], outs[1], outs[2]) if len(outs) == 3 else (outs[0], outs[0].new_empty(0), outs[1])
+
+
+def _mla_rope_kv_write(q, k_pe, kv_c, ckv_cache, kpe_cache, slots, paged, cache_scale_t, cache_scale, k_heads,
+                       split_q, *spec) -> tuple[Tensor, Tensor, Tensor]:
+    return _three(mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec), kv_c=kv_c, ckv_cache=ckv_cache,
+                             kpe_cache=kpe_cache, slots=slots, paged=paged,
+                             cache_scale=cache_scale if cache_scale_t is None else cache_scale_t))
+
+
+_MLA = "int k_heads, bool split_q"
+mla_rope = torch.library.custom_op("ropekit::mla_rope", _mla_rope, mutates_args=(),
+                                   schema=op_schema(False, f"Tensor q, Tensor k_pe, {_MLA}"))
+mla_rope_kv_write = torch.library.custom_op(
+    "ropekit::mla_rope_kv_write", _mla_rope_kv_write, mutates_args=("ckv_cache", "kpe_cache"),
+    schema=op_schema(False, "Tensor q, Tensor k_pe, Tensor kv_c, Tensor(a!) ckv_cache, Tensor(b!)? kpe_cache, "
+                            f"Tensor? slots, bool paged, Tensor? cache_scale_t, float cache_scale, {_MLA}",
+                     returns="(Tensor, Tensor, Tensor)"))
+
+
+@mla_rope.register_fake
+def _mla_rope_fake(q, k_pe, k_heads, split_q, *spec):
+    return _mla_outputs(q, k_pe, k_heads, split_q, RopeSpec(*spec).rotary_dim)
+
+
+@mla_rope_kv_write.register_fake
+def _mla_rope_kv_write_fake(q, k_pe, kv_c, ckv_cache, kpe_cache, slots, paged, cache_scale_t, cache_scale, k_heads,
+                            split_q, *spec):
+    return _three(_mla_outputs(q, k_pe, k_heads, split_q, RopeSpec(*spec).rotary_dim))

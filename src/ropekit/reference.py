@@ -485,3 +485,42 @@ def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: i
     dq = _rotate_pairs(dqr, c1, c2, cos, sin, q_scale, inverse=True)
     dk = _rotate_pairs(dkr, c1, c2, cos, sin, k_scale, inverse=True)
     return dq, dk, dv
+
+def mla_reference(q, k_pe, outs: list, spec: RopeSpec, kv_c=None, ckv_cache=None, kpe_cache=None, slots=None,
+                  paged: bool = True, cache_scale=1.0) -> None:
+    """:func:`ropekit.mla_rope_kv_write` in float64: q's last ``spec.rotary_dim`` columns rotated and the others
+    times ``q_scale`` into ``outs`` (``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]``), ``k_pe`` (one head)
+    rotated into ``k_out`` (each of its heads), and with ``ckv_cache`` each token's ``[kv_c | R(k_pe)]`` into its
+    cache row (``kpe_cache`` None: one cache, the key after the latent columns). q, k_pe in ``spec.layout``;
+    ``kv_c``, ``slots`` and the caches as the launcher takes them (3-D views)."""
+    f64 = spec._replace(out_dtype=torch.float64)
+    (q_rot,) = rope_reference(q, None, f64)
+    (k_rot,) = rope_reference(k_pe, None, f64._replace(rotary_start=0, q_scale=spec.k_scale))
+    R = spec.rotary_dim
+    if len(outs) == 3:
+        outs[0].copy_(q_rot[..., :-R])
+        outs[1].copy_(q_rot[..., -R:])
+    else:
+        outs[0].copy_(q_rot)
+    outs[-1].copy_(k_rot.expand(outs[-1].shape))
+    if ckv_cache is None:
+        return
+    B, S = to_canonical(k_pe, spec.layout).shape[:2]
+    kc = to_canonical(k_rot, spec.layout)[:, :, 0]  # [B, S, R]
+    latent = kv_c.reshape(B, S, kv_c.shape[-1])
+    if paged:
+        rows = ckv_cache.shape[0] * ckv_cache.shape[1]
+        slot = slots.to(torch.int64).reshape(B, S)
+        ok = (slot >= 0) & (slot < rows)
+        first, second = slot // ckv_cache.shape[1], slot % ckv_cache.shape[1]
+    else:
+        pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets,
+                              pos_offset=spec.pos_offset, cu_seqlens=spec.cu_seqlens, device=q.device)
+        ok = (pos >= 0) & (pos < ckv_cache.shape[1])
+        first, second = torch.arange(B, device=q.device)[:, None].expand(B, S), pos
+    first, second, L = first[ok], second[ok], latent.shape[-1]
+    kpe_view = ckv_cache[..., L:] if kpe_cache is None else kpe_cache
+    kpe_view[first, second] = to_cache(kc[ok], kpe_view.dtype, cache_scale)
+    rows = latent[ok]
+    ckv_cache[first, second, :L] = rows if ckv_cache.dtype == rows.dtype else to_cache(rows.double(), ckv_cache.dtype,
+                                                                                        cache_scale)

@@ -1,0 +1,402 @@
+"""``ropekit.mla_rope_kv_write``: the MLA prologue (DeepSeek V2/V3, Kimi, GLM) -- q's last D_rope columns and the
+shared key ``k_pe`` rotated, each token's latent cache row ``[kv_c | R(k_pe)]`` written (one paged cache as vLLM
+keeps it, or FlashInfer's separate ckv and kpe caches, or a [B, max_seq, ..] cache), q returned whole or split,
+``k_pe`` returned (broadcast to q's heads where asked), gradients for training.
+
+Everything is compared against a float64 oracle written from the definition (helpers' ``angles64``/``rotate64``:
+the pairs of the back D_rope columns turned by ``position * inv_freq``, neox or interleaved pairing): the outputs,
+the cache rows each token maps to, every other row still poisoned, no input modified. Routes: the CPU path (the
+float64 reference), the kernel under the Triton interpreter (``kernels_on_cpu``) and CUDA (``gpu``). Each
+signature is called three times with fresh data; caches and outputs start poisoned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ropekit
+from helpers import ROUTE_BACKENDS, ROUTES, angles64, assert_unchanged, on_route, rotate64, same_bits, snapshot
+from ropekit.testing import assert_close_to_ref, poisoned_like
+
+FP8 = torch.float8_e4m3fn
+CALLS = 3
+T, H, D_NOPE, R, L = 5, 3, 16, 8, 24  # tokens, heads, q's nope and rope columns, latent width
+BLOCKS, BLOCK_SIZE = 4, 4
+
+
+def mla(*args, **kwargs):
+    return ropekit.mla_rope_kv_write(*args, **kwargs)  # looked up per call
+
+
+def _poisoned(shape, dtype, device) -> torch.Tensor:
+    """A tensor full of NaN (float8: the byte 0x7F, e4m3fn's NaN)."""
+    if dtype == FP8:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(FP8)
+    return poisoned_like(torch.empty(shape, dtype=dtype, device=device))
+
+
+def _inputs(lead, dtype, device, latent=L, heads=H, d_nope=D_NOPE, rope=R):
+    q = torch.randn(*lead, heads, d_nope + rope, dtype=torch.float64).to(dtype=dtype, device=device)
+    k_pe = torch.randn(*lead, 1, rope, dtype=torch.float64).to(dtype=dtype, device=device)
+    kv_c = torch.randn(*lead, latent, dtype=torch.float64).to(dtype=dtype, device=device)
+    return q, k_pe, kv_c
+
+
+def _slots(n: int, rows: int, device, skip: bool = True) -> torch.Tensor:
+    """Distinct random slots for n tokens, one of them -1 (skipped) when ``skip``."""
+    slots = torch.randperm(rows)[:n]
+    if skip:
+        slots[torch.randint(0, n, ())] = -1
+    return slots.to(device)
+
+
+def oracle(q, k_pe, positions, *, style="neox", base=10000.0, inv_freq=None, q_scale=1.0, k_scale=1.0,
+           rotary_scale=1.0, cos=None, sin=None):
+    """(q_rot, k_rot) in float64 on CPU: the back R columns of q and all of k_pe ([.., 1, R]) turned by the tokens'
+    angles (``positions`` of q's leading shape)."""
+    rope = k_pe.shape[-1]
+    pos = positions.cpu().long()
+    if cos is not None:
+        c, s = cos.cpu().double()[pos], sin.cpu().double()[pos]
+    else:
+        ang = angles64(pos, rope, base=base, inv_freq=inv_freq)
+        c, s = ang.cos(), ang.sin()
+    q_rot = rotate64(q.cpu().double(), c, s, style=style, rotary_dim=rope, rotary_at="back", scale=q_scale,
+                     rotary_scale=rotary_scale)
+    k_rot = rotate64(k_pe.cpu().double(), c, s, style=style, scale=k_scale, rotary_scale=rotary_scale)
+    return q_rot, k_rot
+
+
+def _check_cache_rows(rows_latent, rows_kpe, kv_c, k_rot, slots, dtype, backend, scale=1.0):
+    """Written rows hold ``kv_c`` (bit for bit; float8: value / scale) and the rotated key; all others NaN.
+    ``rows_*`` [rows, width] views of the caches, ``slots`` [tokens] (-1: not written)."""
+    slots = slots.cpu().long().reshape(-1)
+    kv_c = kv_c.reshape(-1, kv_c.shape[-1])
+    k_rot = k_rot.reshape(-1, k_rot.shape[-1])
+    written = slots[slots >= 0]
+    untouched = torch.ones(rows_latent.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.isnan(rows_latent[untouched].float()).all() and torch.isnan(rows_kpe[untouched].float()).all()
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        if dtype == FP8:
+            want = (kv_c[t].cpu().double() / scale).clamp(-448, 448)
+            assert_close_to_ref(rows_latent[slot], want, FP8, backend)
+            assert_close_to_ref(rows_kpe[slot], (k_rot[t] / scale).clamp(-448, 448), FP8, backend)
+        else:
+            assert same_bits(rows_latent[slot], kv_c[t]), "the latent is copied bit for bit"
+            assert_close_to_ref(rows_kpe[slot], k_rot[t], dtype, backend)
+
+
+# ------------------------------------------------------------------------------------------ forward, caches
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("caches", ["one", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_paged_cache_write(route, style, caches, dtype):
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), dtype, device)
+            positions = torch.randint(0, 4000, (T,), device=device)
+            slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
+            if caches == "one":
+                cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), dtype, device)
+                kv_cache = cache
+            else:
+                kv_cache = (_poisoned((BLOCKS, BLOCK_SIZE, L), dtype, device),
+                            _poisoned((BLOCKS, BLOCK_SIZE, R), dtype, device))
+            before = snapshot(q, k_pe, kv_c, positions, slots)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=kv_cache, slot_mapping=slots,
+                               style=style)
+            assert_unchanged((q, k_pe, kv_c, positions, slots), before)
+            q_rot, k_rot = oracle(q, k_pe, positions, style=style)
+            assert q_out.shape == q.shape and k_out.shape == k_pe.shape
+            assert_close_to_ref(q_out, q_rot, dtype, backend)
+            assert_close_to_ref(k_out, k_rot, dtype, backend)
+            if caches == "one":
+                rows = cache.view(-1, L + R).cpu()
+                latent, kpe = rows[:, :L], rows[:, L:]
+            else:
+                latent, kpe = (c.view(-1, c.shape[-1]).cpu() for c in kv_cache)
+            _check_cache_rows(latent, kpe, kv_c, k_rot, slots, dtype, backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("split_q", [False, True], ids=["whole-q", "split-q"])
+@pytest.mark.parametrize("broadcast_k", [False, True], ids=["shared-k", "broadcast-k"])
+def test_outputs_split_and_broadcast(route, split_q, broadcast_k):
+    """No cache: q whole or as (q_nope, q_pe), k_pe as given ([T, R] stays 2-D) or one copy per head, with every
+    rotation option the call forwards (inv_freq, scales)."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, _ = _inputs((T,), torch.float32, device)
+            k_pe = k_pe[:, 0]  # [T, R]
+            positions = torch.randint(0, 10**6, (T,), device=device)
+            inv_freq = torch.rand(R // 2, device=device)
+            opts = dict(style="interleaved", inv_freq=inv_freq, q_scale=0.375, k_scale=1.5, rotary_scale=1.25)
+            outs = mla(q, k_pe, positions=positions, split_q=split_q, broadcast_k=broadcast_k, **opts)
+            q_rot, k_rot = oracle(q, k_pe[:, None], positions, **opts)
+            assert len(outs) == (3 if split_q else 2)
+            if split_q:
+                assert outs[0].shape == (T, H, D_NOPE) and outs[1].shape == (T, H, R)
+                assert_close_to_ref(outs[0], q_rot[..., :D_NOPE], torch.float32, backend)
+                assert_close_to_ref(outs[1], q_rot[..., D_NOPE:], torch.float32, backend)
+            else:
+                assert_close_to_ref(outs[0], q_rot, torch.float32, backend)
+            if broadcast_k:
+                assert outs[-1].shape == (T, H, R)
+                assert_close_to_ref(outs[-1], k_rot.expand(T, H, R), torch.float32, backend)
+            else:
+                assert outs[-1].shape == (T, R)
+                assert_close_to_ref(outs[-1], k_rot[:, 0], torch.float32, backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_bshd_cache_and_batched_q(route):
+    """4-D q [B, S, H, D] with per-token positions: token (b, s) at row [b, position] of a [B', max_seq, W] cache
+    (its last sequence is not written); cos/sin tables as the frequency source."""
+    backend = ROUTE_BACKENDS[route]
+    B, S, max_seq = 2, 3, 12
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, kv_c = _inputs((B, S), torch.float16, device)
+            positions = torch.stack([torch.randperm(max_seq)[:S] for _ in range(B)]).to(device)
+            ang = torch.rand(max_seq, R // 2, dtype=torch.float64) * 6
+            cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+            cache = _poisoned((B + 1, max_seq, L + R), torch.float16, device)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, cache_layout="bshd", cos=cos,
+                               sin=sin)
+            q_rot, k_rot = oracle(q, k_pe, positions, cos=cos, sin=sin)
+            assert_close_to_ref(q_out, q_rot, torch.float16, backend)
+            assert_close_to_ref(k_out, k_rot, torch.float16, backend)
+            row_of = (torch.arange(B)[:, None] * max_seq + positions.cpu()).reshape(-1)
+            rows = cache.view(-1, L + R).cpu()
+            _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, row_of, torch.float16, backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_packed_sequences_paged(route):
+    """3-D tokens of packed sequences (cu_seqlens, int offset): positions restart in each sequence."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for call in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), torch.float32, device)
+            cu = torch.tensor([0, 2, T], dtype=torch.int32, device=device)
+            slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
+            cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, device)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=7 + call, cu_seqlens=cu, kv_cache=cache, slot_mapping=slots)
+            positions = torch.tensor([0, 1, 0, 1, 2]) + 7 + call
+            q_rot, k_rot = oracle(q, k_pe, positions)
+            assert_close_to_ref(q_out, q_rot, torch.float32, backend)
+            rows = cache.view(-1, L + R).cpu()
+            _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, slots, torch.float32, backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("scale_kind", ["float", "tensor"])
+def test_fp8_cache(route, scale_kind):
+    """float8_e4m3fn caches hold value / scale, rounded once and saturated to +-448 (large latents saturate)."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for call in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), torch.bfloat16, device)
+            kv_c[0, :3] = torch.tensor([1000.0, -5000.0, 300.0])  # past 448 * scale: saturates
+            scale = 0.5 + call
+            slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
+            positions = torch.randint(0, 100, (T,), device=device)
+            ckv, kpe = _poisoned((BLOCKS, BLOCK_SIZE, L), FP8, device), _poisoned((BLOCKS, BLOCK_SIZE, R), FP8, device)
+            given = torch.tensor(scale, device=device) if scale_kind == "tensor" else scale
+            mla(q, k_pe, kv_c, positions=positions, kv_cache=(ckv, kpe), slot_mapping=slots, kv_cache_scale=given)
+            _, k_rot = oracle(q, k_pe, positions)
+            _check_cache_rows(ckv.view(-1, L).cpu(), kpe.view(-1, R).cpu(), kv_c, k_rot, slots, FP8, backend,
+                              scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_deepseek_shapes_on_gpu(cache_dtype, tokens):
+    """DeepSeek V3's shapes (16 heads as in a tensor-parallel shard, 128 + 64 columns, latent 512, interleaved
+    pairs, blocks of 64) on CUDA, decode and prefill sizes."""
+    device = "cuda"
+    q, k_pe, kv_c = _inputs((tokens,), torch.bfloat16, device, latent=512, heads=16, d_nope=128, rope=64)
+    blocks = (tokens + 63) // 64 + 2
+    slots = _slots(tokens, blocks * 64, device, skip=tokens > 1)
+    positions = torch.randint(0, 160_000, (tokens,), device=device)
+    cache = _poisoned((blocks, 64, 576), cache_dtype, device)
+    scale = 0.75 if cache_dtype == FP8 else None
+    q_nope, q_pe, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots,
+                              kv_cache_scale=scale, split_q=True, style="interleaved", base=10000.0)
+    torch.cuda.synchronize()
+    q_rot, k_rot = oracle(q, k_pe, positions, style="interleaved")
+    assert_close_to_ref(q_nope, q_rot[..., :128], torch.bfloat16, "kernels")
+    assert_close_to_ref(q_pe, q_rot[..., 128:], torch.bfloat16, "kernels")
+    assert_close_to_ref(k_out, k_rot, torch.bfloat16, "kernels")
+    rows = cache.view(-1, 576).cpu()
+    _check_cache_rows(rows[:, :512], rows[:, 512:], kv_c, k_rot, slots, cache_dtype, "kernels",
+                      scale=scale or 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("split_q", [False, True], ids=["whole-q", "split-q"])
+@pytest.mark.parametrize("broadcast_k", [False, True], ids=["shared-k", "broadcast-k"])
+def test_gradcheck_float64(split_q, broadcast_k):
+    q, k_pe, _ = _inputs((2,), torch.float64, "cpu", heads=2, d_nope=4, rope=4)
+    positions = torch.tensor([3, 1000])
+    q.requires_grad_(True)
+    k_pe.requires_grad_(True)
+
+    def f(q, k_pe):
+        return mla(q, k_pe, positions=positions, split_q=split_q, broadcast_k=broadcast_k, style="interleaved",
+                   q_scale=0.5, k_scale=2.0, rotary_scale=1.5)
+
+    assert torch.autograd.gradcheck(f, (q, k_pe))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("split_q", [False, True], ids=["whole-q", "split-q"])
+def test_gradients_match_the_oracle(route, split_q):
+    """Gradients of q and k_pe (k broadcast to the heads: its gradient sums over them) against autograd through the
+    float64 oracle."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, _ = _inputs((T,), torch.float32, device)
+            positions = torch.randint(0, 5000, (T,), device=device)
+            q.requires_grad_(True)
+            k_pe.requires_grad_(True)
+            outs = mla(q, k_pe, positions=positions, split_q=split_q, broadcast_k=True, style="interleaved",
+                       q_scale=0.5)
+            grads = [torch.randn(o.shape, dtype=torch.float64) for o in outs]
+            torch.autograd.backward(outs, [g.to(device=device, dtype=torch.float32) for g in grads])
+            q64 = q.detach().cpu().double().requires_grad_(True)
+            k64 = k_pe.detach().cpu().double().requires_grad_(True)
+            q_rot, k_rot = oracle(q64, k64, positions, style="interleaved", q_scale=0.5)
+            want = [q_rot[..., :D_NOPE], q_rot[..., D_NOPE:]] if split_q else [q_rot]
+            torch.autograd.backward([*want, k_rot.expand(T, H, R)], grads)
+            assert_close_to_ref(q.grad, q64.grad, torch.float32, backend)
+            assert_close_to_ref(k_pe.grad, k64.grad, torch.float32, backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_training_call_with_a_cache_writes_it_and_has_gradients(route):
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        q, k_pe, kv_c = _inputs((T,), torch.float32, device)
+        positions = torch.randint(0, 50, (T,), device=device)
+        slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
+        cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, device)
+        q.requires_grad_(True)
+        q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots)
+        q_out.sum().backward()
+        q64 = q.detach().cpu().double().requires_grad_(True)
+        q_rot, k_rot = oracle(q64, k_pe, positions)
+        q_rot.sum().backward()
+        assert_close_to_ref(q_out, q_rot, torch.float32, backend)
+        assert_close_to_ref(k_out, k_rot, torch.float32, backend)
+        assert_close_to_ref(q.grad, q64.grad, torch.float32, backend)
+        rows = cache.view(-1, L + R).cpu()
+        _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, slots, torch.float32, backend)
+
+
+# ----------------------------------------------------------------------------------------------- compile
+
+def test_compile_fullgraph_forward_backward_and_cache_write():
+    """torch.compile(fullgraph=True) traces both ops (the differentiable one with its backward) and gives the eager
+    results bit for bit."""
+    torch._dynamo.reset()
+
+    def train(q, k_pe, positions):
+        q_out, k_out = mla(q, k_pe, positions=positions, style="interleaved", broadcast_k=True)
+        return q_out.square().sum() + k_out.sum()
+
+    def write(q, k_pe, kv_c, positions, cache, slots):
+        return mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots, split_q=True)
+
+    compiled_train = torch.compile(train, fullgraph=True)
+    compiled_write = torch.compile(write, fullgraph=True)
+    for _ in range(CALLS):
+        q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+        positions = torch.randint(0, 99, (T,))
+        qs = [q.clone().requires_grad_(True) for _ in range(2)]
+        ks = [k_pe.clone().requires_grad_(True) for _ in range(2)]
+        compiled_train(qs[0], ks[0], positions).backward()
+        train(qs[1], ks[1], positions).backward()
+        assert same_bits(qs[0].grad, qs[1].grad) and same_bits(ks[0].grad, ks[1].grad)
+        slots = _slots(T, BLOCKS * BLOCK_SIZE, "cpu")
+        caches = [_poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, "cpu") for _ in range(2)]
+        got = compiled_write(q, k_pe, kv_c, positions, caches[0], slots)
+        want = write(q, k_pe, kv_c, positions, caches[1], slots)
+        assert all(same_bits(g, w) for g, w in zip(got, want))
+        assert same_bits(caches[0], caches[1])
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+def _bad_cases():
+    q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+    cache = torch.zeros(BLOCKS, BLOCK_SIZE, L + R)
+    slots = torch.arange(T)
+    ok = dict(q=q, k_pe=k_pe, kv_c=kv_c, positions=torch.arange(T), kv_cache=cache, slot_mapping=slots)
+    return [
+        ("q-2d", dict(q=q[:, 0]), ValueError, "q must be"),
+        ("q-int", dict(q=q.long()), TypeError, "q must be"),
+        ("k-dtype", dict(k_pe=k_pe.half()), TypeError, "k_pe must have q's dtype"),
+        ("k-heads", dict(k_pe=k_pe.expand(T, 2, R)), ValueError, "k_pe must be"),
+        ("k-odd", dict(k_pe=k_pe[..., :R - 1]), ValueError, "D_rope must be even"),
+        ("k-tokens", dict(k_pe=k_pe[:-1]), ValueError, "k_pe must be"),
+        ("kv_c-width-vs-cache", dict(kv_c=kv_c[:, :-2]), ValueError, "kv_cache must be a 3-D"),
+        ("kv_c-tokens", dict(kv_c=kv_c[:-1]), ValueError, "kv_c must be"),
+        ("kv_c-missing", dict(kv_c=None), TypeError, "kv_c must be a torch.Tensor"),
+        ("cache-dtype", dict(kv_cache=cache.half()), TypeError, "kv_cache must have q's dtype"),
+        ("cache-2d", dict(kv_cache=cache.view(-1, L + R)), ValueError, "kv_cache must be a 3-D"),
+        ("cache-pair-width", dict(kv_cache=(cache[..., :L], cache[..., L:L + R - 2].clone())), ValueError,
+         r"kv_cache\[1\] \(kpe\) must be"),
+        ("cache-pair-shared", dict(kv_cache=(cache[..., :L], cache[..., :R])), ValueError, "share memory"),
+        ("cache-is-kv_c", dict(kv_c=cache.view(-1, L + R)[:T, :L]), ValueError, "kv_cache and kv_c share memory"),
+        ("slots-missing", dict(slot_mapping=None), ValueError, "needs slot_mapping"),
+        ("slots-range", dict(slot_mapping=torch.tensor([0, 1, 2, 3, BLOCKS * BLOCK_SIZE])), IndexError,
+         "slot_mapping must hold slots"),
+        ("slots-below", dict(slot_mapping=torch.tensor([0, 1, -2, 3, 4])), IndexError, "slot_mapping must hold"),
+        ("slots-shape", dict(slot_mapping=slots[:-1]), ValueError, "slot_mapping must have shape"),
+        ("slots-float", dict(slot_mapping=slots.float()), TypeError, "slot_mapping must be an int32"),
+        ("layout", dict(cache_layout="bhsd"), ValueError, "cache_layout must be one of"),
+        ("bshd-slots", dict(cache_layout="bshd"), ValueError, "slot_mapping applies"),
+        ("bshd-rows", dict(cache_layout="bshd", slot_mapping=None, positions=torch.full((T,), BLOCK_SIZE),
+                           kv_cache=torch.zeros(T, BLOCK_SIZE, L + R)), IndexError, "positions reach"),
+        ("bshd-sequences", dict(cache_layout="bshd", slot_mapping=None), ValueError, "kv_cache holds 4 sequences"),
+        ("scale-not-fp8", dict(kv_cache_scale=2.0), ValueError, "kv_cache_scale applies to float8"),
+        ("style", dict(style="gptj"), ValueError, "style must be"),
+        ("positions-shape", dict(positions=torch.arange(T + 1)), ValueError, "positions"),
+        ("kv_c-without-cache", dict(kv_cache=None, slot_mapping=None), ValueError, "kv_c is written"),
+    ], ok
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _bad_cases()[0]])
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(case):
+    cases, ok = _bad_cases()
+    _, change, error, match = next(c for c in cases if c[0] == case)
+    call = {**ok, **change}
+    caches = call["kv_cache"]
+    caches = [] if caches is None else [caches] if isinstance(caches, torch.Tensor) else list(caches)
+    before = snapshot(*caches)
+    with pytest.raises(error, match=match):
+        mla(call.pop("q"), call.pop("k_pe"), call.pop("kv_c"), **call)
+    assert_unchanged(caches, before)
+
+
+def test_fp8_scale_checks():
+    q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+    cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), FP8, "cpu")
+    for scale, match in ((0.0, "finite float > 0"), (torch.tensor([1.0, 2.0]), "shape"),
+                         (torch.tensor(-1.0), "finite and > 0")):
+        with pytest.raises(ValueError, match=match):
+            mla(q, k_pe, kv_c, positions=torch.arange(T), kv_cache=cache, slot_mapping=torch.arange(T),
+                kv_cache_scale=scale)
+        assert torch.isnan(cache.float()).all()
