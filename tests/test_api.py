@@ -455,15 +455,16 @@ def test_prologue_functions_forward_every_option(monkeypatch):
     from ropekit import _fastpath
     from ropekit._spec import CacheArgs, NormSpec, RopeArgs
 
-    rope_fields = [f for f in RopeArgs._fields if f not in ("out_dtype", "backend")]
-    for fn, bundled, name in ((ropekit.qk_norm_rope, ("q", "k", "norm", "args"), "norm_rotate"),
-                              (ropekit.rope_kv_write, ("q", "k", "cache", "norm", "args"), "write_kv")):
+    rope_fields = [f for f in RopeArgs._fields if f != "backend"]
+    for fn, bundled, name in ((ropekit.qk_norm_rope, ("q", "k", "norm", "args", "scales"), "norm_rotate"),
+                              (ropekit.rope_kv_write, ("q", "k", "cache", "norm", "args", "scales"), "write_kv")):
         params = inspect.signature(fn).parameters
         sentinels = {p: object() for p in params}
         seen = {}
         monkeypatch.setattr(_fastpath, name, lambda *call: seen.update(zip(bundled, call)))  # noqa: B023
         fn(**sentinels)
-        got = {"q": seen["q"], "k": seen["k"], **seen["norm"]._asdict(), **seen["args"]._asdict()}
+        got = {"q": seen["q"], "k": seen["k"], **seen["norm"]._asdict(), **seen["args"]._asdict(),
+               **seen["scales"]._asdict()}
         if "cache" in seen:
             got.update(seen["cache"]._asdict())
         assert {n: v for n, v in got.items() if n in sentinels} == sentinels

@@ -441,8 +441,8 @@ KV_BAD = [
     ("k_cache 3-D", _set(index=(3, _nan(4, 8, 32))), ValueError, "k_cache", False),
     ("k_cache dtype", _set(index=(3, _nan(4, 8, 2, 16, dtype=torch.float16))), (TypeError, ValueError), "k_cache",
      False),
-    ("v_cache float8_e5m2", _set(index=(4, lambda d: torch.zeros(4, 8, 2, 16, device=d).to(torch.float8_e5m2))),
-     (TypeError, ValueError), "v_cache", False),
+    ("v_cache float8_e4m3fnuz", _set(index=(4, lambda d: torch.zeros(4, 8, 2, 16, device=d).to(
+        torch.float8_e4m3fnuz))), (TypeError, ValueError), "v_cache", False),
     ("cache batch smaller than the tokens", _set(index=(3, _nan(2, 8, 2, 16))), (ValueError, IndexError),
      "k_cache", False),
     ("k head_dim", _set(index=(1, lambda d: torch.randn(4, 2, 32, device=d))), ValueError, r"\bk\b|head_dim|k_cache",

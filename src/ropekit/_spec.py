@@ -240,7 +240,34 @@ def needs_grad(q: Tensor, k: Tensor | None) -> bool:
 
 
 CACHE_LAYOUTS = ("bshd", "bhsd", "paged")
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_CACHE_DTYPES = FP8_DTYPES
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+"""The largest finite value of each float8 format: stores saturate to it."""
+
+
+class OutScales(NamedTuple):
+    """The prologue's float8 output scales as the caller gives them (``RopeArgs.out_dtype`` names the float8
+    dtype): None (1.0), a Python float, a float tensor of one element, or ``"dynamic"``."""
+
+    q_out_scale: float | Tensor | str | None = None
+    k_out_scale: float | Tensor | str | None = None
+
+    @property
+    def given(self) -> bool:
+        return self.q_out_scale is not None or self.k_out_scale is not None
+
+
+class OutQuant(NamedTuple):
+    """float8 outputs of the prologue's functions (the rotated q, and qk_norm_rope's k), validated
+    (:func:`ropekit._validation.validate_out_quant`): ``dtype`` and the scales (stored = value / scale), floats or
+    one-element float32 device tensors, or ``dynamic``: each (token, head) row is scaled by its own
+    ``max |row| / fp8 max``, returned beside the output."""
+
+    dtype: torch.dtype
+    q_scale: float | Tensor | None = None
+    k_scale: float | Tensor | None = None
+    dynamic: bool = False
 
 
 class CacheSpec(NamedTuple):
@@ -251,8 +278,8 @@ class CacheSpec(NamedTuple):
       ``slots[b, s]``; -1, or any slot outside, skips it).
     * ``cache_batch``: packed tokens' batch entries ([T] int64, from ``cu_seqlens``), else None (the token's own).
     * ``slots``: [B, S] view of ``slot_mapping`` (paged only).
-    * ``k_scale``/``v_scale``: float8 caches' per-tensor scales (stored = value / scale): Python floats, or 0-d
-      float32 device tensors (read by the kernel: graph capture); 1.0 for other caches.
+    * ``k_scale``/``v_scale``: float8 caches' scales (stored = value / scale): Python floats, one-element float32
+      device tensors (read by the kernel: graph capture), or per-head [Hkv] float32 tensors; 1.0 for other caches.
     """
 
     k_cache: Tensor

@@ -23,6 +23,7 @@ from ropekit._spec import (
     FLOAT_DTYPES,
     FORWARD,
     FP8_CACHE_DTYPES,
+    FP8_DTYPES,
     INT_DTYPES,
     LAYOUTS,
     MAX_AXES,
@@ -33,6 +34,8 @@ from ropekit._spec import (
     CacheSpec,
     Mode,
     NormSpec,
+    OutQuant,
+    OutScales,
     RopeArgs,
     RopeSpec,
     layout_ndim,
@@ -469,25 +472,59 @@ def validate_norm(q: Tensor, k: Tensor | None, norm: NormSpec, required: bool) -
     return norm._replace(weight_offset=float(weight_offset), eps=float(eps))
 
 
-def _cache_scale(name: str, scale, cache: Tensor, cache_name: str, check_values: bool):
-    """A float8 cache's scale as the kernels take it; a 0-d tensor's value is checked where it is on the host (or
-    ``check_values``: one sync)."""
+def _scale(name: str, scale, device: torch.device, where: str, check_values: bool, heads: int = 1):
+    """A float8 scale as the kernels take it (1.0 for None): a Python float, or a float tensor of one element (0-d
+    or [1], as vLLM passes them) or of ``heads`` elements (per head) on ``device``, as float32; a tensor's values
+    are checked where they are on the host (or ``check_values``: one sync)."""
     if scale is None:
         return 1.0
-    if cache.dtype not in FP8_CACHE_DTYPES:
-        raise ValueError(f"{name} applies to float8_e4m3fn caches only; {cache_name} is {cache.dtype}")
     if isinstance(scale, Tensor):
-        if scale.dim() != 0 or not scale.dtype.is_floating_point or scale.device != cache.device:
-            raise ValueError(f"{name} must be a Python float or a 0-d floating tensor on {cache_name}'s device "
-                             f"{cache.device}, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}")
+        if scale.shape not in ((), (1,), (heads,)) or not scale.dtype.is_floating_point or scale.device != device:
+            per_head = f", [{heads}] (one per head)" if heads > 1 else ""
+            raise ValueError(f"{name} must be a Python float or a floating tensor of shape [] or [1]{per_head} on "
+                             f"{where} {device}, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}")
         if (check_values or _host_readable(scale)) and not torch.compiler.is_compiling():
-            value = float(scale)
-            if not -math.inf < value < math.inf or value <= 0:
-                raise ValueError(f"{name} must be a finite float > 0, got a 0-d tensor holding {value!r}")
-        return scale if scale.dtype == torch.float32 else scale.float()
+            if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+                raise ValueError(f"{name} must be finite and > 0, got a tensor holding {scale.tolist()!r}")
+        return scale.to(torch.float32).contiguous()
     if not _is_real(scale) or not _finite(scale) or (not _is_symbolic(scale) and scale <= 0):
         raise ValueError(f"{name} must be a finite float > 0, got {scale!r}")
     return scale if _is_symbolic(scale) else float(scale)
+
+
+def _cache_scale(name: str, scale, cache: Tensor, cache_name: str, check_values: bool, heads: int):
+    """A float8 cache's scale (per tensor, or per head: ``heads``) as the kernels take it."""
+    if scale is not None and cache.dtype not in FP8_CACHE_DTYPES:
+        raise ValueError(f"{name} applies to float8 caches only; {cache_name} is {cache.dtype}")
+    return _scale(name, scale, cache.device, f"{cache_name}'s device", check_values, heads)
+
+
+def validate_out_quant(dtype, scales: OutScales, q: Tensor, k: Tensor | None, check_values: bool) -> OutQuant | None:
+    """Check the prologue's float8 output arguments (``out_dtype``, ``q_out_scale``, ``k_out_scale``): None where the
+    outputs keep the inputs' dtype; else the validated :class:`OutQuant`. Inference only: q or k requiring grad
+    raises."""
+    names = tuple(zip(OutScales._fields, scales))
+    if dtype is None:
+        for name, value in names:
+            if value is not None:
+                raise ValueError(f"{name} applies to float8 outputs only (out_dtype=torch.float8_e4m3fn or "
+                                 "torch.float8_e5m2)")
+        return None
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"out_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k)):
+        raise RuntimeError("float8 outputs are not differentiable: call under torch.no_grad() or "
+                           "torch.inference_mode(), or leave out_dtype None for training")
+    dynamic = [isinstance(v, str) for v in scales]
+    if any(dynamic):
+        if not dynamic[0]:
+            raise ValueError('k_out_scale="dynamic" needs q_out_scale="dynamic" (they apply to q and k together)')
+        for name, value in names:
+            if value is not None and not (isinstance(value, str) and value == "dynamic"):
+                raise ValueError(f'{name} must be "dynamic" (as the other scale), None, a float or a one-element '
+                                 f"float tensor, got {value!r}; dynamic scales apply to q and k together")
+        return OutQuant(dtype, None, None, True)
+    return OutQuant(dtype, *(_scale(n, v, q.device, "q's device", check_values) for n, v in names), False)
 
 
 def _cache_rows_reached(positions, S: int, n_seqs: int, layout: str, cu_seqlens: Tensor | None,
@@ -591,7 +628,8 @@ def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
         if not isinstance(c, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
         if c.dtype != q.dtype and c.dtype not in FP8_CACHE_DTYPES:
-            raise TypeError(f"{name} must have the inputs' dtype {q.dtype} or float8_e4m3fn, got {c.dtype}")
+            raise TypeError(f"{name} must have the inputs' dtype {q.dtype}, float8_e4m3fn or float8_e5m2, got "
+                            f"{c.dtype}")
         if c.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {c.device}")
         if c.dim() != 4 or c.stride(-1) != 1:
@@ -655,8 +693,8 @@ def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
         if reach is not None and reach[1] >= rows:
             raise IndexError(f"{reach[0]} reach {reach[1]} but the caches hold {rows} rows per sequence "
                              f"(cache_layout={cache_layout!r})")
-    k_scale = _cache_scale("k_cache_scale", k_cache_scale, k_cache, "k_cache", check_positions)
-    v_scale = _cache_scale("v_cache_scale", v_cache_scale, v_cache, "v_cache", check_positions)
+    k_scale = _cache_scale("k_cache_scale", k_cache_scale, k_cache, "k_cache", check_positions, HK)
+    v_scale = _cache_scale("v_cache_scale", v_cache_scale, v_cache, "v_cache", check_positions, HK)
     spec = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slot_mapping if paged else None, k_scale, v_scale)
     rope_args = args._replace(positions=positions, layout=layout, cu_seqlens=cu_seqlens if layout == "thd" else None)
     return q, k, v, rope_args, spec

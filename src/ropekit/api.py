@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _fastpath, distributed
-from ropekit._spec import BACKWARD, FORWARD, FORWARD_INPLACE, CacheArgs, Mode, NormSpec, Positions, RopeArgs
+from ropekit._spec import BACKWARD, FORWARD, FORWARD_INPLACE, CacheArgs, Mode, NormSpec, OutScales, Positions, RopeArgs
 from ropekit._validation import validate_args
 
 __all__ = ["apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_kv_write"]
@@ -184,8 +184,9 @@ def qk_norm_rope(
     sin: Tensor | None = None, angles: Tensor | None = None, style: str = "neox", layout: str = "bshd",
     rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0, k_scale: float = 1.0,
     rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None, sections: Sequence[int] | None = None,
-    section_layout: str = "contiguous", check_positions: bool = False,
-) -> tuple[Tensor, Tensor]:
+    section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
+    q_out_scale: float | Tensor | str | None = None, k_out_scale: float | Tensor | str | None = None,
+) -> tuple[Tensor, ...]:
     """Per-head RMSNorm of ``q`` and ``k`` over head_dim, then RoPE, in one kernel: returns new ``(q_out,
     k_out)`` (Qwen3's and OLMo-2's ``q_norm``/``k_norm`` before the rotation). Differentiable in q, k, q_weight and
     k_weight; ``torch.compile`` traces it as the op ``ropekit::qk_norm_rope``.
@@ -199,6 +200,16 @@ def qk_norm_rope(
         The norms' weights, any float dtype (read in fp32). ``weight_offset=1.0`` gives Gemma's ``(1 + w)``.
     eps : float
         Added to the mean square (> 0).
+    out_dtype : None, torch.float8_e4m3fn or torch.float8_e5m2
+        float8 outputs for FP8 attention, inference only (raises ``RuntimeError`` where q, k or a weight requires
+        grad) and eager only (raises ``NotImplementedError`` under ``torch.compile``). Stored = value / scale,
+        rounded once to nearest even and saturated to the format's largest finite value (+-448, +-57344); NaN
+        stays NaN.
+    q_out_scale, k_out_scale : float, one-element float tensor, or "dynamic"
+        float8 outputs' scales (default 1.0); a device tensor of shape [] or [1] keeps the call capturable in a
+        CUDA graph. ``q_out_scale="dynamic"`` (k follows): each (token, head) row gets its own scale
+        ``max |row| / fp8 max``, computed in the same launch, and the call returns ``(q_out, k_out, q_scales,
+        k_scales)``, the scales float32 shaped like q and k without their last dim (an all-zero row: scale 0).
 
     Every other keyword is :func:`apply_rope`'s (positions, frequencies, pairing, layout, partial rotary, scales,
     packed sequences, multi-axis positions). Raises ``TypeError``/``ValueError``/``IndexError`` naming the
@@ -211,8 +222,8 @@ def qk_norm_rope(
     args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                    section_layout=section_layout, check_positions=check_positions)
-    return _fastpath.norm_rotate(q, k, norm, args)
+                    section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype)
+    return _fastpath.norm_rotate(q, k, norm, args, OutScales(q_out_scale, k_out_scale))
 
 
 def rope_kv_write(
@@ -223,8 +234,9 @@ def rope_kv_write(
     cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None, style: str = "neox",
     layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0,
     k_scale: float = 1.0, rotary_scale: float = 1.0, sections: Sequence[int] | None = None,
-    section_layout: str = "contiguous", check_positions: bool = False,
-) -> Tensor:
+    section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
+    q_out_scale: float | Tensor | str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The attention prologue of a decode or prefill step in one kernel: rotate q and k (after a per-head RMSNorm
     with ``q_weight``/``k_weight``), write the rotated k and the unchanged v into the KV caches, return the rotated
     q. Inputs are never modified. Inference only (raises where autograd would need gradients).
@@ -238,15 +250,19 @@ def rope_kv_write(
         ``"bhsd"``: [B, Hkv, max_seq, D] (transformers' StaticCache), the same rows; ``"paged"``:
         [num_blocks, block_size, Hkv, D], token t goes to slot ``slot_mapping[t]`` (= block * block_size +
         offset; -1 skips the token). 3-D tokens are one per sequence (b = t), or with ``cu_seqlens`` the tokens
-        of sequence b. Cache dtype: the inputs' dtype (v is copied bit for bit) or ``torch.float8_e4m3fn``
-        (stored = value / scale, saturated to +-448; scales are per tensor).
+        of sequence b. Cache dtype: the inputs' dtype (v is copied bit for bit), ``torch.float8_e4m3fn`` or
+        ``torch.float8_e5m2`` (stored = value / scale, rounded to nearest even, saturated to +-448 / +-57344).
     positions : int or Tensor
         Each token's position (int32/int64 [T] or [B, S]; an int: offset of 0..S-1): the rotation's position and,
         for "bshd"/"bhsd", its cache row.
     slot_mapping : Tensor, optional
         int32/int64 [T] or [B, S]; required for "paged".
-    k_cache_scale, v_cache_scale : float or 0-d float32 tensor, optional
-        float8 caches' scales (default 1.0); a device tensor keeps the call capturable in a CUDA graph.
+    k_cache_scale, v_cache_scale : float or float tensor, optional
+        float8 caches' scales (default 1.0): a float, a device tensor of shape [] or [1] (vLLM's), or [Hkv] (one
+        per cache head); a device tensor keeps the call capturable in a CUDA graph.
+    out_dtype, q_out_scale :
+        A float8 q output, as :func:`qk_norm_rope`'s: with ``q_out_scale="dynamic"`` returns ``(q_out,
+        q_scales)``, q_scales float32 shaped like q without its last dim.
     q_weight, k_weight, eps, weight_offset :
         Per-head RMSNorm before the rotation, as :func:`qk_norm_rope` (both weights or neither).
 
@@ -266,5 +282,5 @@ def rope_kv_write(
     args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                    section_layout=section_layout, check_positions=check_positions)
-    return _fastpath.write_kv(q, k, cache, norm, args)
+                    section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype)
+    return _fastpath.write_kv(q, k, cache, norm, args, OutScales(q_out_scale))

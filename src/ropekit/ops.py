@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _config
-from ropekit._spec import CacheSpec, RopeSpec, op_schema, to_canonical
+from ropekit._spec import CacheSpec, OutQuant, RopeSpec, op_schema, to_canonical
 
 
 def uses_kernels(x: Tensor) -> bool:
@@ -198,6 +198,69 @@ def write_kv(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec
     with torch.no_grad():
         return kv_write_reference(q, k, v, q_weight, k_weight, weight_offset, eps, spec, cache,
                                   torch.float32 if uses_float32_path(q) else torch.float64)
+
+
+def _float8_outputs(xs: list[Tensor], ys: list[Tensor], quant: OutQuant) -> list[Tensor]:
+    """The torch path's float8 outputs of the rotated ``ys`` (math dtype) of ``xs``: [outputs..., and with dynamic
+    scales, their scales...]."""
+    from ropekit.reference import to_float8, to_float8_dynamic
+
+    if quant.dynamic:
+        pairs = [to_float8_dynamic(y, quant.dtype) for y in ys]
+        return [p[0] for p in pairs] + [p[1] for p in pairs]
+    scales = (quant.q_scale, quant.k_scale)
+    return [to_float8(y, quant.dtype, float(s)).view(x.shape) for x, y, s in zip(xs, ys, scales)]
+
+
+def _new_float8(xs: list[Tensor], quant: OutQuant) -> list[Tensor]:
+    """Fresh float8 outputs shaped like ``xs`` and, with dynamic scales, their float32 scales x.shape[:-1]."""
+    outs = [x.new_empty(x.shape, dtype=quant.dtype) for x in xs]
+    if quant.dynamic:
+        outs += [x.new_empty(x.shape[:-1], dtype=torch.float32) for x in xs]
+    return outs
+
+
+def norm_rotate_float8(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
+                       quant: OutQuant) -> list[Tensor]:
+    """qk_norm_rope with float8 outputs (inference only): [q_out, k_out] and, with dynamic scales, [q_scales,
+    k_scales] after them."""
+    if uses_kernels(q):
+        from ropekit.triton.prologue_launcher import launch_prologue
+
+        outs = _new_float8([q, k], quant)
+        launch_prologue(q, k, outs[0], outs[1], spec, q_weight=q_weight, k_weight=k_weight,
+                        weight_offset=weight_offset, eps=eps, quant=quant, q_scales=outs[2] if quant.dynamic else None,
+                        k_scales=outs[3] if quant.dynamic else None)
+        return outs
+    from ropekit.reference import rms_norm_reference, rope_float32, rope_reference
+
+    dtype = torch.float32 if uses_float32_path(q) else torch.float64
+    qn, kn = rms_norm_reference(q, q_weight, weight_offset, eps, dtype), rms_norm_reference(k, k_weight,
+                                                                                            weight_offset, eps, dtype)
+    ys = (rope_float32 if dtype == torch.float32 else rope_reference)(qn, kn, spec._replace(out_dtype=dtype))
+    return _float8_outputs([q, k], ys, quant)
+
+
+def write_kv_float8(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
+                    cache: CacheSpec, quant: OutQuant) -> list[Tensor]:
+    """rope_kv_write with a float8 q output: [q_out] and, with dynamic scales, [q_scales]; k and v written into
+    the caches."""
+    if uses_kernels(q):
+        from ropekit.triton.prologue_launcher import launch_prologue
+
+        outs = _new_float8([q], quant)
+        launch_prologue(q, k, outs[0], None, spec, v=v, cache=cache, q_weight=q_weight, k_weight=k_weight,
+                        weight_offset=weight_offset, eps=eps, quant=quant,
+                        q_scales=outs[1] if quant.dynamic else None)
+        torch.autograd.graph.increment_version(cache.k_cache)
+        torch.autograd.graph.increment_version(cache.v_cache)
+        return outs
+    from ropekit.reference import kv_write_reference
+
+    dtype = torch.float32 if uses_float32_path(q) else torch.float64
+    with torch.no_grad():  # the rotated q in the math dtype: q's values, upcast exactly
+        y = kv_write_reference(q.to(dtype), k, v, q_weight, k_weight, weight_offset, eps, spec, cache, dtype)
+    return _float8_outputs([q], [y], quant)
 
 
 def cache_op_args(cache: CacheSpec) -> tuple:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ropekit._spec import MAX_POSITION, CacheSpec, RopeSpec, pair_axis_map, to_canonical
+from ropekit._spec import FP8_MAX, MAX_POSITION, CacheSpec, RopeSpec, pair_axis_map, to_canonical
 
 
 def token_positions(
@@ -360,10 +360,28 @@ def rms_norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, weight_of
     dx = r * (dxh - xh * (dxh * xh).mean(-1, keepdim=True))
     return dx, (g * xh).reshape(-1, x.shape[-1]).sum(0)
 
+def to_float8(x: torch.Tensor, dtype: torch.dtype, scale=1.0) -> torch.Tensor:
+    """``x / scale`` as a float8 ``dtype`` stores it: saturated to the format's largest finite value (+-448 for
+    float8_e4m3fn, +-57344 for float8_e5m2), rounded to nearest even; NaN stays NaN. ``scale``: a float or a
+    tensor that broadcasts against ``x``."""
+    big = FP8_MAX[dtype]
+    return (x / scale).clamp(-big, big).to(torch.float32).to(dtype)
+
+
+def to_float8_dynamic(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` as float8 ``dtype``, float32 scales x.shape[:-1]): each row (last dim) divided by its own scale
+    ``max |row| / fp8 max`` (an all-zero row: scale 0, zeros stored)."""
+    scale = x.abs().amax(-1, keepdim=True) / FP8_MAX[dtype]
+    return to_float8(x, dtype, torch.where(scale > 0, scale, 1.0)), scale.squeeze(-1).to(torch.float32)
+
+
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
-    """Values as a cache of ``dtype`` stores them: float8_e4m3fn caches hold ``x / scale`` saturated to +-448."""
-    if dtype == torch.float8_e4m3fn:
-        return (x / float(scale)).clamp(-448.0, 448.0).to(torch.float32).to(dtype)
+    """Values [..., H, D] as a cache of ``dtype`` stores them: float8 caches hold ``x / scale`` (:func:`to_float8`;
+    ``scale`` a float, a one-element tensor, or per head [H])."""
+    if dtype in FP8_MAX:
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(x.device, x.dtype).reshape(-1, 1) if scale.numel() > 1 else float(scale)
+        return to_float8(x, dtype, scale)
     return x.to(dtype)
 
 

@@ -128,12 +128,16 @@ _F64 = Tolerance(rtol=5e-13, atol=1e-12)
 # float8_e4m3fn cache stores (rope_kv_write): one rounding to 3 mantissa bits, half an ulp (2**-4), and half the
 # subnormal spacing (2**-10) near zero; the same on every backend (the interpreter rounds in software to match).
 _FP8 = Tolerance(rtol=2.0**-4, atol=2.0**-10)
+# float8_e5m2 stores (rope_kv_write caches, the prologue's float8 outputs): 2 mantissa bits, half an ulp (2**-3), and
+# half the subnormal spacing (2**-16 / 2) near zero; saturated to +-57344 like e4m3 to +-448 (the reference clamps).
+_FP8_E5M2 = Tolerance(rtol=2.0**-3, atol=2.0**-17)
 _KERNELS = {
     torch.float64: _F64,
     torch.float32: Tolerance(rtol=1e-6, atol=5e-6),
     torch.float16: Tolerance(rtol=2.0**-11, atol=5e-6),
     torch.bfloat16: Tolerance(rtol=2.0**-8, atol=5e-6),
     torch.float8_e4m3fn: _FP8,
+    torch.float8_e5m2: _FP8_E5M2,
 }
 TOLERANCES: dict[str, dict[torch.dtype, Tolerance]] = {
     "kernels": _KERNELS,
@@ -144,6 +148,7 @@ TOLERANCES: dict[str, dict[torch.dtype, Tolerance]] = {
         torch.float16: Tolerance(rtol=2.0**-11, atol=1e-6),
         torch.bfloat16: Tolerance(rtol=2.0**-8, atol=1e-6),
         torch.float8_e4m3fn: _FP8,
+        torch.float8_e5m2: _FP8_E5M2,
     },
     "float32-path": _KERNELS,
     "webgpu": {torch.float32: _KERNELS[torch.float32], torch.float16: _KERNELS[torch.float16]},

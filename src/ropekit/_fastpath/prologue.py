@@ -33,17 +33,20 @@ from ropekit._spec import (
     TENSOR_ARGS,
     CacheArgs,
     NormSpec,
+    OutScales,
     RopeArgs,
     RopeSpec,
     to_canonical,
 )
-from ropekit._validation import validate_args, validate_kv_write, validate_norm
+from ropekit._validation import validate_args, validate_kv_write, validate_norm, validate_out_quant
 from ropekit.autograd import norm_rotate as norm_rotate_spec
 from ropekit.autograd import write_kv as write_kv_spec
 
 # --- rope_kv_write ---------------------------------------------------------------------------------------------
 # The same scheme for the attention prologue's inference call: a plan per signature, recorded on its second call
 # from the launch the full path made, replayed by filling the data pointers of the call's tensors.
+
+_NO_SCALES = OutScales()  # no float8 output scales
 
 # rope_kv_write's arguments that may be tensors, in the order a plan's sources index them (q_out comes last).
 _KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping", "q_weight", "k_weight",
@@ -67,9 +70,12 @@ class KvCall(NamedTuple):
         return tensors, (c.cache_layout, n.weight_offset, n.eps, *_rope_scalars(a))
 
 
-def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs) -> Tensor:
+def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs,
+             scales: OutScales = _NO_SCALES) -> Tensor:
     """:func:`ropekit.rope_kv_write` (its arguments bundled): replay the plan of the call's signature, or validate,
-    run and note the signature."""
+    run and note the signature. float8 outputs (``args.out_dtype``, ``scales``) take the full path."""
+    if args.out_dtype is not None or scales.given:
+        return _write_kv_float8(q, k, cache, norm, args, scales)
     call = KvCall(q, k, cache, norm, args)
     if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None):
         return _write_kv_full(call, None, None)
@@ -172,6 +178,49 @@ class KvPlan:
         return q_out.view(self.out_shape)
 
 
+# --- float8 outputs ----------------------------------------------------------------------------------------------
+# Inference calls through the full path (no launch plans yet: a plan would also have to allocate the dynamic
+# scales per call), eager only (no registered op yet).
+
+def _refuse_grad(name: str, tensors) -> None:
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"{name} with float8 outputs runs eagerly only: call it outside torch.compile "
+                                  "(or wrap the call in torch.compiler.disable)")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"{name} with float8 outputs is not differentiable: call it under torch.no_grad() or "
+                           "torch.inference_mode(), or leave out_dtype None for training")
+
+
+def _write_kv_float8(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs, scales: OutScales):
+    """:func:`ropekit.rope_kv_write` with a float8 q output: (q_out) or, with dynamic scales, (q_out, q_scales)."""
+    from ropekit import ops
+
+    _refuse_grad("rope_kv_write", (q, k, cache.v, norm.q_weight, norm.k_weight))
+    q4, k4, v4, rope_args, cache_spec = validate_kv_write(q, k, cache, args._replace(out_dtype=None))
+    spec = validate_args(q4, k4, rope_args)
+    norm = validate_norm(q, k, norm, required=False) or NormSpec(None, None)
+    quant = validate_out_quant(args.out_dtype, scales, q, None, args.check_positions)  # not None: raises
+    outs = ops.write_kv_float8(q4, k4, v4, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
+                               cache_spec, quant)
+    q_out = outs[0].view(q.shape)
+    return (q_out, outs[1].view(q.shape[:-1])) if quant.dynamic else q_out
+
+
+def _norm_rotate_float8(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, scales: OutScales) -> tuple:
+    """:func:`ropekit.qk_norm_rope` with float8 outputs: (q_out, k_out) or, with dynamic scales, (q_out, k_out,
+    q_scales, k_scales)."""
+    from ropekit import ops
+
+    _refuse_grad("qk_norm_rope", (q, k, norm.q_weight, norm.k_weight))
+    spec = validate_args(q, k, args._replace(out_dtype=None))
+    if k is None:
+        raise TypeError("qk_norm_rope needs k (use apply_rope on a normalised q alone)")
+    norm = validate_norm(q, k, norm, required=True)
+    quant = validate_out_quant(args.out_dtype, scales, q, k, args.check_positions)
+    return tuple(ops.norm_rotate_float8(q, k, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
+                                        quant))
+
+
 # --- qk_norm_rope --------------------------------------------------------------------------------------------
 # The same scheme for norm + RoPE, autograd included: the forward's plan is recorded on a signature's second call
 # from the launch the full path made; a planned call that needs gradients runs through PlannedNormRope, whose
@@ -197,9 +246,11 @@ class NormCall(NamedTuple):
         return tensors, (n.weight_offset, n.eps, *_rope_scalars(a))
 
 
-def norm_rotate(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs) -> tuple:
+def norm_rotate(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, scales: OutScales = _NO_SCALES) -> tuple:
     """:func:`ropekit.qk_norm_rope` (its arguments bundled): replay the plan of the call's signature, or validate,
-    run and note the signature."""
+    run and note the signature. float8 outputs (``args.out_dtype``, ``scales``) take the full path."""
+    if args.out_dtype is not None or scales.given:
+        return _norm_rotate_float8(q, k, norm, args, scales)
     call = NormCall(q, k, norm, args)
     if not (_plans_apply() and not args.check_positions):
         return _norm_full(call, None, None)

@@ -11,7 +11,9 @@ for packed varlen tokens, ``cache_batch[t]``; ``CACHE_PAGED`` writes token t at 
 [num_blocks, block_size, H, D] cache. The k and v caches share that grid of rows, not their strides: each turns a
 row into an address with its own (a padded view, a head-major view, two halves of one buffer). A token whose row
 or slot lies outside the cache (slot -1 included), or whose position is invalid, writes nothing: never an
-out-of-bounds write. float8_e4m3fn caches store ``value / scale`` saturated to +-448 (NaN stays NaN).
+out-of-bounds write. float8 caches and outputs (float8_e4m3fn, float8_e5m2) store ``value / scale`` rounded to
+nearest even and saturated to the format's largest finite value (+-448, +-57344; NaN stays NaN); the scale is per
+tensor, per cache head, or (outputs) each row's own.
 """
 
 from __future__ import annotations
@@ -105,19 +107,54 @@ def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, ca
 
 # float8_e4m3fn's NaN bits, S.1111.111, as the fp32 value 1.875 * 2**8 whose conversion yields them
 FP8_E4M3_NAN_BITS_VALUE = tl.constexpr(480.0)
+# float8 kinds (the FP8 constexprs): 0 none, 1 float8_e4m3fn, 2 float8_e5m2
+FP8_E4M3 = tl.constexpr(1)
+FP8_E5M2 = tl.constexpr(2)
+FP8_E5M2_MAX = tl.constexpr(57344.0)
+
+
+@triton.jit
+def _round_to_e5m2(x):
+    """``x`` (fp32, |x| <= 57344) rounded to the nearest float8_e5m2 value, ties to even (as :func:`_round_to_e4m3`
+    for e4m3): the interpreter's own cast rounds ties up and flushes small subnormals."""
+    bits = x.to(tl.int32, bitcast=True)
+    # below 2**-14 the spacing is the subnormals' 2**-16
+    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, -14), 15)
+    ulp = ((e - 2 + 127) << 23).to(tl.float32, bitcast=True)  # 2 mantissa bits
+    big = ulp * 12582912.0
+    r = (tl.abs(x) + big) - big
+    return tl.where(x < 0, -r, r)
 
 
 @triton.jit
 def _fp8_for_interpreter(y, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """Under the interpreter (``ROUND_FP8``), ``y`` (fp32) as a float8_e4m3fn cache stores it, for a store that
-    converts without saturating or rounding (``FP8`` off): saturated to +-448, rounded to nearest even, and NaN as
-    a value the interpreter's conversion turns into NaN (it turns NaN itself into 384). Compiled kernels convert
-    NaN to NaN themselves: ``y`` unchanged."""
-    if FP8 and ROUND_FP8:
+    """``y`` (fp32) made ready for a store into a float8 target of kind ``FP8`` by a plain conversion. float8_e4m3fn
+    under the interpreter (``ROUND_FP8``): saturated to +-448, rounded to nearest even, and NaN as a value the
+    interpreter's conversion turns into NaN (it turns NaN itself into 384); compiled kernels saturate and convert
+    in the store (``_to_store``): ``y`` unchanged. float8_e5m2: saturated to +-57344 (the conversion would give
+    inf), and rounded to nearest even under the interpreter; NaN stays NaN."""
+    if FP8 == FP8_E4M3 and ROUND_FP8:
         y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
         y = _round_to_e4m3(y)
         y = tl.where(y != y, FP8_E4M3_NAN_BITS_VALUE, y)
+    elif FP8 == FP8_E5M2:
+        y = tl.where(y > FP8_E5M2_MAX, FP8_E5M2_MAX, tl.where(y < -FP8_E5M2_MAX, -FP8_E5M2_MAX, y))
+        if ROUND_FP8:
+            y = _round_to_e5m2(y)
     return y
+
+
+@triton.jit
+def _row_amax(y_lo, y_hi, y_p, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_START: tl.constexpr,
+              HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr):
+    """max |y| over each head row [BLOCK_T, BLOCK_H] (padded columns excluded): a max, exact in any order."""
+    i = tl.arange(0, HALF_BLOCK)[None, None, :]
+    a = tl.maximum(tl.max(tl.where(i < ROT_DIM // 2, tl.abs(y_lo), 0.0), axis=2),
+                   tl.max(tl.where(i < ROT_DIM // 2, tl.abs(y_hi), 0.0), axis=2))
+    if HAS_PASS:
+        _, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        a = tl.maximum(a, tl.max(tl.where(mp, tl.abs(y_p), 0.0), axis=2))
+    return a
 
 
 @triton.jit
@@ -125,14 +162,18 @@ def _norm_rope_block(
     x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, w_ptr, w_offset, eps, scale,
     b, s, pos, valid, mask_t, h0, H,
     pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
+    hs_ptr, so_ptr, so_row, so_sh,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr,
     NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
     AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    HEAD_SCALES: tl.constexpr, DYNAMIC: tl.constexpr,
 ):
     """Normalise (``NORM``) and rotate one [BLOCK_T, BLOCK_H] block of head rows of ``x``; store row (t, h) at
-    ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``."""
+    ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``. A float8 target (``FP8``: its kind) stores the
+    values divided by ``hs_ptr[h]`` (``HEAD_SCALES``: per-head cache scales), or (``DYNAMIC``) by each row's own
+    scale ``max |row| / fp8 max``, stored as float32 at ``so_ptr + so_row[t] + h * so_sh``."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
@@ -149,12 +190,27 @@ def _norm_rope_block(
         pos_ptr, pos_sa, pos_sb, pos_ss, ROT_DIM, HALF_BLOCK, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
         False, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, False)
     y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
+    y_p = x_p * scale
     h = h0 + tl.arange(0, BLOCK_H)
+    if HEAD_SCALES:
+        hs = (1.0 / tl.load(hs_ptr + h, mask=h < H, other=1.0).to(tl.float32))[None, :, None]
+        y_lo, y_hi, y_p = y_lo * hs, y_hi * hs, y_p * hs
+    if DYNAMIC:
+        amax = _row_amax(y_lo, y_hi, y_p, ROT_DIM, HEAD_DIM, ROT_START, HALF_BLOCK, PASS_BLOCK, HAS_PASS)
+        if FP8 == FP8_E5M2:
+            row_scale = amax / FP8_E5M2_MAX
+        else:
+            row_scale = amax / FP8_E4M3_MAX
+        div = tl.where(row_scale > 0, row_scale, 1.0)[:, :, None]  # an all-zero row: scale 0, zeros stored
+        y_lo, y_hi, y_p = y_lo / div, y_hi / div, y_p / div
+        tl.store(so_ptr + so_row[:, None] + (h.to(tl.int64) * so_sh)[None, :], row_scale,
+                 mask=o_ok[:, None] & (h < H)[None, :])
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
-    STORE_FP8: tl.constexpr = FP8 and not ROUND_FP8  # the interpreter's values come ready (_fp8_for_interpreter)
+    # compiled kernels saturate float8_e4m3fn in the store; the interpreter's values, and e5m2, come ready
+    STORE_FP8: tl.constexpr = FP8 == FP8_E4M3 and not ROUND_FP8
     _store_pairs(o_ptr, o_base, om, _fp8_for_interpreter(y_lo, FP8, ROUND_FP8),
-                 _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(x_p * scale, FP8, ROUND_FP8),
+                 _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(y_p, FP8, ROUND_FP8),
                  HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, STORE_FP8, False)
 
 
@@ -163,7 +219,7 @@ def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t,
                 HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
                 ROUND_FP8: tl.constexpr):
     """Copy one block of head rows of ``x`` to rows ``o_row`` of ``o``: bit for bit in the same dtype, else
-    ``x * scale`` converted (float8_e4m3fn: saturated)."""
+    ``x * scale`` (a scalar, or per head [1, BLOCK_H, 1]) converted to the float8 kind ``FP8`` (saturated)."""
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     d = tl.arange(0, D_BLOCK)[None, None, :]
     x = tl.load(x_ptr + x_base + d, mask=_within(m, d, HEAD_DIM, D_BLOCK))
@@ -171,7 +227,7 @@ def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t,
     o_base = o_row[:, None, None] + (h.to(tl.int64) * o_sh)[None, :, None]
     om = _within((o_ok[:, None] & (h < H)[None, :])[:, :, None], d, HEAD_DIM, D_BLOCK)
     if FP8:
-        STORE_FP8: tl.constexpr = not ROUND_FP8  # the interpreter's values come ready (_fp8_for_interpreter)
+        STORE_FP8: tl.constexpr = FP8 == FP8_E4M3 and not ROUND_FP8  # see _norm_rope_block
         y = _to_store(_fp8_for_interpreter(x.to(tl.float32) * scale, FP8, ROUND_FP8), o_ptr, STORE_FP8, False)
     else:
         y = x.to(o_ptr.dtype.element_ty)
@@ -190,13 +246,15 @@ def prologue_kernel(
     q_scale, k_scale, rotary_scale, pos_sa,
     qw_ptr, kw_ptr, w_offset, eps,
     cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, kc_sb, kc_ss, vc_sb, vc_ss, ks_ptr, vs_ptr, v_scale,
+    qs_ptr, qd_ptr, qd_sb, qd_ss, qd_sh, kd_ptr, kd_sb, kd_ss, kd_sh,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
     AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
-    ROUND_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, Q_DYNAMIC: tl.constexpr,
+    K_DYNAMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
@@ -204,8 +262,11 @@ def prologue_kernel(
     ``qo`` and k into ``ko`` (a cache unless ``CACHE_MODE`` is ``CACHE_NONE``, whose row strides are
     ``kc_sb``/``kc_ss``), or copies a block of v's heads into the v cache ``vo`` (row strides ``vc_sb``/``vc_ss``,
     head stride ``vo_sh``: the two caches' strides may differ). With ``K_SCALE_PTR``/``V_SCALE_PTR`` a cache's
-    scale is read from a device scalar (graph capture); else ``k_scale`` and ``v_scale`` already hold it (divided
-    in)."""
+    scale is read from a device scalar (1: graph capture) or per head (2: ``[HK]``); else ``k_scale`` and
+    ``v_scale`` already hold it (divided in). float8 outputs: ``Q_FP8``/``K_FP8`` name the float8 kind of q's and
+    k's target (1 e4m3fn, 2 e5m2); ``Q_SCALE_PTR`` reads q's output scale from ``qs_ptr`` (k's, without a cache,
+    from ``ks_ptr``); ``Q_DYNAMIC``/``K_DYNAMIC`` (k: no cache) scale each row by its own ``max |row| / fp8 max``,
+    stored as float32 [B, S, H] at ``qd_ptr``/``kd_ptr`` (strides ``*d_sb``, ``*d_ss``, ``*d_sh``)."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -230,16 +291,20 @@ def prologue_kernel(
         r0, r1, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
                                    block_size, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
     if hb < n_qb:
+        scale = q_scale
+        if Q_SCALE_PTR:
+            scale = scale / tl.load(qs_ptr).to(tl.float32)
         _norm_rope_block(
-            q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, q_scale,
+            q_ptr, q_sb, q_ss, q_sh, qo_ptr, b * qo_sb + s * qo_ss, mask_t, qo_sh, qw_ptr, w_offset, eps, scale,
             b, s, pos, valid, mask_t, hb * BLOCK_HQ, HQ,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-            pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
-            NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, False, ROUND_FP8, BLOCK_HQ,
-            HALF_BLOCK, PASS_BLOCK)
+            pos_sa, qs_ptr, qd_ptr, b * qd_sb + s * qd_ss, qd_sh,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+            NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, Q_FP8, ROUND_FP8, BLOCK_HQ,
+            HALF_BLOCK, PASS_BLOCK, False, Q_DYNAMIC)
     elif hb < n_qb + n_kb:
         scale = k_scale
-        if K_SCALE_PTR:
+        if K_SCALE_PTR == 1:
             scale = scale / tl.load(ks_ptr).to(tl.float32)
         if CACHE_MODE == CACHE_NONE:
             k_row = r0 * ko_sb + r1 * ko_ss
@@ -249,13 +314,17 @@ def prologue_kernel(
             k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
             b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
-            pos_sa, HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+            pos_sa, ks_ptr, kd_ptr, b * kd_sb + s * kd_ss, kd_sh,
+            HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
-            HALF_BLOCK, PASS_BLOCK)
+            HALF_BLOCK, PASS_BLOCK, K_SCALE_PTR == 2, K_DYNAMIC)
     else:
         scale = v_scale
-        if V_SCALE_PTR:
+        if V_SCALE_PTR == 1:
             scale = 1.0 / tl.load(vs_ptr).to(tl.float32)
+        elif V_SCALE_PTR == 2:  # per head
+            h = (hb - n_qb - n_kb) * BLOCK_HK + tl.arange(0, BLOCK_HK)
+            scale = (1.0 / tl.load(vs_ptr + h, mask=h < HK, other=1.0).to(tl.float32))[None, :, None]
         _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, r0 * vc_sb + r1 * vc_ss, k_ok, vo_sh, b, s, mask_t,
                     (hb - n_qb - n_kb) * BLOCK_HK, HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
 

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from ropekit._spec import CacheSpec, RopeSpec, to_canonical
+from ropekit._spec import CacheSpec, OutQuant, RopeSpec, to_canonical
 from ropekit.triton import heuristics, launcher, runtime
-from ropekit.triton.prologue_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS, norm_rope_bwd_kernel, prologue_kernel
+from ropekit.triton.prologue_kernels import (
+    CACHE_NONE,
+    CACHE_PAGED,
+    CACHE_ROWS,
+    FP8_E4M3,
+    FP8_E5M2,
+    norm_rope_bwd_kernel,
+    prologue_kernel,
+)
 
 _FLOATS = ("q_scale", "k_scale", "rotary_scale", "w_offset", "eps", "v_scale")
 PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",))
@@ -44,6 +52,18 @@ def _shared_constexprs(roles: runtime.KernelRoles, rope_constexprs: dict) -> dic
     return {name: rope_constexprs[name] for name in roles.constexprs if name in rope_constexprs}
 
 
+def _fp8_kind(dtype: torch.dtype) -> int:
+    """The kernel's float8 kind of a target dtype (0: not float8)."""
+    return {torch.float8_e4m3fn: FP8_E4M3.value, torch.float8_e5m2: FP8_E5M2.value}.get(dtype, 0)
+
+
+def _scale_mode(scale) -> int:
+    """How the kernel takes a scale: 0 a float divided in on the host, 1 a one-element device tensor, 2 per head."""
+    if not isinstance(scale, torch.Tensor):
+        return 0
+    return 2 if scale.dim() == 1 and scale.numel() > 1 else 1
+
+
 def _grid_dims(q, k, spec: RopeSpec) -> tuple[int, int, int, int, int]:
     """(tokens, HQ, HK, head_dim, element size): what the block shapes read of a call."""
     B, S, HQ, D = to_canonical(q, spec.layout).shape
@@ -61,9 +81,11 @@ def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
                     q_weight=None, k_weight=None, weight_offset: float = 0.0, eps: float = 1e-6,
-                    config=None) -> None:
+                    quant: OutQuant | None = None, q_scales=None, k_scales=None, config=None) -> None:
     """Normalise (with weights) and rotate q into ``q_out`` and k into ``k_out`` -- or, with ``cache``, k and v
     into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing.
+    float8 ``q_out``/``k_out`` store ``value / scale`` with ``quant``'s scales, or with ``quant.dynamic`` each
+    row's own scale, written to ``q_scales``/``k_scales`` (float32, q's/k's [B, S, H] in ``spec.layout``).
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = prologue_block_config(q, k, spec, norm=q_weight is not None, cache=cache is not None,
@@ -82,19 +104,35 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
                 kw_ptr=k_weight if k_weight is not None else dummy, w_offset=float(weight_offset), eps=float(eps))
     constexprs = _shared_constexprs(PROLOGUE, rope_constexprs)
     k_div = 1.0  # what k's cache scale divides it by, unless the kernel reads the scale itself
+    q_div = 1.0  # the same for q's float8 output scale
+    q_scale_mode = 0
+    dynamic = quant is not None and quant.dynamic
+    args.update(qs_ptr=dummy, qd_ptr=dummy, qd_sb=0, qd_ss=0, qd_sh=0, kd_ptr=dummy, kd_sb=0, kd_ss=0, kd_sh=0)
+    if quant is not None and not dynamic:
+        q_scale_mode = _scale_mode(quant.q_scale)
+        q_div = 1.0 if q_scale_mode else 1.0 / quant.q_scale
+        if q_scale_mode:
+            args.update(qs_ptr=quant.q_scale)
+    for name, scales in (("q", q_scales), ("k", k_scales)):
+        if dynamic and scales is not None:
+            sb, ss, sh = to_canonical(scales.unsqueeze(-1), spec.layout).stride()[:3]
+            args.update({f"{name}d_ptr": scales, f"{name}d_sb": sb, f"{name}d_ss": ss, f"{name}d_sh": sh})
     if cache is None:  # k goes to k_out, as q to q_out
+        k_scale_mode = 0 if quant is None or dynamic else _scale_mode(quant.k_scale)
+        if quant is not None and not dynamic and not k_scale_mode:
+            k_div = 1.0 / quant.k_scale
         args.update(ko_ptr=k_out, ko_sh=rope["ko_sh"], vo_ptr=dummy, v_sb=0, v_ss=0, v_sh=0, vo_sh=0,
                     cb_ptr=dummy, slot_ptr=dummy, slot_sb=0, slot_ss=0, cache_rows=0, block_size=1, kc_sb=0,
-                    kc_ss=0, vc_sb=0, vc_ss=0, ks_ptr=dummy, vs_ptr=dummy, v_scale=1.0)
-        constexprs.update(CACHE_MODE=CACHE_NONE.value, CACHE_BATCH_PER_TOKEN=False, K_SCALE_PTR=False,
-                          V_SCALE_PTR=False, K_FP8=False, V_FP8=False)
+                    kc_ss=0, vc_sb=0, vc_ss=0, ks_ptr=quant.k_scale if k_scale_mode else dummy, vs_ptr=dummy,
+                    v_scale=1.0)
+        constexprs.update(CACHE_MODE=CACHE_NONE.value, CACHE_BATCH_PER_TOKEN=False, K_SCALE_PTR=k_scale_mode,
+                          V_SCALE_PTR=0, K_FP8=_fp8_kind(k_out.dtype), V_FP8=0, K_DYNAMIC=dynamic)
     else:  # k and v go to the caches' rows; each cache keeps its own strides
         k_target, v_target = cache.views()
         v_sb, v_ss, v_sh = to_canonical(v, spec.layout).stride()[:3]
         slots = cache.slots
         # A scale held in a device tensor is read by the kernel (graph capture); a float is divided in here.
-        k_ptr_scale = isinstance(cache.k_scale, torch.Tensor)
-        v_ptr_scale = isinstance(cache.v_scale, torch.Tensor)
+        k_ptr_scale, v_ptr_scale = _scale_mode(cache.k_scale), _scale_mode(cache.v_scale)
         k_div = 1.0 if k_ptr_scale else 1.0 / cache.k_scale
         args.update(
             ko_ptr=k_target, ko_sh=k_target.stride(2), vo_ptr=v_target, v_sb=v_sb, v_ss=v_ss, v_sh=v_sh,
@@ -108,12 +146,14 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
             v_scale=1.0 if v_ptr_scale else 1.0 / cache.v_scale)
         constexprs.update(CACHE_MODE=(CACHE_PAGED if cache.paged else CACHE_ROWS).value,
                           CACHE_BATCH_PER_TOKEN=cache.cache_batch is not None, K_SCALE_PTR=k_ptr_scale,
-                          V_SCALE_PTR=v_ptr_scale, K_FP8=k_target.dtype == torch.float8_e4m3fn,
-                          V_FP8=v_target.dtype == torch.float8_e4m3fn)
+                          V_SCALE_PTR=v_ptr_scale, K_FP8=_fp8_kind(k_target.dtype),
+                          V_FP8=_fp8_kind(v_target.dtype), K_DYNAMIC=False)
         grid = (grid[0] + heuristics.cdiv(rope["HK"], rope_constexprs["BLOCK_HK"]), grid[1], grid[2])  # v's blocks
     args["k_scale"] = rope["k_scale"] * k_div
+    args["q_scale"] = rope["q_scale"] * q_div
     constexprs.update(NORM=q_weight is not None, ROUND_FP8=q.device.type != "cuda",
-                      D_BLOCK=heuristics.next_pow2(rope_constexprs["HEAD_DIM"]))
+                      D_BLOCK=heuristics.next_pow2(rope_constexprs["HEAD_DIM"]), Q_FP8=_fp8_kind(q_out.dtype),
+                      Q_SCALE_PTR=q_scale_mode, Q_DYNAMIC=dynamic)
     runtime.launch(PROLOGUE, grid, args, constexprs, num_warps, q.device)
 
 
