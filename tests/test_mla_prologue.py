@@ -400,3 +400,45 @@ def test_fp8_scale_checks():
             mla(q, k_pe, kv_c, positions=torch.arange(T), kv_cache=cache, slot_mapping=torch.arange(T),
                 kv_cache_scale=scale)
         assert torch.isnan(cache.float()).all()
+
+
+def test_readme_example_runs_and_writes_the_rows():
+    """The README's MLA example, run as written on CPU tensors (float32)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("### MLA:")[1].split("```python")[1].split("```")[0]
+    code = code.replace('device="cuda"', 'device="cpu"').replace("torch.bfloat16", "torch.float32")
+    scope: dict = {"torch": torch, "ropekit": ropekit}
+    exec(code, scope)
+    cache, slots, kv_c = scope["kv_cache"], scope["slot_mapping"], scope["kv_c"]
+    rows = cache.view(-1, cache.shape[-1])
+    assert torch.equal(rows[slots, :512], kv_c) and torch.equal(rows[slots, 512:], scope["k_pe_rot"][:, 0])
+    assert int((rows != 0).any(-1).sum()) == slots.numel()
+    assert scope["q_nope"].shape == (8, 16, 128) and scope["q_pe"].shape == (8, 16, 64)
+
+
+@pytest.mark.parametrize("route", ROUTES[1:])
+def test_kernel_routes_launch_the_mla_kernel_once(route, monkeypatch):
+    """The kernel routes run one MLA kernel launch per call, never the reference."""
+    from ropekit import reference
+    from ropekit.triton import runtime
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran on a kernel route")
+
+    launched = []
+    original = runtime.launch
+
+    def counting(roles, *args, **kwargs):
+        launched.append(roles.fn.__name__)
+        return original(roles, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "mla_reference", refuse)
+    monkeypatch.setattr(runtime, "launch", counting)
+    with on_route(route) as device:
+        q, k_pe, kv_c = _inputs((T,), torch.float32, device)
+        cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, device)
+        mla(q, k_pe, kv_c, positions=torch.arange(T, device=device), kv_cache=cache,
+            slot_mapping=_slots(T, BLOCKS * BLOCK_SIZE, device))
+    assert launched == ["mla_kernel"]
