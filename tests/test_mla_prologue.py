@@ -442,3 +442,25 @@ def test_kernel_routes_launch_the_mla_kernel_once(route, monkeypatch):
         mla(q, k_pe, kv_c, positions=torch.arange(T, device=device), kv_cache=cache,
             slot_mapping=_slots(T, BLOCKS * BLOCK_SIZE, device))
     assert launched == ["mla_kernel"]
+
+
+@pytest.mark.parametrize("route", ROUTES[1:])
+def test_device_values_out_of_range_write_nothing(route):
+    """Values not read on the host (device tensors; CPU tensors on the kernels stand in for them): a slot past the
+    cache or below -1 writes nothing, and a token with an invalid position gets NaN rope columns and no cache row
+    -- never an out-of-bounds write."""
+    rows = BLOCKS * BLOCK_SIZE
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), torch.float32, device)
+            # a larger buffer whose middle is the cache: a write past either end would show in the margins
+            buffer = _poisoned((BLOCKS + 2, BLOCK_SIZE, L + R), torch.float32, device)
+            cache = buffer[1:-1]
+            slots = torch.tensor([rows, -7, 2, rows + BLOCK_SIZE, 5], device=device)
+            positions = torch.tensor([1, 2, -3, 4, 5], device=device)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots)
+            assert torch.isnan(q_out[2, :, D_NOPE:]).all() and torch.isnan(k_out[2]).all()
+            q_rot, _ = oracle(q[[0, 1, 3, 4]], k_pe[[0, 1, 3, 4]], positions[[0, 1, 3, 4]])
+            assert_close_to_ref(q_out[[0, 1, 3, 4]], q_rot, torch.float32, ROUTE_BACKENDS[route])
+            written = ~torch.isnan(buffer.view(-1, L + R).cpu()).all(-1)
+            assert int(written.sum()) == 1 and written[BLOCK_SIZE + 5]  # slot 5 of the cache, token 4

@@ -24,7 +24,7 @@ from torch import Tensor
 from ropekit import ops
 from ropekit._memory import overlap
 from ropekit._spec import FLOAT_DTYPES, FORWARD, INT_DTYPES, Positions, RopeArgs, RopeSpec
-from ropekit._validation import validate_args
+from ropekit._validation import _host_readable, validate_args
 
 __all__ = ["mla_rope_kv_write"]
 
@@ -32,8 +32,9 @@ MLA_CACHE_LAYOUTS = ("paged", "bshd")
 
 
 def _host_values(t: Tensor, check: bool) -> bool:
-    """Whether ``t``'s values may be read for a check: on the host (or ``check``: one sync), not while tracing."""
-    return (check or t.device.type == "cpu") and t.numel() > 0 and not torch.compiler.is_compiling()
+    """Whether ``t``'s values may be read for a check: on the host (CPU tensors that run the kernels stand in for
+    device tensors), or ``check`` (one sync); never while tracing."""
+    return (check or _host_readable(t)) and t.numel() > 0 and not torch.compiler.is_compiling()
 
 
 def _check_input(name: str, x, q: Tensor) -> None:
