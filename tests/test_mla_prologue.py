@@ -464,3 +464,77 @@ def test_device_values_out_of_range_write_nothing(route):
             assert_close_to_ref(q_out[[0, 1, 3, 4]], q_rot, torch.float32, ROUTE_BACKENDS[route])
             written = ~torch.isnan(buffer.view(-1, L + R).cpu()).all(-1)
             assert int(written.sum()) == 1 and written[BLOCK_SIZE + 5]  # slot 5 of the cache, token 4
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("split_q", [False, True], ids=["whole-q", "split-q"])
+@pytest.mark.parametrize("with_cache", [False, True], ids=["no-cache", "cache"])
+def test_q_out_written_in_place(route, split_q, with_cache):
+    """Given q outputs -- a strided view of a wider buffer, as the q_pe columns of the attention's input -- are
+    written and returned as given; the rest of the buffer stays poisoned."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), torch.float32, device)
+            positions = torch.randint(0, 999, (T,), device=device)
+            buffer = _poisoned((T, H, L + R + 2), torch.float32, device)  # [latent-absorbed q | q_pe | spare]
+            if split_q:
+                q_out = (None, buffer[..., L:L + R])
+            else:
+                q_out = buffer[..., L - D_NOPE:L + R]
+            kw = {}
+            if with_cache:
+                cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, device)
+                kw = dict(kv_c=kv_c, kv_cache=cache, slot_mapping=_slots(T, BLOCKS * BLOCK_SIZE, device))
+            with torch.no_grad():
+                outs = mla(q, k_pe, positions=positions, split_q=split_q, q_out=q_out, **kw)
+            q_rot, k_rot = oracle(q, k_pe, positions)
+            if split_q:
+                assert outs[1] is q_out[1] and outs[0].shape == (T, H, D_NOPE)
+                assert_close_to_ref(outs[0], q_rot[..., :D_NOPE], torch.float32, backend)
+                assert_close_to_ref(buffer[..., L:L + R], q_rot[..., D_NOPE:], torch.float32, backend)
+                assert torch.isnan(buffer[..., :L]).all() and torch.isnan(buffer[..., L + R:]).all()
+            else:
+                assert outs[0] is q_out
+                assert_close_to_ref(buffer[..., L - D_NOPE:L + R], q_rot, torch.float32, backend)
+                assert torch.isnan(buffer[..., :L - D_NOPE]).all() and torch.isnan(buffer[..., L + R:]).all()
+            assert_close_to_ref(outs[-1], k_rot, torch.float32, backend)
+            if with_cache:
+                rows = cache.view(-1, L + R).cpu()
+                _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, kw["slot_mapping"], torch.float32, backend)
+
+
+def test_q_out_checks():
+    q, k_pe, _ = _inputs((T,), torch.float32, "cpu")
+    for q_out, split_q, error, match in (
+            (torch.empty(T, H, D_NOPE), False, ValueError, r"q_out must have shape"),
+            (torch.empty(T, H, D_NOPE + R, dtype=torch.float16), False, TypeError, "q_out must have q's dtype"),
+            (q, False, ValueError, "q_out and q share memory"),
+            (torch.empty(T, H, D_NOPE + R), True, TypeError, "must be a pair"),
+            ((None, torch.empty(T, H, R + 2)), True, ValueError, r"q_out\[1\] must have shape"),
+            (torch.empty(1, 1, D_NOPE + R).expand(T, H, D_NOPE + R), False, ValueError, "reaches an element twice")):
+        with pytest.raises(error, match=match):
+            mla(q, k_pe, positions=torch.arange(T), q_out=q_out, split_q=split_q)
+    with pytest.raises(RuntimeError, match="q_out is written in place"):
+        mla(q.requires_grad_(True), k_pe, positions=torch.arange(T), q_out=torch.empty(T, H, D_NOPE + R))
+
+
+def test_compile_fullgraph_with_q_out():
+    torch._dynamo.reset()
+
+    def write(q, k_pe, kv_c, positions, cache, slots, buffer):
+        return mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots, split_q=True,
+                   q_out=(None, buffer[..., L:L + R]), style="interleaved")
+
+    compiled = torch.compile(write, fullgraph=True)
+    for _ in range(CALLS):
+        q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+        positions = torch.randint(0, 99, (T,))
+        slots = _slots(T, BLOCKS * BLOCK_SIZE, "cpu")
+        caches = [_poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, "cpu") for _ in range(2)]
+        buffers = [_poisoned((T, H, L + R), torch.float32, "cpu") for _ in range(2)]
+        got = compiled(q, k_pe, kv_c, positions, caches[0], slots, buffers[0])
+        want = write(q, k_pe, kv_c, positions, caches[1], slots, buffers[1])
+        assert all(same_bits(g, w) for g, w in zip(got, want))
+        assert same_bits(caches[0], caches[1]) and same_bits(buffers[0], buffers[1])
+        assert not torch.isnan(buffers[0][..., L:]).any()

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ropekit import ops
-from ropekit._memory import overlap
+from ropekit._memory import has_internal_overlap, overlap
 from ropekit._spec import FLOAT_DTYPES, FORWARD, INT_DTYPES, Positions, RopeArgs, RopeSpec
 from ropekit._validation import _host_readable, validate_args
 
@@ -247,7 +247,7 @@ torch.library.register_autograd("ropekit::mla_rope", _backward, setup_context=_s
 def mla_rope_kv_write(
     q: Tensor, k_pe: Tensor, kv_c: Tensor | None = None, *, positions: Positions = None, kv_cache=None,
     slot_mapping: Tensor | None = None, cache_layout: str = "paged", kv_cache_scale=None, split_q: bool = False,
-    broadcast_k: bool = False, cu_seqlens: Tensor | None = None, inv_freq: Tensor | None = None,
+    broadcast_k: bool = False, q_out=None, cu_seqlens: Tensor | None = None, inv_freq: Tensor | None = None,
     base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None,
     style: str = "neox", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
     sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
@@ -284,6 +284,11 @@ def mla_rope_kv_write(
         Return q as two tensors, ``q_nope`` [.., H, D_nope] and ``q_pe`` [.., H, D_rope] (the rotated part).
     broadcast_k : bool
         ``k_pe_out`` with one copy of the rotated key per head of q, [.., H, D_rope] (else k_pe's own shape).
+    q_out : Tensor or (Tensor | None, Tensor | None), optional
+        Where to write q's output instead of a new tensor: [.., H, D_nope + D_rope], or with ``split_q`` a pair
+        (q_nope_out [.., H, D_nope], q_pe_out [.., H, D_rope]), e.g. the q_pe columns of the buffer the attention
+        reads; any strides with a contiguous last dim, q's dtype, sharing no memory with the inputs or caches.
+        Returned as given. Inference only (raises where autograd would need gradients).
 
     Every other keyword is :func:`ropekit.apply_rope`'s (frequencies, ``style``: DeepSeek pairs interleaved
     columns, ``style="interleaved"``; scales; multi-axis positions). Slots outside the cache raise
@@ -302,18 +307,64 @@ def mla_rope_kv_write(
     q4, k4, spec, cache, k_heads, tokens = _validate(q, k_pe, kv_c, positions, kv_cache, slot_mapping, cache_layout,
                                                      kv_cache_scale, cu_seqlens, broadcast_k, args)
     grad = torch.is_grad_enabled() and (q.requires_grad or k_pe.requires_grad)
-    if cache is not None:
-        cache_scale = cache["cache_scale"]
-        scale_t, scale_f = (cache_scale, 1.0) if isinstance(cache_scale, Tensor) else (None, cache_scale)
+    given = _check_q_out(q_out, q, k_pe, kv_c, cache, split_q, spec.rotary_dim, grad)
+    if cache is not None or any(g is not None for g in given):
+        c = cache or dict(kv_c=None, ckv_cache=None, kpe_cache=None, slots=None, paged=True, cache_scale=1.0)
+        scale_t, scale_f = ((c["cache_scale"], 1.0) if isinstance(c["cache_scale"], Tensor)
+                            else (None, c["cache_scale"]))
+        q_outs = [g.unsqueeze(1) if g is not None and q4.dim() == q.dim() + 1 else g for g in given]
         with torch.no_grad() if grad else contextlib.nullcontext():
-            outs = ops.mla_rope_kv_write(q4, k4, cache["kv_c"], cache["ckv_cache"], cache["kpe_cache"],
-                                         cache["slots"], cache["paged"], scale_t, scale_f, k_heads, split_q, *spec)
+            outs = ops.mla_rope_kv_write(q4, k4, c["kv_c"], c["ckv_cache"], c["kpe_cache"], *q_outs, c["slots"],
+                                         c["paged"], scale_t, scale_f, k_heads, split_q, *spec)
             outs = list(outs) if split_q else [outs[0], outs[2]]
-    if cache is None or grad:
+        for i, g in enumerate(q_outs[:len(outs) - 1]):
+            if g is not None:
+                outs[i] = g  # written in place; the op returned an empty stand-in
+    if (cache is None and not any(g is not None for g in given)) or grad:
         outs = ops.mla_rope(q4, k4, k_heads, split_q, *spec)
     if tokens and spec.layout == "bshd":  # [T, 1, ...] back to [T, ...]
         outs = [o.squeeze(1) for o in outs]
     if k_pe.dim() == len(q_shape) - 1 and k_heads == 1:
         outs[-1] = outs[-1].squeeze(-2)
+    for i, g in enumerate(given[:len(outs) - 1]):
+        if g is not None:
+            outs[i] = g  # the caller's own tensor, written
     return tuple(outs)
 
+
+def _check_q_out(q_out, q: Tensor, k_pe: Tensor, kv_c, cache, split_q: bool, rope: int, grad: bool) -> tuple:
+    """(q_nope_out, q_pe_out) -- the whole q's output in the first slot without ``split_q`` -- each a checked
+    tensor or None."""
+    if q_out is None:
+        return (None, None)
+    if split_q:
+        if not isinstance(q_out, (tuple, list)) or len(q_out) != 2:
+            raise TypeError("with split_q=True, q_out must be a pair (q_nope_out, q_pe_out), each a tensor or None, "
+                            f"got {type(q_out).__name__}")
+        given = [(f"q_out[{i}]", t, (*q.shape[:-1], width)) for i, (t, width) in
+                 enumerate(zip(q_out, (q.shape[-1] - rope, rope)))]
+    else:
+        given = [("q_out", q_out, tuple(q.shape))]
+    if grad:
+        raise RuntimeError("q_out is written in place, outside autograd: call under torch.no_grad() or "
+                           "torch.inference_mode(), or leave q_out None for training")
+    inputs = [("q", q), ("k_pe", k_pe), ("kv_c", kv_c)]
+    if cache is not None:
+        inputs += [("kv_cache", cache["ckv_cache"]), ("kv_cache", cache["kpe_cache"])]
+    checked = []
+    for name, t, shape in given:
+        if t is None:
+            checked.append(None)
+            continue
+        _check_input(name, t, q)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(t.shape)}")
+        if not torch.compiler.is_compiling():
+            if has_internal_overlap(t):
+                raise ValueError(f"{name} reaches an element twice through its strides: it cannot be written")
+            for other_name, other in inputs + [(n, c) for n, c, _ in given if c is not None and c is not t]:
+                if isinstance(other, Tensor) and overlap(t, other):
+                    raise ValueError(f"{name} and {other_name} share memory: pass an output outside the inputs, "
+                                     "the caches and the other output")
+        checked.append(t)
+    return tuple(checked) if split_q else (checked[0], None)

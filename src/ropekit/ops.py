@@ -378,27 +378,33 @@ def _rope_attention_backward_fake(do, dlse, q, k, v, *args):
 
 # --- MLA: ropekit::mla_rope (differentiable) and ropekit::mla_rope_kv_write (writes the latent cache) ----------
 
-def _mla_outputs(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, rotary_dim: int) -> list[Tensor]:
-    """New ``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]`` (k_pe's shape with ``k_heads`` heads) in q's dtype."""
+def _mla_outputs(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, rotary_dim: int,
+                 q_outs: tuple = (None, None)) -> list[Tensor]:
+    """``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]`` (k_pe's shape with ``k_heads`` heads): the q outputs given in
+    ``q_outs`` (the whole q's in its first slot), new tensors in q's dtype for the others."""
     if split_q:
-        outs = [q.new_empty((*q.shape[:-1], q.shape[-1] - rotary_dim)), q.new_empty((*q.shape[:-1], rotary_dim))]
+        shapes = ((*q.shape[:-1], q.shape[-1] - rotary_dim), (*q.shape[:-1], rotary_dim))
+        outs = [given if given is not None else q.new_empty(shape) for given, shape in zip(q_outs, shapes)]
     else:
-        outs = [q.new_empty(q.shape)]
+        outs = [q_outs[0] if q_outs[0] is not None else q.new_empty(q.shape)]
     return [*outs, k_pe.new_empty((*k_pe.shape[:-2], k_heads, k_pe.shape[-1]))]
 
 
-def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeSpec, **cache) -> list[Tensor]:
-    """The body of both MLA ops: the rotated q (whole, or split) and k_pe, and with ``cache`` (the keywords of
-    :func:`ropekit.triton.mla_launcher.launch_mla` after the outputs) each token's latent cache row."""
-    outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim)
+def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeSpec, q_outs: tuple = (None, None),
+               **cache) -> list[Tensor]:
+    """The body of both MLA ops: the rotated q (whole, or split; into ``q_outs`` where given) and k_pe, and with
+    ``cache`` (the keywords of :func:`ropekit.triton.mla_launcher.launch_mla` after the outputs) each token's
+    latent cache row."""
+    outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim, q_outs)
     if uses_kernels(q):
         from ropekit.triton.mla_launcher import launch_mla
 
         q_nope, q_pe = (outs[0], outs[1]) if split_q else (outs[0], outs[0])
         launch_mla(q, k_pe, q_nope, q_pe, outs[-1], spec, **cache)
-        for name in ("ckv_cache", "kpe_cache"):  # the kernel's writes are invisible to autograd: declare them
-            if cache.get(name) is not None:
-                torch.autograd.graph.increment_version(cache[name])
+        # the kernel's writes into given tensors are invisible to autograd: declare them
+        for written in (cache.get("ckv_cache"), cache.get("kpe_cache"), *q_outs):
+            if written is not None:
+                torch.autograd.graph.increment_version(written)
         return outs
     from ropekit.reference import mla_reference
 
@@ -411,26 +417,34 @@ def _mla_rope(q, k_pe, k_heads, split_q, *spec) -> list[Tensor]:
     return mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec))
 
 
-def _three(outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def _new_outputs_only(q: Tensor, outs: list[Tensor], q_outs: tuple, split_q: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``ropekit::mla_rope_kv_write``'s fixed outputs (a list output of an op that mutates its arguments is not
-    functionalised): q or q_nope, q_pe (unsplit q: an empty tensor), k_out."""
-    return (outs[0], outs[1], outs[2]) if len(outs) == 3 else (outs[0], outs[0].new_empty(0), outs[1])
+    functionalised): q or q_nope, q_pe, k_out -- an empty tensor in place of a q output the caller gave (an output
+    may not alias an argument) and of q_pe when q is not split."""
+    parts = outs[:-1] if split_q else [outs[0], None]
+    kept = [q.new_empty(0) if out is None or given is not None else out for out, given in zip(parts, q_outs)]
+    return kept[0], kept[1], outs[-1]
 
 
-def _mla_rope_kv_write(q, k_pe, kv_c, ckv_cache, kpe_cache, slots, paged, cache_scale_t, cache_scale, k_heads,
-                       split_q, *spec) -> tuple[Tensor, Tensor, Tensor]:
-    return _three(mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec), kv_c=kv_c, ckv_cache=ckv_cache,
-                             kpe_cache=kpe_cache, slots=slots, paged=paged,
-                             cache_scale=cache_scale if cache_scale_t is None else cache_scale_t))
+def _mla_rope_kv_write(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_pe_out, slots, paged, cache_scale_t,
+                       cache_scale, k_heads, split_q, *spec) -> tuple[Tensor, Tensor, Tensor]:
+    q_outs = (q_nope_out, q_pe_out)
+    outs = mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec), q_outs, kv_c=kv_c, ckv_cache=ckv_cache,
+                      kpe_cache=kpe_cache, slots=slots, paged=paged,
+                      cache_scale=cache_scale if cache_scale_t is None else cache_scale_t)
+    return _new_outputs_only(q, outs, q_outs, split_q)
 
 
 _MLA = "int k_heads, bool split_q"
 mla_rope = torch.library.custom_op("ropekit::mla_rope", _mla_rope, mutates_args=(),
                                    schema=op_schema(False, f"Tensor q, Tensor k_pe, {_MLA}"))
+# Without split_q, q_nope_out holds the whole q's output.
 mla_rope_kv_write = torch.library.custom_op(
-    "ropekit::mla_rope_kv_write", _mla_rope_kv_write, mutates_args=("ckv_cache", "kpe_cache"),
-    schema=op_schema(False, "Tensor q, Tensor k_pe, Tensor kv_c, Tensor(a!) ckv_cache, Tensor(b!)? kpe_cache, "
-                            f"Tensor? slots, bool paged, Tensor? cache_scale_t, float cache_scale, {_MLA}",
+    "ropekit::mla_rope_kv_write", _mla_rope_kv_write,
+    mutates_args=("ckv_cache", "kpe_cache", "q_nope_out", "q_pe_out"),
+    schema=op_schema(False, "Tensor q, Tensor k_pe, Tensor? kv_c, Tensor(a!)? ckv_cache, Tensor(b!)? kpe_cache, "
+                            "Tensor(c!)? q_nope_out, Tensor(d!)? q_pe_out, Tensor? slots, bool paged, "
+                            f"Tensor? cache_scale_t, float cache_scale, {_MLA}",
                      returns="(Tensor, Tensor, Tensor)"))
 
 
@@ -440,6 +454,8 @@ def _mla_rope_fake(q, k_pe, k_heads, split_q, *spec):
 
 
 @mla_rope_kv_write.register_fake
-def _mla_rope_kv_write_fake(q, k_pe, kv_c, ckv_cache, kpe_cache, slots, paged, cache_scale_t, cache_scale, k_heads,
-                            split_q, *spec):
-    return _three(_mla_outputs(q, k_pe, k_heads, split_q, RopeSpec(*spec).rotary_dim))
+def _mla_rope_kv_write_fake(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_pe_out, slots, paged, cache_scale_t,
+                            cache_scale, k_heads, split_q, *spec):
+    q_outs = (q_nope_out, q_pe_out)
+    outs = _mla_outputs(q, k_pe, k_heads, split_q, RopeSpec(*spec).rotary_dim, q_outs)
+    return _new_outputs_only(q, outs, q_outs, split_q)
