@@ -52,15 +52,15 @@ def _slots(n: int, rows: int, device, skip: bool = True) -> torch.Tensor:
 
 
 def oracle(q, k_pe, positions, *, style="neox", base=10000.0, inv_freq=None, q_scale=1.0, k_scale=1.0,
-           rotary_scale=1.0, cos=None, sin=None):
+           rotary_scale=1.0, cos=None, sin=None, sections=None):
     """(q_rot, k_rot) in float64 on CPU: the back R columns of q and all of k_pe ([.., 1, R]) turned by the tokens'
-    angles (``positions`` of q's leading shape)."""
+    angles (``positions`` of q's leading shape; multi-axis: [A, ..] with ``sections``)."""
     rope = k_pe.shape[-1]
     pos = positions.cpu().long()
     if cos is not None:
         c, s = cos.cpu().double()[pos], sin.cpu().double()[pos]
     else:
-        ang = angles64(pos, rope, base=base, inv_freq=inv_freq)
+        ang = angles64(pos, rope, base=base, inv_freq=inv_freq, sections=sections)
         c, s = ang.cos(), ang.sin()
     q_rot = rotate64(q.cpu().double(), c, s, style=style, rotary_dim=rope, rotary_at="back", scale=q_scale,
                      rotary_scale=rotary_scale)
@@ -193,6 +193,25 @@ def test_packed_sequences_paged(route):
             positions = torch.tensor([0, 1, 0, 1, 2]) + 7 + call
             q_rot, k_rot = oracle(q, k_pe, positions)
             assert_close_to_ref(q_out, q_rot, torch.float32, backend)
+            rows = cache.view(-1, L + R).cpu()
+            _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, slots, torch.float32, backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_multi_axis_positions(route):
+    """M-RoPE sections through the MLA call: positions [A, T], pair i turning with its axis (contiguous)."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), torch.float32, device)
+            positions = torch.randint(0, 300, (2, T), device=device)
+            slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
+            cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, device)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, sections=(1, 3), kv_cache=cache,
+                               slot_mapping=slots, style="interleaved")
+            q_rot, k_rot = oracle(q, k_pe, positions, sections=(1, 3), style="interleaved")
+            assert_close_to_ref(q_out, q_rot, torch.float32, backend)
+            assert_close_to_ref(k_out, k_rot, torch.float32, backend)
             rows = cache.view(-1, L + R).cpu()
             _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, slots, torch.float32, backend)
 
