@@ -557,3 +557,20 @@ def test_compile_fullgraph_with_q_out():
         assert all(same_bits(g, w) for g, w in zip(got, want))
         assert same_bits(caches[0], caches[1]) and same_bits(buffers[0], buffers[1])
         assert not torch.isnan(buffers[0][..., L:]).any()
+
+
+@pytest.mark.parametrize("route", ROUTES[1:])
+@pytest.mark.parametrize("method", ["float64", "integer"])
+def test_exact_angle_methods(route, method):
+    """Both in-kernel angle reductions (float64, and the 64-bit integer turns of GPUs with slow float64) at large
+    positions."""
+    from ropekit.testing import exact_angles
+
+    with on_route(route) as device, exact_angles(method):
+        for _ in range(CALLS):
+            q, k_pe, _ = _inputs((T,), torch.float32, device)
+            positions = torch.randint(2**20, 2**31 - 1, (T,), device=device)
+            q_out, k_out = mla(q, k_pe, positions=positions, base=500000.0)
+            q_rot, k_rot = oracle(q, k_pe, positions, base=500000.0)
+            assert_close_to_ref(q_out, q_rot, torch.float32, ROUTE_BACKENDS[route])
+            assert_close_to_ref(k_out, k_rot, torch.float32, ROUTE_BACKENDS[route])
