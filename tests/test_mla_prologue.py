@@ -574,3 +574,25 @@ def test_exact_angle_methods(route, method):
             q_rot, k_rot = oracle(q, k_pe, positions, base=500000.0)
             assert_close_to_ref(q_out, q_rot, torch.float32, ROUTE_BACKENDS[route])
             assert_close_to_ref(k_out, k_rot, torch.float32, ROUTE_BACKENDS[route])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("d_nope", [0, 12])
+def test_widths_that_are_not_powers_of_two(route, d_nope):
+    """D_rope 6 (3 pairs), latent 5, and q without nope columns: padded blocks are masked."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        for _ in range(CALLS):
+            q, k_pe, kv_c = _inputs((T,), torch.float32, device, latent=5, d_nope=d_nope, rope=6)
+            positions = torch.randint(0, 999, (T,), device=device)
+            slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
+            ckv, kpe = _poisoned((BLOCKS, BLOCK_SIZE, 5), torch.float32, device), _poisoned((BLOCKS, BLOCK_SIZE, 6),
+                                                                                          torch.float32, device)
+            q_nope, q_pe, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=(ckv, kpe), slot_mapping=slots,
+                                      split_q=True, style="interleaved")
+            q_rot, k_rot = oracle(q, k_pe, positions, style="interleaved")
+            assert q_nope.shape == (T, H, d_nope)
+            assert_close_to_ref(q_nope, q_rot[..., :d_nope], torch.float32, backend)
+            assert_close_to_ref(q_pe, q_rot[..., d_nope:], torch.float32, backend)
+            _check_cache_rows(ckv.view(-1, 5).cpu(), kpe.view(-1, 6).cpu(), kv_c, k_rot, slots, torch.float32,
+                              backend)
