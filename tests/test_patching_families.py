@@ -166,7 +166,7 @@ def test_family_matches_unpatched(model_type, rope_calls):
     ref_tokens = _generate(model, ids[:, :8])
     assert counted.calls > 0, "the family's rotation never ran: the test would prove nothing"
 
-    patch(model)
+    patch(model, prologue=False)  # the rotation alone: test_patching_fused.py has the fused QK-norm families
     try:
         assert is_patched(model)
         logits, grads = _forward_backward(model, ids)
@@ -282,7 +282,7 @@ def test_bf16_family_keeps_dtypes_and_accuracy(model_type, rope_calls):
         exact = _tiny(model_type)(ids).logits
         model = _tiny(model_type).to(torch.bfloat16)
         ref = model(ids).logits
-        patch(model)
+        patch(model, prologue=False)
         try:
             out = model(ids).logits
         finally:

@@ -50,6 +50,8 @@ from torch.utils._pytree import tree_map_only
 from ropekit._spec import pair_axis_tensor
 from ropekit.api import apply_rope
 from ropekit.frequencies.families import MODEL_FAMILIES
+from ropekit.integrations import attention_forward
+from ropekit.integrations.attention_forward import PLAN_ATTR as _PLAN_ATTR
 from ropekit.modules import RotaryEmbedding, hf_tables
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_patched", "patch", "unpatch"]
@@ -63,7 +65,6 @@ _FAMILIES: dict[str, dict[str, str]] = {
 #: ``config.model_type`` values :func:`patch` accepts.
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
-_PLAN_ATTR = "_ropekit_plan"
 _STATE_ATTR = "_ropekit_patch"
 _LOCK = threading.Lock()
 _GLOBAL_REFS: dict[str, int] = {}  # modeling module name -> patched models using its dispatchers
@@ -474,8 +475,18 @@ def _model_type(model: nn.Module) -> str:
     return model_type
 
 
-def patch(model: nn.Module) -> nn.Module:
+def patch(model: nn.Module, *, prologue: bool = True, attention: bool = False) -> nn.Module:
     """Make ``model`` (a transformers model) apply its rotary embedding with ropekit; returns ``model``.
+
+    ``prologue`` (default on): where the family normalises each head of q and k before the rotation (Qwen3,
+    Qwen3-MoE, Qwen3-Next, Gemma 3), the attention runs both norms and the rotation as one
+    :func:`ropekit.qk_norm_rope`, and with transformers' ``StaticCache`` (``cache_implementation="static"``) as one
+    :func:`ropekit.rope_kv_write` that also writes the layer's keys and values (inference). ``attention``: Llama's
+    and Qwen3's attention (and the families that share their attention code) run rotation and attention as one
+    :func:`ropekit.rope_attention` where that is the same attention (sdpa without a mask, i.e. causal with no
+    padding; no sliding window or dropout; no cache or an empty ``DynamicCache``: training and prefill); other calls
+    take the usual path. See :mod:`ropekit.integrations.attention_forward`. Calling ``patch`` again on a patched
+    model applies the new switches.
 
     Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Mixtral, Qwen2/3 and their
     MoE, Qwen3-Next, Gemma 1/2/3 (one frequency set per layer type), Llama 4 (complex ``freqs_cis``), OLMo 1/2/3,
@@ -499,6 +510,9 @@ def patch(model: nn.Module) -> nn.Module:
         For an unsupported model type, or a model without a rotary-embedding module of its family.
     """
     _check_model(model, "patch")
+    for name, value in (("prologue", prologue), ("attention", attention)):
+        if not isinstance(value, bool):
+            raise TypeError(f"patch: {name} must be a bool, got {type(value).__name__}")
     model_type = _model_type(model)
     if model_type not in _FAMILIES and model_type.removesuffix("_text") in _FAMILIES:
         model_type = model_type.removesuffix("_text")  # a multimodal family's text-only model (gemma3_text)
@@ -515,9 +529,8 @@ def patch(model: nn.Module) -> nn.Module:
         m for m in model.modules() if _is_vision_rotary(m, modeling)]
     todo = [(m, is_tower) for ms, is_tower in ((rotaries, False), (towers, True)) for m in ms
             if not hasattr(m, _STATE_ATTR)]
-    if not todo:
-        return model
     with _LOCK:
+        attention_forward.install(model, modeling, prologue=prologue, attention=attention)
         for rotary, is_tower in todo:
             if is_tower:
                 state, forward = _ModuleState(rope=None, modeling=modeling), _vision_rotary_forward
@@ -551,6 +564,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     ``TypeError`` if ``model`` is not an ``nn.Module``."""
     _check_model(model, "unpatch")
     with _LOCK:
+        for attn in model.modules():
+            attention_forward.uninstall(attn)
         for rotary in list(model.modules()):
             state = rotary.__dict__.get(_STATE_ATTR)
             if state is None:

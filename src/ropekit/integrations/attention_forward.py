@@ -1,0 +1,406 @@
+"""Patched attention forwards: the attention prologue of a patched transformers model in ropekit's fused ops.
+
+:func:`ropekit.integrations.patching.patch` swaps the rotation; for the attention modules listed here it also
+replaces the module's ``forward`` (per instance) with one that keeps the family's math and runs
+
+* per-head QK-norm and the rotation as one :func:`ropekit.qk_norm_rope` (forward and backward), where the family
+  normalises each head of q and k with an RMSNorm before the rotation (Qwen3, Qwen3-MoE, Qwen3-Next, Gemma 3);
+* with transformers' ``StaticCache``, norm, rotation and the K/V write as one :func:`ropekit.rope_kv_write` into the
+  cache layer's own tensors (inference only; other cache classes keep ``cache.update``);
+* with ``attention=True``, the rotation and the attention as one :func:`ropekit.rope_attention` (Llama's and
+  Qwen3's forwards), where that is the same attention: sdpa with no mask (causal, no padding, no packed sequences,
+  no sliding window), no dropout, and no cache or an empty ``DynamicCache`` layer (which then receives the rotated
+  k from :func:`ropekit.apply_rope`, as it would have).
+
+Anything else takes the family's own math (modules and the patched rotation) inside the same forward.
+
+Which forward a class has is recognised by its code, not its name: the ``forward`` of the attention class is
+parsed and its syntax tree (less docstring, annotations and decorators) fingerprinted; only fingerprints whose code
+was read and checked against this module's forward are patched (:data:`_SHAPES`), so a family whose attention
+changes in a new transformers release keeps the rotation-only patch rather than running stale math. Families that
+copy one of these forwards verbatim (Qwen3-MoE's is Qwen3's; Granite's, Arcee's and Qwen2-MoE's are Llama's) are
+covered by the same fingerprint. The QK-norm modules are checked by behaviour: a probe through the module must
+equal ``x / sqrt(mean(x**2) + eps) * (w + offset)`` with offset 0 (Qwen3) or 1 (Gemma 3, Qwen3-Next).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import textwrap
+import types
+
+import torch
+from torch import Tensor, nn
+
+from ropekit.api import apply_rope, qk_norm_rope, rope_kv_write
+from ropekit.attention import rope_attention
+
+__all__ = ["install", "uninstall", "fused_modules"]
+
+_STATE_ATTR = "_ropekit_attention"
+#: the attribute a patched rotary module tags its cos table with (the patch's plan: positions and frequencies)
+PLAN_ATTR = "_ropekit_plan"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """One checked attention forward: its math (``kind``) and how its transformers version passes the cache."""
+
+    kind: str  # "llama": no QK-norm; "qwen3": norms before the transpose, sliding_window passed; "qwen3_next":
+    # gated [q | gate] heads, no sliding_window; "gemma3": norms after the transpose, sliding_window passed
+    cache_arg: str  # "cache" (transformers >= 5.2x) or "past_key_values"
+    update_kwargs: bool  # cache.update(..., kwargs=kwargs)
+
+
+# fingerprint of an attention class's forward (see _fingerprint) -> its shape. Read and checked: transformers 5.17
+# (past_key_values, update without kwargs) and 5.24 (cache, update with kwargs=kwargs).
+_SHAPES: dict[str, _Shape] = {
+    # transformers 5.24
+    "daf1ef2bf100ce9b": _Shape("llama", "cache", True),  # Llama, Arcee, Granite, Qwen2-MoE
+    "1dcf44bd1ea05d8e": _Shape("qwen3", "cache", True),  # Qwen3, Qwen3-MoE, Dots1
+    "3f9ea87c15756fbb": _Shape("qwen3_next", "cache", True),
+    "60c3e01f01227383": _Shape("gemma3", "cache", True),
+    # transformers 5.17
+    "278ad3fc6ab29dd0": _Shape("llama", "past_key_values", False),
+    "f7f295877b0808ca": _Shape("qwen3", "past_key_values", False),
+    "d24ce3b033ec9d7c": _Shape("qwen3_next", "past_key_values", False),
+    "e82526f005aaec94": _Shape("gemma3", "past_key_values", False),
+}
+_NORMED = ("qwen3", "qwen3_next", "gemma3")
+_ATTENTION_KINDS = ("llama", "qwen3")  # the forwards patch(model, attention=True) routes through rope_attention
+# what the decoder layers pass on to the attention function that sdpa's ignores (output_attentions when false), so
+# rope_attention's route may too; any other keyword takes the usual path
+_IGNORABLE_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
+                               "output_hidden_states", "output_router_logits", "return_dict"})
+
+
+def _serialise(node) -> str:
+    """A syntax tree as text, every field written (ast.dump leaves empty ones out in newer Pythons)."""
+    if isinstance(node, ast.AST):
+        fields = ",".join(f"{name}={_serialise(value)}" for name, value in ast.iter_fields(node)
+                          if name not in ("type_comment", "type_params", "ctx"))
+        return f"{type(node).__name__}({fields})"
+    if isinstance(node, list):
+        return "[" + ",".join(_serialise(n) for n in node) + "]"
+    return repr(node)
+
+
+def _fingerprint(function) -> str | None:
+    """16 hex digits identifying a function's code (docstring, annotations and decorators left out), or None
+    when its source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+        tree = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(tree, ast.FunctionDef):
+        return None
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    args = tree.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    text = f"{names}|{args.vararg and args.vararg.arg}|{args.kwarg and args.kwarg.arg}|{_serialise(body)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_SHAPE_OF_CLASS: dict[type, _Shape | None] = {}
+
+
+def _shape_of(cls: type) -> _Shape | None:
+    if cls not in _SHAPE_OF_CLASS:
+        _SHAPE_OF_CLASS[cls] = _SHAPES.get(_fingerprint(cls.forward) or "")
+    return _SHAPE_OF_CLASS[cls]
+
+
+def _norm_form(norm: object, head_dim: int) -> tuple[float, float] | None:
+    """``(weight_offset, eps)`` of a per-head RMSNorm module, or None when it is not one: a probe through the module
+    must give ``x / sqrt(mean(x**2) + eps) * (weight + offset)`` over the head_dim columns (offset 0 or 1)."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(norm, nn.Module) or not isinstance(weight, Tensor) or tuple(weight.shape) != (head_dim,) \
+            or weight.is_meta or not weight.is_floating_point() or isinstance(eps, bool) \
+            or not isinstance(eps, (int, float)) or not eps > 0:
+        return None
+    generator = torch.Generator().manual_seed(0)  # the global RNG stays untouched
+    x = torch.randn(4, head_dim, generator=generator, dtype=torch.float64)
+    with torch.no_grad():
+        try:
+            got = norm(x.to(weight.device, torch.float32)).double().cpu()
+        except Exception:  # noqa: BLE001 -- a module that cannot take the probe is not fused
+            return None
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))
+    for offset in (0.0, 1.0):
+        want = normed * (weight.detach().double().cpu() + offset)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return offset, float(eps)
+    return None
+
+
+@dataclasses.dataclass
+class _State:
+    shape: _Shape
+    modeling: types.ModuleType
+    prologue: bool  # QK-norm + rotation (+ the static-cache write) fused
+    attention: bool  # rope_attention where exact
+    q_norm: tuple[float, float] | None = None  # (weight_offset, eps)
+    k_norm: tuple[float, float] | None = None
+
+
+def install(model: nn.Module, modeling: str, *, prologue: bool, attention: bool) -> int:
+    """Give the attention modules of ``model`` from the modeling module ``modeling`` whose forward is a checked
+    shape the fused forward (or update the switches of those that have it); returns how many modules have it."""
+    module = importlib.import_module(modeling)
+    count = 0
+    for attn in model.modules():
+        cls = type(attn)
+        if cls.__module__ != modeling or not cls.__name__.endswith("Attention"):
+            continue
+        shape = _shape_of(cls)
+        if shape is None:
+            continue
+        head_dim = getattr(attn, "head_dim", None)
+        norms = (None, None)
+        if shape.kind in _NORMED and isinstance(head_dim, int):
+            norms = (_norm_form(getattr(attn, "q_norm", None), head_dim),
+                     _norm_form(getattr(attn, "k_norm", None), head_dim))
+            if None in norms or norms[0][0] != norms[1][0]:
+                norms = (None, None)  # the two norms must be one kind for one launch
+        fused_norm = norms[0] is not None and prologue
+        fused_attention = attention and shape.kind in _ATTENTION_KINDS
+        if not (fused_norm or fused_attention):
+            uninstall(attn)
+            continue
+        state = _State(shape, module, prologue=fused_norm, attention=fused_attention, q_norm=norms[0],
+                       k_norm=norms[1])
+        object.__setattr__(attn, _STATE_ATTR, state)
+        attn.forward = types.MethodType(_forward, attn)
+        count += 1
+    return count
+
+
+def uninstall(attn: nn.Module) -> None:
+    if attn.__dict__.pop(_STATE_ATTR, None) is not None:
+        attn.__dict__.pop("forward", None)
+
+
+def fused_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of ``model`` that have the fused forward."""
+    return [m for m in model.modules() if _STATE_ATTR in m.__dict__]
+
+
+# ------------------------------------------------------------------------------------------------ the forward
+
+
+def _rotation(plan, q: Tensor, cos: Tensor) -> dict | None:
+    """The rotation keywords of a patched model's plan for q [B, S, H, D] (bshd), or None when the plan does not
+    cover this call (then the family's rotation function decides, as in the rotation-only patch)."""
+    if plan is None or plan.sections is not None or plan.positions.dim() != 2 or cos.dim() != 3:
+        return None
+    B, S, _, D = q.shape
+    rotary_dim = plan.rotary_dim or plan.width
+    if plan.positions.shape[-1] != S or plan.positions.shape[0] not in (1, B) or cos.shape[-1] != plan.width \
+            or rotary_dim > D or plan.width != rotary_dim:
+        return None
+    return dict(positions=plan.positions, inv_freq=plan.inv_freq, rotary_scale=plan.scale, rotary_dim=rotary_dim,
+                style="neox", layout="bshd")
+
+
+def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, attention_mask=None, *args,
+             **kwargs):
+    """The family's attention forward (see the module docstring) with the fused ops where they are exact."""
+    state: _State = self.__dict__[_STATE_ATTR]
+    shape = state.shape
+    original = type(self).forward
+    cos = position_embeddings[0] if isinstance(position_embeddings, (tuple, list)) \
+        and len(position_embeddings) == 2 else None
+    plan = getattr(cos, PLAN_ATTR, None)
+    if args or plan is None or not isinstance(hidden_states, Tensor) or type(hidden_states) is not Tensor:
+        return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    cache = kwargs.pop(shape.cache_arg, None)
+    if cache is None and shape.cache_arg == "cache":  # the old name, as the class's deprecate_kwarg renames it
+        cache = kwargs.pop("past_key_values", None)
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states)
+    gate = None
+    if shape.kind == "qwen3_next":
+        q, gate = torch.chunk(q.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+    q = q.view(hidden_shape)  # [B, S, H, D]
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape)
+    rotation = _rotation(plan, q, cos)
+
+    attn_output = attn_weights = None
+    if state.attention and rotation is not None and _attention_route(self, state, q, k, v, cos, cache,
+                                                                      attention_mask, kwargs):
+        attn_output = _rope_attention(self, state, q, k, v, cache, rotation, kwargs)
+    else:
+        query, key, value = _prologue(self, state, q, k, v, cos, position_embeddings[1], cache, rotation, kwargs)
+        attention_interface = state.modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, state.modeling.eager_attention_forward)
+        extra = {} if shape.kind in ("llama", "qwen3_next") else {"sliding_window": self.sliding_window}
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, **extra, **kwargs)
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)
+    return self.o_proj(attn_output), attn_weights
+
+
+def _update(state: _State, cache, key: Tensor, value: Tensor, layer_idx: int, kwargs: dict):
+    if state.shape.update_kwargs:
+        return cache.update(key, value, layer_idx, kwargs=kwargs)
+    return cache.update(key, value, layer_idx)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _prologue(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache, rotation,
+              kwargs: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """Norms, rotation and cache update: query [B, H, S, D] and the key and value states the attention reads."""
+    fused = (state.prologue and rotation is not None and q.dtype == k.dtype == v.dtype == cos.dtype
+             == self.q_norm.weight.dtype == self.k_norm.weight.dtype
+             and not _hooked(self.q_norm) and not _hooked(self.k_norm))
+    if fused:
+        offset, q_eps = state.q_norm
+        if q_eps == state.k_norm[1]:
+            if cache is not None and _static_layer(self, cache, q, k, v):
+                return _static_write(self, state, q, k, v, cache, rotation)
+            q_rot, k_rot = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, eps=q_eps,
+                                        weight_offset=offset, **rotation)
+            query, key, value = q_rot.transpose(1, 2), k_rot.transpose(1, 2), v.transpose(1, 2)
+            if cache is not None:
+                key, value = _update(state, cache, key, value, self.layer_idx, kwargs)
+            return query, key, value
+    # the family's own order of operations
+    if state.shape.kind in ("qwen3", "qwen3_next"):
+        q, k = self.q_norm(q), self.k_norm(k)
+    query, key, value = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if state.shape.kind == "gemma3":
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key = state.modeling.apply_rotary_pos_emb(query, key, cos, sin)
+    if cache is not None:
+        key, value = _update(state, cache, key, value, self.layer_idx, kwargs)
+    return query, key, value
+
+
+# ------------------------------------------------------------------------------------- the static-cache write
+
+
+def _static_layer(self, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether this layer's update is exactly ``StaticLayer.update`` of a plain ``StaticCache`` (no offloading),
+    on caches rope_kv_write can write (the inputs' dtype and device), with nothing needing gradients."""
+    from transformers import cache_utils
+
+    static_cache, static_layer = getattr(cache_utils, "StaticCache", None), getattr(cache_utils, "StaticLayer", None)
+    if static_layer is None or type(cache) is not static_cache or getattr(cache, "offloading", False):
+        return False
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or self.layer_idx >= len(layers) \
+            or type(layers[self.layer_idx]) is not static_layer:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, self.q_norm.weight, self.k_norm.weight)):
+        return False  # rope_kv_write is inference only
+    if q.device.type not in ("cpu", "cuda"):
+        return False
+    layer = layers[self.layer_idx]
+    if not getattr(layer, "is_initialized", False):
+        return k.shape[1] <= layer.max_cache_len
+    keys, values = layer.keys, layer.values
+    want = (k.shape[0], k.shape[2], layer.max_cache_len, k.shape[3])
+    return (isinstance(keys, Tensor) and isinstance(values, Tensor) and keys.dtype == values.dtype == k.dtype
+            and keys.device == values.device == k.device and tuple(keys.shape) == tuple(values.shape) == want
+            and keys.stride(-1) == values.stride(-1) == 1 and k.shape[1] <= layer.max_cache_len
+            and isinstance(getattr(layer, "cumulative_length", None), Tensor))
+
+
+def _static_write(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, rotation: dict):
+    """``StaticLayer.update`` with the norm and rotation in one rope_kv_write: token s of sequence b goes to row
+    ``cumulative_length + s`` of the layer's [B, Hkv, max_cache_len, D] tensors, as there. The cache row and the
+    rotation's position are different numbers with left padding, so the caches are written as "paged" blocks (one
+    block of max_cache_len rows per sequence, read through a transposed view) with a slot per token, and the
+    rotation takes the model's position ids."""
+    layer = cache.layers[self.layer_idx]
+    if not layer.is_initialized:
+        layer.lazy_initialization(k.transpose(1, 2), v.transpose(1, 2))
+    B, S = k.shape[:2]
+    rows = layer.max_cache_len
+    start = layer.cumulative_length
+    if start.device.type == "cpu" and not torch.compiler.is_compiling() and int(start) + S > rows:
+        raise IndexError(f"the static cache holds {rows} tokens per sequence; writing {S} at row {int(start)} "
+                         "passes its end")
+    row = torch.arange(S, device=k.device) + start.to(k.device)
+    slots = torch.arange(B, device=k.device)[:, None] * rows + row
+    slots = slots.masked_fill(row >= rows, -1)  # never into the next sequence's rows (the caller's error on CPU)
+    offset, eps = state.q_norm
+    q_rot = rope_kv_write(q, k, v, layer.keys.transpose(1, 2), layer.values.transpose(1, 2), slot_mapping=slots,
+                          cache_layout="paged", q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=eps,
+                          weight_offset=offset, **rotation)
+    layer.cumulative_length.add_(S)
+    return q_rot.transpose(1, 2), layer.keys, layer.values
+
+
+# ------------------------------------------------------------------------------------------ rope_attention
+
+
+def _empty_dynamic_layer(cache, layer_idx: int) -> bool:
+    """Whether ``cache`` is a plain DynamicCache whose layer ``layer_idx`` holds nothing yet (its update then
+    returns exactly the keys and values given)."""
+    from transformers import cache_utils
+
+    dynamic_cache, dynamic_layer = getattr(cache_utils, "DynamicCache", None), getattr(cache_utils, "DynamicLayer",
+                                                                                     None)
+    if dynamic_layer is None or type(cache) is not dynamic_cache or getattr(cache, "offloading", False):
+        return False
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return False
+    if layer_idx < len(layers):
+        layer = layers[layer_idx]
+        return type(layer) is dynamic_layer and layer.get_seq_length() == 0
+    return getattr(cache, "layer_class_to_replicate", None) is dynamic_layer
+
+
+def _attention_route(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, cache, attention_mask,
+                     kwargs: dict) -> bool:
+    """Whether rope_attention computes exactly what this call's attention would: transformers' sdpa with no mask
+    (``is_causal``, no padding, no packed sequences), no sliding window, no dropout, no logit soft-capping, and
+    every key of the attention among this call's tokens."""
+    if self.config._attn_implementation != "sdpa" or attention_mask is not None:
+        return False
+    if getattr(self, "is_causal", True) is not True or getattr(self, "sliding_window", None) is not None:
+        return False
+    if self.training and self.attention_dropout:
+        return False
+    if any(key not in _IGNORABLE_KWARGS for key in kwargs) or kwargs.get("output_attentions"):
+        return False
+    if q.device.type not in ("cpu", "cuda") or q.device != k.device or v.shape[-1] != q.shape[-1]:
+        return False
+    if not (q.dtype == k.dtype == v.dtype == cos.dtype):
+        return False
+    if state.shape.kind == "qwen3" and not (self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype):
+        return False  # Qwen3's norm returns the weight's dtype promoted with the input's
+    return cache is None or _empty_dynamic_layer(cache, self.layer_idx)
+
+
+def _rope_attention(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, rotation: dict,
+                    kwargs: dict) -> Tensor:
+    """The attention of q, k, v [B, S, H, D] (unrotated) through rope_attention: [B, S, Hq, D]."""
+    if state.shape.kind == "qwen3":
+        q, k = self.q_norm(q), self.k_norm(k)
+    if cache is not None:  # the layer is empty: it stores the rotated keys, and its update returns them as given
+        k_rot = apply_rope(k, **rotation)
+        _update(state, cache, k_rot.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs)
+    return rope_attention(q, k, v, scale=self.scaling, is_causal=True, **rotation)
