@@ -11,6 +11,8 @@
   or a sliding window takes the usual path.
 * The guards: attention forwards are recognised by their code (a changed forward is not patched), QK-norm modules
   by their behaviour.
+* torch.compile(fullgraph=True) traces the fused forwards through the fused ops (training, and a static-cache
+  decode step); on a GPU, generate's own compiled static-cache decode.
 """
 
 from __future__ import annotations
@@ -403,3 +405,77 @@ def test_norm_modules_are_recognised_by_behaviour():
     state = torch.get_rng_state()
     attention_forward._norm_form(qwen, 16)
     assert torch.equal(torch.get_rng_state(), state)  # the probe leaves the global RNG alone
+
+
+# ------------------------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("case", ["prologue", "attention-llama", "attention-qwen3"])
+def test_compiled_fused_forwards_trace_the_fused_ops(case, fused_calls):
+    """torch.compile(fullgraph=True) of a patched model: the fused forwards trace (no graph break) through the
+    fused ops, with the unpatched logits and gradients."""
+    model_type = "qwen3" if case != "attention-llama" else "llama"
+    model = _tiny(model_type, attn="sdpa")
+    ids = torch.randint(2, 128, (2, 12))
+    ref_logits, ref_grads = _forward_backward(model, ids)
+    torch._dynamo.reset()
+    try:
+        with _patched(model, attention=case.startswith("attention")):
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+            for _ in range(2):  # the second call runs the compiled graph
+                logits, grads = _forward_backward(compiled, ids)
+                _assert_same(logits, {n.removeprefix("_orig_mod."): g for n, g in grads.items()}, ref_logits,
+                             ref_grads)
+    finally:
+        torch._dynamo.reset()
+    op = "qk_norm_rope" if case == "prologue" else "rope_attention"
+    assert fused_calls[op] >= 2  # traced once per layer, not bypassed
+
+
+def test_compiled_static_decode_traces_rope_kv_write(fused_calls):
+    """A decode step with a StaticCache compiled with fullgraph=True (as generate compiles it on GPUs): the cache
+    write traces through rope_kv_write, with the unpatched logits and cache."""
+    model = _tiny("qwen3")
+    ids = torch.randint(2, 128, (2, 6))
+    results = []
+    torch._dynamo.reset()
+    try:
+        for patched in (False, True):
+            cache = transformers.StaticCache(config=model.config, max_cache_len=12)
+            with torch.no_grad(), (_patched(model) if patched else contextlib.nullcontext()):
+                model(ids[:, :5], cache=cache, use_cache=True)  # prefill, eager
+                step = torch.compile(model, fullgraph=True, backend="aot_eager")
+                logits = step(ids[:, 5:], cache=cache, use_cache=True,
+                              position_ids=torch.full((2, 1), 5)).logits
+            results.append((logits, cache))
+            torch._dynamo.reset()
+    finally:
+        torch._dynamo.reset()
+    (ref, ref_cache), (out, cache) = results
+    assert fused_calls["rope_kv_write"] >= 2 * 2  # the eager prefill, then traced in the decode step
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for want, got in zip(ref_cache.layers, cache.layers):
+        assert int(got.cumulative_length) == int(want.cumulative_length) == 6
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_static_cache_generate_on_cuda(padded, fused_calls):
+    """On a GPU, generate compiles the decode step of a static cache (reduce-overhead: CUDA graphs) around the
+    patched forward: the same tokens as unpatched, and the cache written by rope_kv_write."""
+    model = _tiny("qwen3").cuda()
+    ids = torch.randint(2, 128, (2, 8), device="cuda")
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[0, :3], mask[0, :3] = 0, 0
+    torch._dynamo.reset()
+    try:
+        ref = _generate(model, ids, mask, cache_implementation="static")
+        torch._dynamo.reset()
+        with _patched(model):
+            tokens = _generate(model, ids, mask, cache_implementation="static")
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(tokens, ref)
+    assert fused_calls["rope_kv_write"] >= 2 * 2  # the eager prefill and the traced decode step, each layer
