@@ -20,6 +20,8 @@ from helpers import ROUTE_BACKENDS, ROUTES, angles64, assert_unchanged, on_route
 from ropekit.testing import assert_close_to_ref, poisoned_like
 
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {FP8: 448.0, E5M2: 57344.0}
 CALLS = 3
 T, H, D_NOPE, R, L = 5, 3, 16, 8, 24  # tokens, heads, q's nope and rope columns, latent width
 BLOCKS, BLOCK_SIZE = 4, 4
@@ -30,9 +32,9 @@ def mla(*args, **kwargs):
 
 
 def _poisoned(shape, dtype, device) -> torch.Tensor:
-    """A tensor full of NaN (float8: the byte 0x7F, e4m3fn's NaN)."""
-    if dtype == FP8:
-        return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(FP8)
+    """A tensor full of NaN (float8: the byte 0x7F, a NaN of both formats)."""
+    if dtype in FP8_MAX:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(dtype)
     return poisoned_like(torch.empty(shape, dtype=dtype, device=device))
 
 
@@ -81,10 +83,11 @@ def _check_cache_rows(rows_latent, rows_kpe, kv_c, k_rot, slots, dtype, backend,
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
-        if dtype == FP8:
-            want = (kv_c[t].cpu().double() / scale).clamp(-448, 448)
-            assert_close_to_ref(rows_latent[slot], want, FP8, backend)
-            assert_close_to_ref(rows_kpe[slot], (k_rot[t] / scale).clamp(-448, 448), FP8, backend)
+        if dtype in FP8_MAX:
+            top = FP8_MAX[dtype]
+            want = (kv_c[t].cpu().double() / scale).clamp(-top, top)
+            assert_close_to_ref(rows_latent[slot], want, dtype, backend)
+            assert_close_to_ref(rows_kpe[slot], (k_rot[t] / scale).clamp(-top, top), dtype, backend)
         else:
             assert same_bits(rows_latent[slot], kv_c[t]), "the latent is copied bit for bit"
             assert_close_to_ref(rows_kpe[slot], k_rot[t], dtype, backend)
@@ -218,26 +221,28 @@ def test_multi_axis_positions(route):
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("scale_kind", ["float", "tensor"])
-def test_fp8_cache(route, scale_kind):
-    """float8_e4m3fn caches hold value / scale, rounded once and saturated to +-448 (large latents saturate)."""
+@pytest.mark.parametrize("fp8", [FP8, E5M2], ids=["e4m3fn", "e5m2"])
+def test_fp8_cache(route, scale_kind, fp8):
+    """float8 caches hold value / scale, rounded once and saturated to the format's largest finite value (large
+    latents saturate)."""
     backend = ROUTE_BACKENDS[route]
     with on_route(route) as device:
         for call in range(CALLS):
             q, k_pe, kv_c = _inputs((T,), torch.bfloat16, device)
-            kv_c[0, :3] = torch.tensor([1000.0, -5000.0, 300.0])  # past 448 * scale: saturates
+            kv_c[0, :3] = torch.tensor([1000.0, -5000.0, 300.0]) * (FP8_MAX[fp8] / 448)  # saturates
             scale = 0.5 + call
             slots = _slots(T, BLOCKS * BLOCK_SIZE, device)
             positions = torch.randint(0, 100, (T,), device=device)
-            ckv, kpe = _poisoned((BLOCKS, BLOCK_SIZE, L), FP8, device), _poisoned((BLOCKS, BLOCK_SIZE, R), FP8, device)
+            ckv, kpe = _poisoned((BLOCKS, BLOCK_SIZE, L), fp8, device), _poisoned((BLOCKS, BLOCK_SIZE, R), fp8, device)
             given = torch.tensor(scale, device=device) if scale_kind == "tensor" else scale
             mla(q, k_pe, kv_c, positions=positions, kv_cache=(ckv, kpe), slot_mapping=slots, kv_cache_scale=given)
             _, k_rot = oracle(q, k_pe, positions)
-            _check_cache_rows(ckv.view(-1, L).cpu(), kpe.view(-1, R).cpu(), kv_c, k_rot, slots, FP8, backend,
+            _check_cache_rows(ckv.view(-1, L).cpu(), kpe.view(-1, R).cpu(), kv_c, k_rot, slots, fp8, backend,
                               scale=scale)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8, E5M2], ids=["bf16", "e4m3fn", "e5m2"])
 @pytest.mark.parametrize("tokens", [1, 37, 300])
 def test_deepseek_shapes_on_gpu(cache_dtype, tokens):
     """DeepSeek V3's shapes (16 heads as in a tensor-parallel shard, 128 + 64 columns, latent 512, interleaved
@@ -248,7 +253,7 @@ def test_deepseek_shapes_on_gpu(cache_dtype, tokens):
     slots = _slots(tokens, blocks * 64, device, skip=tokens > 1)
     positions = torch.randint(0, 160_000, (tokens,), device=device)
     cache = _poisoned((blocks, 64, 576), cache_dtype, device)
-    scale = 0.75 if cache_dtype == FP8 else None
+    scale = 0.75 if cache_dtype in FP8_MAX else None
     q_nope, q_pe, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots,
                               kv_cache_scale=scale, split_q=True, style="interleaved", base=10000.0)
     torch.cuda.synchronize()

@@ -29,6 +29,7 @@ from ropekit._validation import _host_readable, validate_args
 __all__ = ["mla_rope_kv_write"]
 
 MLA_CACHE_LAYOUTS = ("paged", "bshd")
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _host_values(t: Tensor, check: bool) -> bool:
@@ -52,8 +53,8 @@ def _cache_scale(scale, cache: Tensor, check: bool):
     """``kv_cache_scale`` as the kernel takes it: 1.0 (None), a float, or a float32 tensor of one element."""
     if scale is None:
         return 1.0
-    if cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"kv_cache_scale applies to float8_e4m3fn caches only; the cache is {cache.dtype}")
+    if cache.dtype not in FP8_CACHES:
+        raise ValueError(f"kv_cache_scale applies to float8 caches only; the cache is {cache.dtype}")
     if isinstance(scale, Tensor):
         if scale.shape not in ((), (1,)) or not scale.dtype.is_floating_point or scale.device != cache.device:
             raise ValueError(f"kv_cache_scale must be a float or a floating tensor of shape [] or [1] on the cache's "
@@ -78,8 +79,8 @@ def _check_caches(kv_cache, q: Tensor, latent: int, rope: int) -> tuple[Tensor, 
     for name, c, width in zip(names, caches, widths):
         if not isinstance(c, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
-        if c.dtype != q.dtype and c.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"{name} must have q's dtype {q.dtype} or float8_e4m3fn, got {c.dtype}")
+        if c.dtype != q.dtype and c.dtype not in FP8_CACHES:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, float8_e4m3fn or float8_e5m2, got {c.dtype}")
         if c.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {c.device}")
         if c.dim() != 3 or c.shape[2] != width or c.stride(-1) != 1:
@@ -274,7 +275,8 @@ def mla_rope_kv_write(
         One cache [num_blocks, block_size, D_latent + D_rope] (vLLM's MLA cache: row ``[kv_c | R(k_pe)]``), or two,
         ckv [num_blocks, block_size, D_latent] and kpe [num_blocks, block_size, D_rope] (FlashInfer's paged MLA
         cache); ``cache_layout="bshd"``: [B, max_seq, ..] each, token (b, s) at row [b, its position]. q's dtype or
-        ``torch.float8_e4m3fn`` (stored = value / ``kv_cache_scale``, saturated to +-448).
+        ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (stored = value / ``kv_cache_scale``, rounded to nearest
+        even and saturated to the format's largest finite value, +-448 or +-57344).
     slot_mapping : Tensor, optional
         int32/int64 [T] (4-D q: [B, S]) slots (= block * block_size + offset; -1 skips the token); required for
         ``cache_layout="paged"``.

@@ -12,7 +12,8 @@ Cache rows as ``prologue_kernel``'s: ``CACHE_PAGED`` writes token t at slot ``sl
 The latent goes to columns ``0..LATENT_DIM`` of the ``ckv`` rows, the rotated ``k_pe`` to columns
 ``KPE_COL..KPE_COL + ROT_DIM`` of the ``kpe`` rows (one cache: the same rows, ``KPE_COL = LATENT_DIM``; separate
 caches: their own rows, ``KPE_COL = 0``). A token whose slot or row lies outside the cache (slot -1 included), or
-whose position is invalid, writes no cache row. float8_e4m3fn caches store ``value / scale`` saturated to +-448.
+whose position is invalid, writes no cache row. float8 caches (``CACHE_FP8``: 1 float8_e4m3fn, 2 float8_e5m2)
+store ``value / scale``, saturated to the format's largest finite value.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ropekit.triton.kernel import (
     _token_positions,
     _turn,
 )
-from ropekit.triton.prologue_kernels import CACHE_NONE, _cache_rows, _fp8_for_interpreter
+from ropekit.triton.prologue_kernels import CACHE_NONE, FP8_E4M3, _cache_rows, _fp8_for_interpreter
 
 
 @triton.jit
@@ -69,8 +70,9 @@ def _mla_cache_write(
 ):
     """Store the rotated key pairs (fp32 [BLOCK_T, 1, HALF_BLOCK]) and the latent row of each token in ``ok`` into
     its cache rows (element offsets ``ckv_row``/``kpc_row`` [BLOCK_T]): bit for bit in the latent's dtype, else
-    ``value * scale`` converted (float8_e4m3fn: saturated)."""
-    STORE_FP8: tl.constexpr = CACHE_FP8 and not ROUND_FP8  # the interpreter's values come ready
+    ``value * scale`` converted to the float8 kind ``CACHE_FP8`` (saturated, rounded to nearest even)."""
+    # the store saturates e4m3 itself on the GPU; every other float8 value comes ready (_fp8_for_interpreter)
+    STORE_FP8: tl.constexpr = CACHE_FP8 == FP8_E4M3 and not ROUND_FP8
     okm = ok[:, None, None]
     _store_pairs(kpc_ptr, kpc_row[:, None, None], okm, _fp8_for_interpreter(y_lo * scale, CACHE_FP8, ROUND_FP8),
                  _fp8_for_interpreter(y_hi * scale, CACHE_FP8, ROUND_FP8), y_lo, ROT_DIM, ROT_DIM, KPE_COL, NEOX,

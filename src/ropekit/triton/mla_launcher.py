@@ -13,11 +13,12 @@ import torch
 from ropekit._spec import RopeSpec, to_canonical
 from ropekit.triton import heuristics, launcher, runtime
 from ropekit.triton.mla_kernels import mla_kernel
-from ropekit.triton.prologue_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS
+from ropekit.triton.prologue_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS, FP8_E4M3, FP8_E5M2
 
 MLA = runtime.KernelRoles(mla_kernel, ("q_scale", "k_scale", "rotary_scale", "cache_scale"), ("pos_offset",))
 
 # rope_kernel's arguments (runtime, then constexprs) that the MLA kernel takes as they are
+_FP8_KINDS = {torch.float8_e4m3fn: FP8_E4M3.value, torch.float8_e5m2: FP8_E5M2.value}  # CACHE_FP8 of a cache dtype
 _SHARED_ARGS = ("S", "num_tokens", "pos_ptr", "pos_sb", "pos_ss", "seq_off_ptr", "pos_offset", "cu_ptr", "n_seqs",
                 "n_search_steps", "freq_ptr", "cos_ptr", "sin_ptr", "t_sb", "t_sr", "t_sc", "table_rows", "q_scale",
                 "k_scale", "rotary_scale", "pos_sa")
@@ -39,7 +40,7 @@ def launch_mla(q, k_pe, q_nope_out, q_pe_out, k_out, spec: RopeSpec, *, kv_c=Non
     ``k_pe`` into its cache row. q, k_pe and the outputs in ``spec.layout``; ``kv_c`` [B, S, L] or [T, L] (``thd``), the
     caches [num_blocks, block_size, W] (``paged``: token t at slot ``slots[b, s]``) or [B, max_seq, W] (token
     (b, s) at row [b, position]) (``kpe_cache`` None: one cache, the key after the latent columns);
-    ``cache_scale`` a float or a 0-d float32 tensor (float8_e4m3fn caches)."""
+    ``cache_scale`` a float or a 0-d float32 tensor (float8 caches)."""
     launch = launcher.rope_arguments(q, None, q_pe_out, None, spec)
     if launch is None:
         return
@@ -64,7 +65,7 @@ def launch_mla(q, k_pe, q_nope_out, q_pe_out, k_out, spec: RopeSpec, *, kv_c=Non
                     slot_ss=0, cache_rows=0, block_size=1, ckv_sb=0, ckv_ss=0, kpc_sb=0, kpc_ss=0, cs_ptr=dummy,
                     cache_scale=1.0)
         constexprs.update(LATENT_DIM=1, LATENT_BLOCK=1, KPE_COL=0, CACHE_MODE=CACHE_NONE.value, SCALE_PTR=False,
-                          CACHE_FP8=False)
+                          CACHE_FP8=0)
     else:
         one_cache = kpe_cache is None
         kpc = ckv_cache if one_cache else kpe_cache
@@ -84,6 +85,6 @@ def launch_mla(q, k_pe, q_nope_out, q_pe_out, k_out, spec: RopeSpec, *, kv_c=Non
         constexprs.update(LATENT_DIM=latent, LATENT_BLOCK=heuristics.next_pow2(latent),
                           KPE_COL=latent if one_cache else 0,
                           CACHE_MODE=(CACHE_PAGED if paged else CACHE_ROWS).value, SCALE_PTR=scale_ptr,
-                          CACHE_FP8=ckv_cache.dtype == torch.float8_e4m3fn)
+                          CACHE_FP8=_FP8_KINDS.get(ckv_cache.dtype, 0))
     grid = (grid[0] + 1, grid[1], grid[2])  # the key and latent block of each token block
     runtime.launch(MLA, grid, args, constexprs, num_warps, q.device)
