@@ -601,3 +601,24 @@ def test_widths_that_are_not_powers_of_two(route, d_nope):
             assert_close_to_ref(q_pe, q_rot[..., d_nope:], torch.float32, backend)
             _check_cache_rows(ckv.view(-1, 5).cpu(), kpe.view(-1, 6).cpu(), kv_c, k_rot, slots, torch.float32,
                               backend)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_inference_mode(route):
+    """Serving calls run under torch.inference_mode(); a cache made there refuses writes outside it, as torch
+    refuses in-place updates of inference tensors, before anything is written."""
+    backend = ROUTE_BACKENDS[route]
+    with on_route(route) as device:
+        q, k_pe, kv_c = _inputs((T,), torch.bfloat16, device)
+        positions, slots = torch.randint(0, 99, (T,), device=device), _slots(T, BLOCKS * BLOCK_SIZE, device)
+        with torch.inference_mode():
+            cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.bfloat16, device)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots)
+        q_rot, k_rot = oracle(q, k_pe, positions)
+        assert_close_to_ref(q_out, q_rot, torch.bfloat16, backend)
+        rows = cache.view(-1, L + R).cpu()
+        _check_cache_rows(rows[:, :L], rows[:, L:], kv_c, k_rot, slots, torch.bfloat16, backend)
+        before = snapshot(cache)
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots)
+        assert_unchanged([cache], before)
