@@ -424,3 +424,86 @@ def test_sglang_cache_loc_minus_one_skips_the_token():
     written = (k_buffer != 0).any(-1)
     assert written.tolist() == [i in (3, 0, 7, 5) for i in range(8)]
     check(k_buffer[loc[loc >= 0]], k_ref.reshape(T, -1)[loc >= 0], "cpu")
+
+
+# ------------------------------------------------------------------------------- FlashInfer's rope_quantize_fp8
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantized_ref(x, scale, dtype):
+    """FlashInfer's documented quantization in float64: value * scale, saturated to the format's largest value (the
+    one rounding is the tolerance's)."""
+    return (x.detach().cpu().double() * scale).clamp(-FP8_MAX[dtype], FP8_MAX[dtype])
+
+
+ROUTE_MARKS = {r.values[0]: r.marks for r in ROUTES}
+RQ_CASES = [pytest.param(route, kind, is_neox, dtype, outs, marks=ROUTE_MARKS[route],
+                         id=f"{route}-{kind}-{'neox' if is_neox else 'gptj'}-{str(dtype)[-6:]}-{outs}")
+            for route, kind, is_neox, dtype, outs in [
+                ("cpu", "gqa", True, torch.float8_e4m3fn, "new"), ("cpu", "mla", False, torch.float8_e5m2, "outs"),
+                ("cpu-kernels", "gqa", False, torch.float8_e4m3fn, "outs"),
+                ("cpu-kernels", "mla", True, torch.float8_e5m2, "new"),
+                ("cpu-kernels", "no-nope", True, torch.float8_e5m2, "new"),
+                ("cuda", "gqa", True, torch.float8_e4m3fn, "outs"), ("cuda", "mla", False, torch.float8_e5m2, "new")]]
+
+
+@pytest.mark.parametrize("route,kind,is_neox,dtype,outs", RQ_CASES)
+def test_flashinfer_rope_quantize_fp8(route, kind, is_neox, dtype, outs):
+    """rope_quantize_fp8: the rotary parts rotated by cos_sin_cache rows at pos_ids and both parts times their
+    quant scale, one float8 rounding from the float64 oracle; GQA ([nnz, H, d] keys), MLA ([nnz, d] keys) and no
+    nope parts; outputs written into the caller's views (the two parts of one q buffer) or new."""
+    rope_dim, nope_dim, hk = 8, (0 if kind == "no-nope" else 6), (1 if kind == "mla" else 2)
+    with on_route(route) as dev:
+        positions = shuffled_positions(dev)
+        cache = cos_sin_cache(P, rope_dim, dev)
+        q = torch.randn(T, 3, rope_dim + nope_dim, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(T, *(() if kind == "mla" else (hk,)), rope_dim + nope_dim, dtype=torch.bfloat16, device=dev)
+        q_rope, q_nope, k_rope, k_nope = q[..., :rope_dim], q[..., rope_dim:], k[..., :rope_dim], k[..., rope_dim:]
+        nopes = (None, None) if kind == "no-nope" else (q_nope, k_nope)
+        targets = {}
+        if outs == "outs":  # one float8 buffer per tensor, its parts the outputs (as FlashInfer's tests pass them)
+            q_out, k_out = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
+            targets = dict(q_rope_out=q_out[..., :rope_dim], q_nope_out=q_out[..., rope_dim:],
+                           k_rope_out=k_out[..., :rope_dim], k_nope_out=k_out[..., rope_dim:])
+        with torch.no_grad():
+            got = engines.rope_quantize_fp8(q_rope, k_rope, *nopes, cache, positions, is_neox=is_neox,
+                                            quantize_dtype=dtype, quant_scale_q=200.0, quant_scale_kv=0.5, **targets)
+    k3 = (lambda x: x.unsqueeze(1)) if kind == "mla" else (lambda x: x)
+    want = [quantized_ref(rope_ref(positions, q_rope, rope_dim, cache, is_neox), 200.0, dtype),
+            quantized_ref(rope_ref(positions, k3(k_rope), rope_dim, cache, is_neox).view(k_rope.shape), 0.5, dtype),
+            quantized_ref(q_nope[..., :nope_dim], 200.0, dtype), quantized_ref(k_nope[..., :nope_dim], 0.5, dtype)]
+    for name, g, w in zip(("q_rope", "k_rope", "q_nope", "k_nope"), got, want):
+        assert g.shape == w.shape, name
+        assert_close_to_ref(g, w, dtype, ROUTE_BACKENDS[route])
+    if targets:
+        assert all(g.data_ptr() == t.data_ptr() for g, t in zip(got, (targets["q_rope_out"], targets["k_rope_out"],
+                                                                      targets["q_nope_out"], targets["k_nope_out"])))
+    if dtype == torch.float8_e4m3fn:  # q's values reach ~3 * 200: saturated at 448
+        assert (got[0].float().abs() == 448.0).any()
+
+
+@pytest.mark.parametrize("route", [pytest.param(r, marks=ROUTE_MARKS[r]) for r in ("cpu", "cpu-kernels")])
+def test_flashinfer_rope_quantize_fp8_bad_input_writes_nothing(route):
+    """Bad arguments raise naming the argument; the caller's output tensors keep their bytes."""
+    with on_route(route) as dev:
+        q, k = torch.randn(T, 2, 8, device=dev), torch.randn(T, 1, 8, device=dev)
+        cache, positions = cos_sin_cache(P, 8, dev), shuffled_positions(dev)
+        out = torch.full((T, 2, 8), 3.0, device=dev).to(FP8)
+        cases = [
+            (dict(quantize_dtype=torch.float16), TypeError, "quantize_dtype"),
+            (dict(quant_scale_q=0.0), ValueError, "quant_scale_q"),
+            (dict(q_rope_out=out[:, :1]), ValueError, "q_rope_out"),
+            (dict(k_rope_out=out[:, :1].to(torch.float8_e5m2)), ValueError, "k_rope_out"),
+            (dict(pos_ids=positions[:-1]), ValueError, "pos_ids"),
+            (dict(cos_sin_cache=cos_sin_cache(P, 4, dev)), ValueError, "cos_sin_cache"),
+            (dict(q_nope=torch.randn(T, 3, 4, device=dev)), ValueError, "q_nope"),
+        ]
+        for overrides, error, words in cases:
+            kw = dict(q_rope=q, k_rope=k, q_nope=None, k_nope=None, cos_sin_cache=cache, pos_ids=positions,
+                      q_rope_out=out)
+            kw.update(overrides)
+            before = snapshot(out)
+            with torch.no_grad(), pytest.raises(error, match=words):
+                engines.rope_quantize_fp8(**kw)
+            assert_unchanged((out,), before)

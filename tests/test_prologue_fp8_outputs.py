@@ -21,6 +21,7 @@ from helpers import (
     same_bits,
     snapshot,
 )
+from ropekit import _fastpath
 from ropekit.testing import assert_close_to_ref
 
 FP8 = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
@@ -203,3 +204,56 @@ def test_float8_q_matches_the_unquantized_call(route):
                                         out_dtype=torch.float8_e4m3fn)
     want = plain.clamp(-448, 448).to(torch.float8_e4m3fn)
     assert same_bits(fp8, want)
+
+
+# ------------------------------------------------------------------------------------ apply_rope's float8 outputs
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", FP8)
+def test_apply_rope_float8(route, dtype):
+    """apply_rope(out_dtype=float8): the rotation times q_scale / k_scale (FlashInfer's quant scales multiply),
+    rounded once, saturated; a partial rotary's pass-through columns too."""
+    with on_route(route) as dev:
+        q, k, _, _, _, positions = _inputs(dev, torch.bfloat16)
+        with torch.no_grad():
+            q_out, k_out = ropekit.apply_rope(q, k, positions=positions, layout="thd", rotary_dim=8, out_dtype=dtype,
+                                              q_scale=200.0, k_scale=0.5)
+    cos, sin = cos_sin64(positions.cpu(), D, {"rotary_dim": 8})
+    for x, out, scale in ((q, q_out, 200.0), (k, k_out, 0.5)):
+        want = rotate64(x.cpu().double(), cos, sin, rotary_dim=8, scale=scale)
+        assert_close_to_ref(out, _clamped(want, dtype), dtype, BACKEND[route])
+
+
+@pytest.mark.parametrize("route", KERNEL_ROUTES)
+@pytest.mark.parametrize("dtype", FP8)
+def test_apply_rope_float8_replayed_plan_matches_the_full_path(route, dtype):
+    """A float8 apply_rope call replayed from its launch plan (third call of a signature) gives the full path's
+    bytes, for an int offset that changes between calls."""
+    with on_route(route, clear_plans=True) as dev:
+        q, k, _, _, _, _ = _inputs(dev)
+        q, k = q.view(1, T, HQ, D), k.view(1, T, HK, D)
+        outs = [ropekit.apply_rope(q, k, positions=p, out_dtype=dtype, q_scale=30.0) for p in (3, 4, 7)]
+        assert len(_fastpath._PLANS) == 1  # the third call was replayed
+        ropekit.set_fast_path(False)
+        try:
+            full = ropekit.apply_rope(q, k, positions=7, out_dtype=dtype, q_scale=30.0)
+        finally:
+            ropekit.set_fast_path(True)
+    assert same_bits(outs[2][0], full[0]) and same_bits(outs[2][1], full[1])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_apply_rope_float8_refused_where_it_cannot_hold(route):
+    """float8 outputs are forward, out of place and without autograd: apply_rope_ (ValueError), rope_backward and
+    inputs that require grad (RuntimeError) raise, naming out_dtype."""
+    with on_route(route) as dev:
+        q, k, _, _, _, positions = _inputs(dev)
+        kw = dict(positions=positions, layout="thd", out_dtype=torch.float8_e4m3fn)
+        before = snapshot(q, k)
+        with pytest.raises(ValueError, match="out_dtype"):
+            ropekit.apply_rope_(q, k, **kw)
+        assert_unchanged((q, k), before)
+        with pytest.raises(RuntimeError, match="out_dtype"):
+            ropekit.rope_backward(q, k, **kw)
+        with pytest.raises(RuntimeError, match="out_dtype"):
+            ropekit.apply_rope(q.requires_grad_(), k, **kw)

@@ -40,6 +40,7 @@ from ropekit._spec import (
     RopeSpec,
     layout_ndim,
     layout_shape,
+    needs_grad,
     to_canonical,
 )
 from ropekit.frequencies import STYLES, default_inv_freq
@@ -185,11 +186,14 @@ def validate_args(q: Tensor, k: Tensor | None, args: RopeArgs, mode: Mode = FORW
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if out_dtype is not None:
-        if not isinstance(out_dtype, torch.dtype) or out_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"out_dtype must be None or a floating dtype (float16, bfloat16, float32, float64), "
-                            f"got {out_dtype!r}")
+        if not isinstance(out_dtype, torch.dtype) or out_dtype not in FLOAT_DTYPES + FP8_DTYPES:
+            raise TypeError(f"out_dtype must be None or a floating dtype (float16, bfloat16, float32, float64, "
+                            f"float8_e4m3fn, float8_e5m2), got {out_dtype!r}")
         if mode.inplace and out_dtype != q.dtype:
             raise ValueError(f"an in-place rotation writes {qn}'s own dtype {q.dtype}; got out_dtype={out_dtype}")
+        if out_dtype in FP8_DTYPES and (mode.conjugate or needs_grad(q, k)):
+            raise RuntimeError(f"out_dtype={out_dtype} is for inference: not for rope_backward or inputs that "
+                               "require grad (call under torch.no_grad() or torch.inference_mode())")
         if out_dtype == q.dtype:
             out_dtype = None  # one spelling of "the input dtype", so equal calls get equal specs
 
@@ -480,9 +484,9 @@ def _scale(name: str, scale, device: torch.device, where: str, check_values: boo
         return 1.0
     if isinstance(scale, Tensor):
         if scale.shape not in ((), (1,), (heads,)) or not scale.dtype.is_floating_point or scale.device != device:
-            per_head = f", [{heads}] (one per head)" if heads > 1 else ""
-            raise ValueError(f"{name} must be a Python float or a floating tensor of shape [] or [1]{per_head} on "
-                             f"{where} {device}, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}")
+            raise ValueError(f"{name} must be a Python float or a floating tensor of shape [] or [1]"
+                             f"{f', [{heads}] (one per head)' if heads > 1 else ''} on {where} {device}, got shape "
+                             f"{tuple(scale.shape)} {scale.dtype} on {scale.device}")
         if (check_values or _host_readable(scale)) and not torch.compiler.is_compiling():
             if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
                 raise ValueError(f"{name} must be finite and > 0, got a tensor holding {scale.tolist()!r}")
@@ -501,20 +505,14 @@ def _cache_scale(name: str, scale, cache: Tensor, cache_name: str, check_values:
 
 def validate_out_quant(dtype, scales: OutScales, q: Tensor, k: Tensor | None, check_values: bool) -> OutQuant | None:
     """Check the prologue's float8 output arguments (``out_dtype``, ``q_out_scale``, ``k_out_scale``): None where the
-    outputs keep the inputs' dtype; else the validated :class:`OutQuant`. Inference only: q or k requiring grad
-    raises."""
+    outputs keep the inputs' dtype; else the validated :class:`OutQuant` (the caller refuses autograd)."""
     names = tuple(zip(OutScales._fields, scales))
     if dtype is None:
-        for name, value in names:
-            if value is not None:
-                raise ValueError(f"{name} applies to float8 outputs only (out_dtype=torch.float8_e4m3fn or "
-                                 "torch.float8_e5m2)")
+        for name in (n for n, v in names if v is not None):
+            raise ValueError(f"{name} applies to float8 outputs only (out_dtype float8_e4m3fn or float8_e5m2)")
         return None
     if dtype not in FP8_DTYPES:
         raise TypeError(f"out_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k)):
-        raise RuntimeError("float8 outputs are not differentiable: call under torch.no_grad() or "
-                           "torch.inference_mode(), or leave out_dtype None for training")
     dynamic = [isinstance(v, str) for v in scales]
     if any(dynamic):
         if not dynamic[0]:

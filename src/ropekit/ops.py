@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _config
-from ropekit._spec import CacheSpec, OutQuant, RopeSpec, op_schema, to_canonical
+from ropekit._spec import FP8_MAX, CacheSpec, OutQuant, RopeSpec, op_schema, to_canonical
 
 
 def uses_kernels(x: Tensor) -> bool:
@@ -45,6 +45,13 @@ def uses_float32_path(x: Tensor) -> bool:
 
 def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec: RopeSpec) -> None:
     """Rotate into the given outputs on q's device (outputs may be the inputs)."""
+    if q_out.dtype in FP8_MAX and not uses_kernels(q):  # float8: the math dtype's result, rounded once, saturated
+        from ropekit.reference import to_float8
+
+        math = torch.float32 if uses_float32_path(q) else torch.float64
+        for out, y in zip((q_out, k_out), rotate_out_of_place(q, k, spec._replace(out_dtype=math))):
+            out.copy_(to_float8(y, out.dtype))
+        return
     if uses_kernels(q):
         from ropekit.triton.launcher import launch_rope
 

@@ -8,7 +8,7 @@ semantics, on ropekit's ops (nothing of those engines is imported).
   ``fused_set_kv_buffer_arg`` (:class:`FusedSetKVBufferArg`) also writes the rotated key and the value into the
   token-indexed KV buffers.
 
-Not here yet: FlashInfer's ``rope_quantize_fp8`` (fp8 q outputs, not built in ropekit yet).
+* :func:`rope_quantize_fp8`: FlashInfer's op of that name (RoPE of pre-split rope/nope parts, float8 outputs).
 
 What they share:
 
@@ -46,6 +46,7 @@ __all__ = [
     "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
     "FusedSetKVBufferArg",
+    "rope_quantize_fp8",
 ]
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -328,3 +329,101 @@ def fused_qk_norm_rope(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_head
                                 style="neox" if is_neox else "interleaved", layout="thd", rotary_dim=rot_dim)
     q.copy_(q_out)
     k.copy_(k_out)
+
+
+# ------------------------------------------------------------------------------------- FlashInfer's fp8 prologue
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _float8_target(name: str, out, like: Tensor, dtype: torch.dtype) -> None:
+    """A caller's output tensor: None, or ``like``'s shape in ``dtype`` on its device."""
+    if out is None:
+        return
+    if not isinstance(out, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(like.shape) or out.dtype != dtype or out.device != like.device:
+        raise ValueError(f"{name} must be {tuple(like.shape)} {dtype} on {like.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+
+
+def _quant_scale(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+    return float(value)
+
+
+def rope_quantize_fp8(q_rope: Tensor, k_rope: Tensor, q_nope: Tensor | None, k_nope: Tensor | None,
+                      cos_sin_cache: Tensor, pos_ids: Tensor, is_neox: bool = True,
+                      quantize_dtype: torch.dtype | None = None, quant_scale_q: float = 1.0,
+                      quant_scale_kv: float = 1.0, q_rope_out: Tensor | None = None, k_rope_out: Tensor | None = None,
+                      q_nope_out: Tensor | None = None, k_nope_out: Tensor | None = None, enable_pdl: bool = False,
+                      *, check_positions: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FlashInfer's ``rope_quantize_fp8``: rotate the rotary parts of q and k and quantize them and the non-rotary
+    parts to float8; returns ``(q_rope_out, k_rope_out, q_nope_out, k_nope_out)``. Inference only.
+
+    q_rope : Tensor [nnz, Hq, rope_dim]
+    k_rope : Tensor [nnz, Hkv, rope_dim], or [nnz, rope_dim] (MLA: one shared key head)
+        float16/bfloat16 (float32 too), one dtype; rotated whole (rope_dim = cos_sin_cache's width).
+    q_nope, k_nope : Tensor [nnz, Hq, no_rope_dim] / [nnz, Hkv, no_rope_dim] (MLA: [nnz, no_rope_dim]), or None
+        Not rotated, only quantized (None: empty outputs with no_rope_dim 0).
+    cos_sin_cache : Tensor [max_seq_len, rope_dim]
+        cat(cos, sin) of the rope_dim/2 pairs per position (FlashInfer's float32; any float dtype here).
+    pos_ids : Tensor [nnz], int32/int64
+    is_neox : bool
+        True: NeoX pairs (i, i + rope_dim/2); False: GPT-J pairs (2i, 2i + 1).
+    quantize_dtype : torch.float8_e4m3fn or torch.float8_e5m2, optional
+        Default: the dtype of the output tensors given, else float8_e4m3fn.
+    quant_scale_q, quant_scale_kv : float
+        Multiply q's and k's values before the conversion (FlashInfer's quantization scales: stored = value *
+        scale, rounded once to nearest even, saturated to +-448 / +-57344).
+    q_rope_out, k_rope_out, q_nope_out, k_nope_out : Tensor, optional
+        Where to write (their inputs' shapes, ``quantize_dtype``; views, such as the two parts of one q buffer,
+        are fine); new tensors where None. ``enable_pdl`` is accepted and ignored.
+
+    Raises ``TypeError``/``ValueError`` naming the argument before anything is written.
+    """
+    outs = (q_rope_out, k_rope_out, q_nope_out, k_nope_out)
+    if quantize_dtype is None:
+        quantize_dtype = next((o.dtype for o in outs if isinstance(o, Tensor)), torch.float8_e4m3fn)
+    if quantize_dtype not in _FP8_MAX:
+        raise TypeError(f"quantize_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {quantize_dtype}")
+    scale_q, scale_kv = _quant_scale("quant_scale_q", quant_scale_q), _quant_scale("quant_scale_kv", quant_scale_kv)
+    for name, x in (("q_rope", q_rope), ("k_rope", k_rope)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q_rope.dim() != 3:
+        raise ValueError(f"q_rope must be [nnz, num_qo_heads, rope_dim], got shape {tuple(q_rope.shape)}")
+    nnz, hq, rope_dim = q_rope.shape
+    mla = k_rope.dim() == 2
+    if k_rope.dim() not in (2, 3) or k_rope.shape[0] != nnz or k_rope.shape[-1] != rope_dim:
+        raise ValueError(f"k_rope must be [{nnz}, num_kv_heads, {rope_dim}] or (MLA) [{nnz}, {rope_dim}], got shape "
+                         f"{tuple(k_rope.shape)}")
+    cos, sin, rot_dim = _tables(cos_sin_cache, rope_dim, q_rope)
+    if rot_dim != rope_dim:
+        raise ValueError(f"cos_sin_cache must be [max_seq_len, rope_dim = {rope_dim}], got "
+                         f"{tuple(cos_sin_cache.shape)}")
+    positions = _check_positions(pos_ids, cos_sin_cache.shape[0], check_positions, "pos_ids")
+    if positions.dim() != 1 or positions.shape[0] != nnz:
+        raise ValueError(f"pos_ids must be [nnz] = [{nnz}], got shape {tuple(positions.shape)}")
+    nopes = []
+    for name, x, rope in (("q_nope", q_nope, q_rope), ("k_nope", k_nope, k_rope)):
+        if x is None:
+            x = rope.new_empty(*rope.shape[:-1], 0)
+        if not isinstance(x, Tensor) or x.dim() != rope.dim() or tuple(x.shape[:-1]) != tuple(rope.shape[:-1]) \
+                or x.device != rope.device or not x.dtype.is_floating_point:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a float tensor {tuple(rope.shape[:-1])} + (no_rope_dim,) on "
+                             f"{rope.device}, or None, got {got}")
+        nopes.append(x)
+    for name, out, like in zip(("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out"), outs,
+                               (q_rope, k_rope, *nopes)):
+        _float8_target(name, out, like, quantize_dtype)
+    big = _FP8_MAX[quantize_dtype]
+    q_r, k_r = apply_rope(q_rope, k_rope.unsqueeze(1) if mla else k_rope, positions=positions, cos=cos, sin=sin,
+                          style="neox" if is_neox else "interleaved", layout="thd", out_dtype=quantize_dtype,
+                          q_scale=scale_q, k_scale=scale_kv)
+    results = [q_r, k_r.view(k_rope.shape)] + [(x.float() * s).clamp(-big, big).to(quantize_dtype)
+                                                for x, s in zip(nopes, (scale_q, scale_kv))]
+    return tuple(r if out is None else out.copy_(r) for r, out in zip(results, outs))
+

@@ -424,6 +424,45 @@ def _round_to_e4m3(x):
     return tl.where(x < 0, -r, r)
 
 
+# float8_e4m3fn's NaN bits, S.1111.111, as the fp32 value 1.875 * 2**8 whose conversion yields them
+FP8_E4M3_NAN_BITS_VALUE = tl.constexpr(480.0)
+# float8 kinds (the FP8 constexprs): 0 none, 1 float8_e4m3fn, 2 float8_e5m2
+FP8_E4M3 = tl.constexpr(1)
+FP8_E5M2 = tl.constexpr(2)
+FP8_E5M2_MAX = tl.constexpr(57344.0)
+
+
+@triton.jit
+def _round_to_e5m2(x):
+    """``x`` (fp32, |x| <= 57344) rounded to the nearest float8_e5m2 value, ties to even (as :func:`_round_to_e4m3`
+    for e4m3): the interpreter's own cast rounds ties up and flushes small subnormals."""
+    bits = x.to(tl.int32, bitcast=True)
+    # below 2**-14 the spacing is the subnormals' 2**-16
+    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, -14), 15)
+    ulp = ((e - 2 + 127) << 23).to(tl.float32, bitcast=True)  # 2 mantissa bits
+    big = ulp * 12582912.0
+    r = (tl.abs(x) + big) - big
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _fp8_for_interpreter(y, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """``y`` (fp32) made ready for a store into a float8 target of kind ``FP8`` by a plain conversion. float8_e4m3fn
+    under the interpreter (``ROUND_FP8``): saturated to +-448, rounded to nearest even, and NaN as a value the
+    interpreter's conversion turns into NaN (it turns NaN itself into 384); compiled kernels saturate and convert
+    in the store (``_to_store``): ``y`` unchanged. float8_e5m2: saturated to +-57344 (the conversion would give
+    inf), and rounded to nearest even under the interpreter; NaN stays NaN."""
+    if FP8 == FP8_E4M3 and ROUND_FP8:
+        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
+        y = _round_to_e4m3(y)
+        y = tl.where(y != y, FP8_E4M3_NAN_BITS_VALUE, y)
+    elif FP8 == FP8_E5M2:
+        y = tl.where(y > FP8_E5M2_MAX, FP8_E5M2_MAX, tl.where(y < -FP8_E5M2_MAX, -FP8_E5M2_MAX, y))
+        if ROUND_FP8:
+            y = _round_to_e5m2(y)
+    return y
+
+
 @triton.jit
 def _to_store(y, o_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
     """``y`` (fp32) converted for a store into ``o_ptr``: saturated to +-448 first for a float8_e4m3fn target
@@ -493,13 +532,22 @@ def _store_pairs(
 def _store_heads(
     o_ptr, base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr, OUT_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
 ):
     """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each, which carries the output
-    scale already), store; the pass-through columns are multiplied by ``scale``."""
+    scale already), store; the pass-through columns are multiplied by ``scale``. ``OUT_FP8``: the float8 kind of
+    the output (saturated, rounded to nearest even)."""
     y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
-    _store_pairs(o_ptr, base, m, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
-                 PASS_BLOCK, COPY_PASS, False, False)
+    if OUT_FP8:
+        STORE_FP8: tl.constexpr = OUT_FP8 == FP8_E4M3 and not ROUND_FP8  # as _fp8_for_interpreter says
+        _store_pairs(o_ptr, base, m, _fp8_for_interpreter(y_lo, OUT_FP8, ROUND_FP8),
+                     _fp8_for_interpreter(y_hi, OUT_FP8, ROUND_FP8),
+                     _fp8_for_interpreter(x_p * scale, OUT_FP8, ROUND_FP8), HEAD_DIM, ROT_DIM, ROT_START, NEOX,
+                     HALF_BLOCK, PASS_BLOCK, COPY_PASS, STORE_FP8, False)
+    else:
+        _store_pairs(o_ptr, base, m, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
+                     PASS_BLOCK, COPY_PASS, False, False)
 
 
 @triton.jit
@@ -512,7 +560,8 @@ def _rope_head_block(
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr,
     BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
     FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
-    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, POS_PER_AXIS: tl.constexpr,
+    AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, POS_PER_AXIS: tl.constexpr, OUT_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr,
 ):
     """Rotate one [BLOCK_T, BLOCK_H] block of heads of ``x`` into ``o``.
 
@@ -536,7 +585,7 @@ def _rope_head_block(
         AXIS_BOUND_3, POS_PER_AXIS)
     o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
     _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
-                 NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS)
+                 NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS, OUT_FP8, ROUND_FP8)
 
 
 @triton.jit
@@ -566,13 +615,15 @@ def rope_kernel(
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
     AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr, POS_AXIS_STRIDE: tl.constexpr,
-    POS_PER_AXIS: tl.constexpr,
+    POS_PER_AXIS: tl.constexpr, OUT_FP8: tl.constexpr, ROUND_FP8: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
     of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
     their alignment. ``POS_AXIS_STRIDE`` > 0 is ``pos_sa`` as a compile-time constant (small multi-axis calls,
     ``heuristics.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset.
-    ``POS_PER_AXIS``: multi-axis positions loaded once per axis and selected per pair (:func:`_pair_positions`)."""
+    ``POS_PER_AXIS``: multi-axis positions loaded once per axis and selected per pair (:func:`_pair_positions`).
+    ``OUT_FP8``: float8 outputs of that kind (1 e4m3fn, 2 e5m2), saturated; ``ROUND_FP8``: rounded in software
+    (the interpreter)."""
     if POS_AXIS_STRIDE > 0:
         pos_sa = POS_AXIS_STRIDE
     if STRIDE_UNIT > 1:
@@ -595,7 +646,7 @@ def rope_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             CONJUGATE, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
-            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS)
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS, OUT_FP8, ROUND_FP8)
     elif HAS_K:
         _rope_head_block(
             k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, t, b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK,
@@ -603,4 +654,4 @@ def rope_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             CONJUGATE, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
-            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS)
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS, OUT_FP8, ROUND_FP8)

@@ -20,6 +20,7 @@ from ropekit.triton.heuristics import TILE_BYTES
 _FREQ_MODES = {"inv_freq": kernel.FREQ_INV_FREQ.value, "table": kernel.FREQ_TABLE.value,
                "angles": kernel.FREQ_ANGLES.value}
 
+_FP8_KINDS = {torch.float8_e4m3fn: kernel.FP8_E4M3.value, torch.float8_e5m2: kernel.FP8_E5M2.value}
 _NVIDIA = heuristics.fast_trig("cuda", torch.version.hip)  # fast_trig on CUDA devices: not a ROCm build
 ROPE = runtime.KernelRoles(kernel.rope_kernel, ("q_scale", "k_scale", "rotary_scale"), ("pos_offset",))
 #: rope_kernel's row strides, which it takes in units of STRIDE_UNIT elements
@@ -193,6 +194,7 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         "FAST_TRIG": on_cuda and _NVIDIA,
         "NUM_AXES": num_axes, "AXES_INTERLEAVED": interleaved, "AXIS_BOUND_1": bound_1, "AXIS_BOUND_2": bound_2,
         "AXIS_BOUND_3": bound_3, "STRIDE_UNIT": unit, "POS_AXIS_STRIDE": pos_sa if stride_constant else 0,
-        "POS_PER_AXIS": axis_loads,
+        "POS_PER_AXIS": axis_loads, "OUT_FP8": _FP8_KINDS.get(q_out.dtype, 0),
+        "ROUND_FP8": q_out.dtype in _FP8_KINDS and not on_cuda,
     }
     return grid, args, constexprs, num_warps

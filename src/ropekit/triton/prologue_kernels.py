@@ -22,15 +22,18 @@ import triton
 import triton.language as tl
 
 from ropekit.triton.kernel import (
+    FP8_E4M3,
     FP8_E4M3_MAX,
+    FP8_E5M2,
+    FP8_E5M2_MAX,
     FREQ_ANGLES,
     FREQ_TABLE,
     _axis_valid,
+    _fp8_for_interpreter,
     _head_tile,
     _load_heads,
     _pass_columns,
     _rotation,
-    _round_to_e4m3,
     _store_pairs,
     _table_columns,
     _to_store,
@@ -103,45 +106,6 @@ def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, ca
         r0 = slot // block_size
         r1 = slot - r0 * block_size
     return r0, r1, ok
-
-
-# float8_e4m3fn's NaN bits, S.1111.111, as the fp32 value 1.875 * 2**8 whose conversion yields them
-FP8_E4M3_NAN_BITS_VALUE = tl.constexpr(480.0)
-# float8 kinds (the FP8 constexprs): 0 none, 1 float8_e4m3fn, 2 float8_e5m2
-FP8_E4M3 = tl.constexpr(1)
-FP8_E5M2 = tl.constexpr(2)
-FP8_E5M2_MAX = tl.constexpr(57344.0)
-
-
-@triton.jit
-def _round_to_e5m2(x):
-    """``x`` (fp32, |x| <= 57344) rounded to the nearest float8_e5m2 value, ties to even (as :func:`_round_to_e4m3`
-    for e4m3): the interpreter's own cast rounds ties up and flushes small subnormals."""
-    bits = x.to(tl.int32, bitcast=True)
-    # below 2**-14 the spacing is the subnormals' 2**-16
-    e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127, -14), 15)
-    ulp = ((e - 2 + 127) << 23).to(tl.float32, bitcast=True)  # 2 mantissa bits
-    big = ulp * 12582912.0
-    r = (tl.abs(x) + big) - big
-    return tl.where(x < 0, -r, r)
-
-
-@triton.jit
-def _fp8_for_interpreter(y, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """``y`` (fp32) made ready for a store into a float8 target of kind ``FP8`` by a plain conversion. float8_e4m3fn
-    under the interpreter (``ROUND_FP8``): saturated to +-448, rounded to nearest even, and NaN as a value the
-    interpreter's conversion turns into NaN (it turns NaN itself into 384); compiled kernels saturate and convert
-    in the store (``_to_store``): ``y`` unchanged. float8_e5m2: saturated to +-57344 (the conversion would give
-    inf), and rounded to nearest even under the interpreter; NaN stays NaN."""
-    if FP8 == FP8_E4M3 and ROUND_FP8:
-        y = tl.where(y > FP8_E4M3_MAX, FP8_E4M3_MAX, tl.where(y < -FP8_E4M3_MAX, -FP8_E4M3_MAX, y))
-        y = _round_to_e4m3(y)
-        y = tl.where(y != y, FP8_E4M3_NAN_BITS_VALUE, y)
-    elif FP8 == FP8_E5M2:
-        y = tl.where(y > FP8_E5M2_MAX, FP8_E5M2_MAX, tl.where(y < -FP8_E5M2_MAX, -FP8_E5M2_MAX, y))
-        if ROUND_FP8:
-            y = _round_to_e5m2(y)
-    return y
 
 
 @triton.jit
