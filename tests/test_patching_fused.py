@@ -240,6 +240,23 @@ def test_static_cache_contents_match(padded, route, fused_calls):
         assert not got.keys[:, :, 7:].any() and not got.values[:, :, 7:].any()
 
 
+def test_static_cache_overflow_raises_and_writes_nothing(fused_calls):
+    """Writing past a static cache's end raises IndexError (StaticLayer.update's index_copy_ raises too) before
+    any row or the filled length changes."""
+    model = _tiny("qwen3")
+    ids = torch.randint(2, 128, (1, 6))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=6)
+    with torch.no_grad(), _patched(model):
+        model(ids[:, :5], cache=cache, use_cache=True)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        with pytest.raises(IndexError, match="static cache holds 6 tokens per sequence"):
+            model(ids[:, 4:], position_ids=torch.arange(5, 7)[None], cache=cache, use_cache=True)
+    assert fused_calls["rope_kv_write"] == 2
+    assert int(cache.layers[0].cumulative_length) == 5
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
 def test_static_cache_keeps_update_where_gradients_are_needed(fused_calls):
     """rope_kv_write is inference only: a static cache filled with autograd on takes qk_norm_rope and the cache's
     own update, with the unpatched logits."""

@@ -36,6 +36,7 @@ import types
 import torch
 from torch import Tensor, nn
 
+from ropekit._device_cache import device_cache
 from ropekit.api import apply_rope, qk_norm_rope, rope_kv_write
 from ropekit.attention import rope_attention
 
@@ -326,6 +327,15 @@ def _static_layer(self, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
             and isinstance(getattr(layer, "cumulative_length", None), Tensor))
 
 
+@device_cache(maxsize=16)
+def _slot_rows(batch: int, seqlen: int, rows: int, device: torch.device) -> Tensor:
+    """int64 [2, B, S]: the slot of token s of sequence b at cache row s (``b * rows + s``), and the end of
+    sequence b's block (``(b + 1) * rows``)."""
+    first = torch.arange(batch, device=device)[:, None] * rows + torch.arange(seqlen, device=device)
+    end = (torch.arange(batch, device=device)[:, None] + 1) * rows
+    return torch.stack([first, end.expand(batch, seqlen)])
+
+
 def _static_write(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, rotation: dict):
     """``StaticLayer.update`` with the norm and rotation in one rope_kv_write: token s of sequence b goes to row
     ``cumulative_length + s`` of the layer's [B, Hkv, max_cache_len, D] tensors, as there. The cache row and the
@@ -341,9 +351,9 @@ def _static_write(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, r
     if start.device.type == "cpu" and not torch.compiler.is_compiling() and int(start) + S > rows:
         raise IndexError(f"the static cache holds {rows} tokens per sequence; writing {S} at row {int(start)} "
                          "passes its end")
-    row = torch.arange(S, device=k.device) + start.to(k.device)
-    slots = torch.arange(B, device=k.device)[:, None] * rows + row
-    slots = slots.masked_fill(row >= rows, -1)  # never into the next sequence's rows (the caller's error on CPU)
+    first, end = _slot_rows(B, S, rows, k.device)
+    slots = first + start.to(k.device)
+    slots = slots.masked_fill(slots >= end, -1)  # never into the next sequence's rows (an IndexError on CPU)
     offset, eps = state.q_norm
     q_rot = rope_kv_write(q, k, v, layer.keys.transpose(1, 2), layer.values.transpose(1, 2), slot_mapping=slots,
                           cache_layout="paged", q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=eps,

@@ -29,6 +29,11 @@ then rotates them as M-RoPE with two contiguous sections, one frequency set shar
 
 The module-level replacement is shared by all patched models of a family and reference-counted: the original
 function comes back when the last such model is unpatched.
+
+The attention modules whose code ropekit has checked (Llama's, Qwen3's, Qwen3-Next's and Gemma 3's, and the
+families that share it) also get a forward of their own, per instance, that runs the fused attention prologue
+(``qk_norm_rope``, ``rope_kv_write`` into a ``StaticCache``) and, with ``patch(model, attention=True)``,
+``rope_attention`` where they are exact: :mod:`ropekit.integrations.attention_forward`.
 """
 
 from __future__ import annotations
