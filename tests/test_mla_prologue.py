@@ -622,3 +622,24 @@ def test_inference_mode(route):
         with pytest.raises(RuntimeError, match="inference tensor"):
             mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots)
         assert_unchanged([cache], before)
+
+
+def test_float32_path_of_devices_without_float64():
+    """The torch path other devices (MPS, XPU) take, run on CPU tensors: float32 math, host-exact angles."""
+    from ropekit import mla as mla_module
+    from ropekit._spec import RopeArgs
+    from ropekit.reference import mla_reference
+
+    q, k_pe, kv_c = _inputs((T,), torch.bfloat16, "cpu")
+    positions, slots = torch.randint(0, 10**5, (T,)), _slots(T, BLOCKS * BLOCK_SIZE, "cpu")
+    spec = mla_module._validate(q, k_pe, None, positions, None, None, "paged", None, None, False,
+                                RopeArgs(style="interleaved"))[2]
+    q4, k4 = q.unsqueeze(1), k_pe.unsqueeze(1)
+    outs = [poisoned_like(q4), poisoned_like(k4)]
+    ckv, kpe = _poisoned((BLOCKS, BLOCK_SIZE, L), FP8, "cpu"), _poisoned((BLOCKS, BLOCK_SIZE, R), FP8, "cpu")
+    mla_reference(q4, k4, outs, spec, kv_c=kv_c.unsqueeze(1), ckv_cache=ckv, kpe_cache=kpe,
+                  slots=slots.view(T, 1), cache_scale=0.5, math_dtype=torch.float32)
+    q_rot, k_rot = oracle(q, k_pe, positions, style="interleaved")
+    assert_close_to_ref(outs[0][:, 0], q_rot, torch.bfloat16, "float32-path")
+    assert_close_to_ref(outs[1][:, 0], k_rot, torch.bfloat16, "float32-path")
+    _check_cache_rows(ckv.view(-1, L), kpe.view(-1, R), kv_c, k_rot, slots, FP8, "float32-path", scale=0.5)

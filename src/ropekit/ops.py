@@ -415,8 +415,9 @@ def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeS
         return outs
     from ropekit.reference import mla_reference
 
-    with torch.no_grad():
-        mla_reference(q, k_pe, outs, spec, **cache)
+    with torch.no_grad():  # float64 math on the CPU (the reference), float32 where float64 may be missing (MPS)
+        mla_reference(q, k_pe, outs, spec, **cache,
+                      math_dtype=torch.float64 if q.device.type in ("cpu", "cuda") else torch.float32)
     return outs
 
 

@@ -505,15 +505,18 @@ def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: i
     return dq, dk, dv
 
 def mla_reference(q, k_pe, outs: list, spec: RopeSpec, kv_c=None, ckv_cache=None, kpe_cache=None, slots=None,
-                  paged: bool = True, cache_scale=1.0) -> None:
-    """:func:`ropekit.mla_rope_kv_write` in float64: q's last ``spec.rotary_dim`` columns rotated and the others
+                  paged: bool = True, cache_scale=1.0, math_dtype: torch.dtype = torch.float64) -> None:
+    """:func:`ropekit.mla_rope_kv_write` in ``math_dtype`` (float32: the float32 path of devices without float64,
+    angles formed on the host): q's last ``spec.rotary_dim`` columns rotated and the others
     times ``q_scale`` into ``outs`` (``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]``), ``k_pe`` (one head)
     rotated into ``k_out`` (each of its heads), and with ``ckv_cache`` each token's ``[kv_c | R(k_pe)]`` into its
     cache row (``kpe_cache`` None: one cache, the key after the latent columns). q, k_pe in ``spec.layout``;
     ``kv_c``, ``slots`` and the caches as the launcher takes them (3-D views)."""
-    f64 = spec._replace(out_dtype=torch.float64)
-    (q_rot,) = rope_reference(q, None, f64)
-    (k_rot,) = rope_reference(k_pe, None, f64._replace(rotary_start=0, q_scale=spec.k_scale))
+    rot = spec._replace(out_dtype=math_dtype)
+    angle_device = q.device if math_dtype == torch.float64 else torch.device("cpu")
+    (q_rot,) = _rope_torch(q, None, rot, math_dtype=math_dtype, angle_device=angle_device)
+    (k_rot,) = _rope_torch(k_pe, None, rot._replace(rotary_start=0, q_scale=spec.k_scale), math_dtype=math_dtype,
+                           angle_device=angle_device)
     R = spec.rotary_dim
     if len(outs) == 3:
         outs[0].copy_(q_rot[..., :-R])
@@ -540,5 +543,5 @@ def mla_reference(q, k_pe, outs: list, spec: RopeSpec, kv_c=None, ckv_cache=None
     kpe_view = ckv_cache[..., L:] if kpe_cache is None else kpe_cache
     kpe_view[first, second] = to_cache(kc[ok], kpe_view.dtype, cache_scale)
     rows = latent[ok]
-    ckv_cache[first, second, :L] = rows if ckv_cache.dtype == rows.dtype else to_cache(rows.double(), ckv_cache.dtype,
-                                                                                        cache_scale)
+    ckv_cache[first, second, :L] = rows if ckv_cache.dtype == rows.dtype else to_cache(rows.to(math_dtype),
+                                                                                        ckv_cache.dtype, cache_scale)
