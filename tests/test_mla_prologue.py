@@ -643,3 +643,22 @@ def test_float32_path_of_devices_without_float64():
     assert_close_to_ref(outs[0][:, 0], q_rot, torch.bfloat16, "float32-path")
     assert_close_to_ref(outs[1][:, 0], k_rot, torch.bfloat16, "float32-path")
     _check_cache_rows(ckv.view(-1, L), kpe.view(-1, R), kv_c, k_rot, slots, FP8, "float32-path", scale=0.5)
+
+
+def test_opcheck():
+    """torch.library.opcheck on both ops: schema (the caches and q outputs mutated, nothing else), fake tensors,
+    autograd registration and AOT dispatch."""
+    from ropekit import mla as mla_module
+    from ropekit import ops
+    from ropekit._spec import RopeArgs
+
+    q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+    spec = mla_module._validate(q, k_pe, None, torch.arange(T), None, None, "paged", None, None, False,
+                                RopeArgs(style="interleaved"))[2]
+    q4, k4 = q.unsqueeze(1), k_pe.unsqueeze(1).requires_grad_(True)
+    torch.library.opcheck(ops.mla_rope, (q4.requires_grad_(True), k4, H, True, *spec))
+    cache = torch.zeros(BLOCKS, BLOCK_SIZE, L + R)
+    q_pe_out = torch.zeros(T, 1, H, R)
+    torch.library.opcheck(ops.mla_rope_kv_write, (q4.detach(), k4.detach(), kv_c.unsqueeze(1), cache, None, None,
+                                                  q_pe_out, torch.arange(T).view(T, 1), True, None, 1.0, 1, True,
+                                                  *spec))

@@ -310,20 +310,29 @@ def mla_rope_kv_write(
                                                      kv_cache_scale, cu_seqlens, broadcast_k, args)
     grad = torch.is_grad_enabled() and (q.requires_grad or k_pe.requires_grad)
     given = _check_q_out(q_out, q, k_pe, kv_c, cache, split_q, spec.rotary_dim, grad)
-    if cache is not None or any(g is not None for g in given):
+    writes = cache is not None or any(g is not None for g in given)
+    # Eager calls run the ops' bodies without the dispatcher, whose round trips cost more host time than a decode
+    # kernel; traced calls (and gradients, through the registered formula) go through the ops.
+    traced = torch.compiler.is_compiling()
+    if writes:
         c = cache or dict(kv_c=None, ckv_cache=None, kpe_cache=None, slots=None, paged=True, cache_scale=1.0)
-        scale_t, scale_f = ((c["cache_scale"], 1.0) if isinstance(c["cache_scale"], Tensor)
-                            else (None, c["cache_scale"]))
-        q_outs = [g.unsqueeze(1) if g is not None and q4.dim() == q.dim() + 1 else g for g in given]
+        q_outs = tuple(g.unsqueeze(1) if g is not None and q4.dim() == q.dim() + 1 else g for g in given)
         with torch.no_grad() if grad else contextlib.nullcontext():
-            outs = ops.mla_rope_kv_write(q4, k4, c["kv_c"], c["ckv_cache"], c["kpe_cache"], *q_outs, c["slots"],
-                                         c["paged"], scale_t, scale_f, k_heads, split_q, *spec)
-            outs = list(outs) if split_q else [outs[0], outs[2]]
-        for i, g in enumerate(q_outs[:len(outs) - 1]):
-            if g is not None:
-                outs[i] = g  # written in place; the op returned an empty stand-in
-    if (cache is None and not any(g is not None for g in given)) or grad:
+            if traced:
+                scale_t, scale_f = ((c["cache_scale"], 1.0) if isinstance(c["cache_scale"], Tensor)
+                                    else (None, c["cache_scale"]))
+                outs = ops.mla_rope_kv_write(q4, k4, c["kv_c"], c["ckv_cache"], c["kpe_cache"], *q_outs,
+                                             c["slots"], c["paged"], scale_t, scale_f, k_heads, split_q, *spec)
+                outs = list(outs) if split_q else [outs[0], outs[2]]
+                for i, g in enumerate(q_outs[:len(outs) - 1]):
+                    if g is not None:
+                        outs[i] = g  # written in place; the op returned an empty stand-in
+            else:
+                outs = ops.mla_rotate(q4, k4, k_heads, split_q, spec, q_outs, **c)
+    if grad or (traced and not writes):
         outs = ops.mla_rope(q4, k4, k_heads, split_q, *spec)
+    elif not writes:
+        outs = ops.mla_rotate(q4, k4, k_heads, split_q, spec)
     if tokens and spec.layout == "bshd":  # [T, 1, ...] back to [T, ...]
         outs = [o.squeeze(1) for o in outs]
     if k_pe.dim() == len(q_shape) - 1 and k_heads == 1:
