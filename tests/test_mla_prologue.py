@@ -160,20 +160,24 @@ def test_outputs_split_and_broadcast(route, split_q, broadcast_k):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_bshd_cache_and_batched_q(route):
+@pytest.mark.parametrize("source", ["table", "angles"])
+def test_bshd_cache_and_batched_q(route, source):
     """4-D q [B, S, H, D] with per-token positions: token (b, s) at row [b, position] of a [B', max_seq, W] cache
-    (its last sequence is not written); cos/sin tables as the frequency source."""
+    (its last sequence is not written); cos/sin tables or raw angles as the frequency source."""
     backend = ROUTE_BACKENDS[route]
     B, S, max_seq = 2, 3, 12
     with on_route(route) as device:
         for _ in range(CALLS):
             q, k_pe, kv_c = _inputs((B, S), torch.float16, device)
             positions = torch.stack([torch.randperm(max_seq)[:S] for _ in range(B)]).to(device)
-            ang = torch.rand(max_seq, R // 2, dtype=torch.float64) * 6
+            ang = (torch.rand(max_seq, R // 2) * 600).double()  # float32 angles, read exactly
             cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+            frequencies = dict(cos=cos, sin=sin) if source == "table" else dict(angles=ang.float().to(device))
+            if source == "angles":
+                cos, sin = ang.cos(), ang.sin()
             cache = _poisoned((B + 1, max_seq, L + R), torch.float16, device)
-            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, cache_layout="bshd", cos=cos,
-                               sin=sin)
+            q_out, k_out = mla(q, k_pe, kv_c, positions=positions, kv_cache=cache, cache_layout="bshd",
+                               **frequencies)
             q_rot, k_rot = oracle(q, k_pe, positions, cos=cos, sin=sin)
             assert_close_to_ref(q_out, q_rot, torch.float16, backend)
             assert_close_to_ref(k_out, k_rot, torch.float16, backend)
