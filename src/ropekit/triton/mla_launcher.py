@@ -37,9 +37,9 @@ def launch_mla(q, k_pe, q_nope_out, q_pe_out, k_out, spec: RopeSpec, *, kv_c=Non
     """Rotate the last ``spec.rotary_dim`` columns of q into ``q_pe_out`` (at their own columns when it is
     ``q_nope_out``, else from column 0) and copy the others into ``q_nope_out``; rotate ``k_pe`` (one head) into
     ``k_out`` (its heads: one, or q's where broadcast); with ``ckv_cache``, write each token's ``kv_c`` and rotated
-    ``k_pe`` into its cache row. q, k_pe and the outputs in ``spec.layout``; ``kv_c`` [B, S, L] or [T, L] (``thd``), the
-    caches [num_blocks, block_size, W] (``paged``: token t at slot ``slots[b, s]``) or [B, max_seq, W] (token
-    (b, s) at row [b, position]) (``kpe_cache`` None: one cache, the key after the latent columns);
+    ``k_pe`` into its cache row. q, k_pe and the outputs in ``spec.layout``; ``kv_c`` [B, S, L] or [T, L] (``thd``);
+    the caches [num_blocks, block_size, W] (``paged``: token (b, s) at slot ``slots[b, s]``) or [B, max_seq, W]
+    (at row [b, its position]), ``kpe_cache`` None for one cache (the key after the latent columns);
     ``cache_scale`` a float or a 0-d float32 tensor (float8 caches)."""
     launch = launcher.rope_arguments(q, None, q_pe_out, None, spec)
     if launch is None:
