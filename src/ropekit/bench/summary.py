@@ -3,7 +3,7 @@
 ``benchmarks/results/all_runs.csv.gz`` holds every row of every run (append-only: each run appends a gzip member;
 ``--history``). From it, per card, the newest run of every (case, mode) -- all its implementations from that one
 run, so that every ratio and every "versus" comparison is within one run -- goes to
-``benchmarks/results/latest/<card>/results.csv`` (with plots where matplotlib is importable), and BENCHMARKS.md is
+``benchmarks/results/latest/<card>/results.csv.gz`` (with plots where matplotlib is importable), and BENCHMARKS.md is
 written from those rows: per card, one table per mode, one line per registry target (the attention modes add a
 table of every implementation's TFLOP/s). Analysis lives in docs/perf-notes.md, not in the generated file.
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
+import io
 import re
 import sys
 from pathlib import Path
@@ -27,7 +29,7 @@ from .targets import Target, evaluate_targets, targets_from_registry
 # A run's commit as the harness stamps it: a clean commit id. Rows of A/B working trees ("old", "new", "WIP",
 # "<id>+dirty") stay in the history but are not "the newest run" of anything.
 _CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
-# The columns of latest/<card>/results.csv: what a row's reader needs (the card, versions and label are in the
+# The columns of latest/<card>/results.csv.gz: what a row's reader needs (the card, versions and label are in the
 # history and in BENCHMARKS.md's header for the card).
 LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
@@ -36,7 +38,7 @@ MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "nor
 
 
 def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The columns of a card's latest/<card>/results.csv: :data:`LATEST_FIELDS`, with ``flops`` and ``tflops`` after
+    """The columns of a card's latest/<card>/results.csv.gz: :data:`LATEST_FIELDS`, with ``flops`` and ``tflops`` after
     ``gbps`` where the card has rows of the attention modes (the other cards' files keep their columns)."""
     if not any(r.get("flops") for r in rows):
         return LATEST_FIELDS
@@ -69,19 +71,21 @@ def newest_runs(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plot: bool = True) -> list[Path]:
-    """``latest_dir/<card>/results.csv`` per card (the history's columns), and its plots where matplotlib is
-    importable."""
+    """``latest_dir/<card>/results.csv.gz`` per card (the history's columns; gzip keeps the checkout small, and
+    ``zcat`` or pandas read it as they are), and its plots where matplotlib is importable."""
     written = []
     for gpu, rows in sorted(by_card.items()):
         folder = latest_dir / card_slug(gpu)
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob("*"):
             stale.unlink()
-        path = folder / "results.csv"
-        with path.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=latest_fields(rows), extrasaction="ignore", lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(sorted(rows, key=lambda r: (r["case"], r["mode"], r["impl"])))
+        path = folder / "results.csv.gz"
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=latest_fields(rows), extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(sorted(rows, key=lambda r: (r["case"], r["mode"], r["impl"])))
+        # mtime 0: the same rows give the same bytes (no churn in the tree when nothing changed)
+        path.write_bytes(gzip.compress(text.getvalue().encode("utf-8"), mtime=0))
         written.append(path)
         if plot:
             try:
