@@ -285,6 +285,7 @@ def test_gradcheck_float64(split_q, broadcast_k):
                    q_scale=0.5, k_scale=2.0, rotary_scale=1.5)
 
     assert torch.autograd.gradcheck(f, (q, k_pe))
+    assert torch.autograd.gradgradcheck(f, (q, k_pe))
 
 
 @pytest.mark.parametrize("route", ROUTES)

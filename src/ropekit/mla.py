@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+import ropekit.autograd  # noqa: F401 - registers ropekit::rope's formula, which the backward here goes through
 from ropekit import ops
 from ropekit._memory import has_internal_overlap, overlap
 from ropekit._spec import FLOAT_DTYPES, FORWARD, INT_DTYPES, Positions, RopeArgs, RopeSpec
