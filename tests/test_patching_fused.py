@@ -51,10 +51,20 @@ TINY = {
                                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
                                                             "factor": 8.0}}),
 }
-# the families that share Llama's or Qwen3's attention code, patched with attention=True as those two
-TINY.update({"arcee": dict(), "granite": dict(), "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32, shared_expert_intermediate_size=32)})
-PROLOGUE_FAMILIES = ["qwen3", "qwen3_moe", "qwen3_next", "gemma3_text"]
+TINY.update({
+    # per-head QK-norm after the transpose, as Gemma 3's, with Llama's RMSNorm
+    "apertus": dict(),
+    # QK-norm behind use_qk_norm, half of each head rotated
+    "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, n_routed_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True),
+    # the families that share Llama's, Mistral's, Qwen2's or Qwen3's attention code
+    "arcee": dict(), "granite": dict(), "mistral": dict(sliding_window=None), "qwen2": dict(),
+    "cwm": dict(head_dim=16, layer_types=["full_attention", "full_attention"]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+})
+PROLOGUE_FAMILIES = ["qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "apertus", "glm4_moe"]
 ATTENTION_FAMILIES = ["llama", "qwen3"]
 
 
@@ -188,7 +198,7 @@ def test_prologue_bf16_keeps_dtypes_and_accuracy(model_type, fused_calls):
     assert rel_err(out.float(), exact) <= 1.5 * rel_err(ref.float(), exact) + 2e-3
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gemma3_text", "apertus", "glm4_moe"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 def test_static_cache_writes_through_rope_kv_write(model_type, padded, fused_calls):
     """cache_implementation="static": each full-attention layer's norm, rotation and K/V write is one
@@ -327,7 +337,8 @@ def test_attention_route_matches_unpatched(model_type, use_cache, route, fused_c
     assert fused_calls["qk_norm_rope"] == 0
 
 
-@pytest.mark.parametrize("model_type", ["arcee", "granite", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["arcee", "cwm", "granite", "mistral", "mixtral", "qwen2", "qwen2_moe",
+                                        "qwen3_moe"])
 def test_attention_route_covers_the_same_code(model_type, fused_calls):
     model = _tiny(model_type, attn="sdpa")
     ids = torch.randint(2, 128, (2, 10))
@@ -374,16 +385,20 @@ def test_attention_route_falls_back(case, fused_calls):
 # ------------------------------------------------------------------------------------------------ the guards
 
 
-@pytest.mark.parametrize("model_type, kind", [("llama", "llama"), ("qwen3", "qwen3"), ("qwen3_moe", "qwen3"),
-                                              ("qwen3_next", "qwen3_next"), ("gemma3", "gemma3")])
-def test_checked_forwards_are_recognised(model_type, kind):
+CHECKED = {"llama": "_LLAMA", "arcee": "_LLAMA", "granite": "_LLAMA", "qwen2_moe": "_LLAMA", "mistral": "_MISTRAL",
+           "mixtral": "_MISTRAL", "qwen2": "_QWEN2", "cwm": "_QWEN2", "qwen3": "_QWEN3", "qwen3_moe": "_QWEN3",
+           "qwen3_next": "_QWEN3_NEXT", "gemma3": "_GEMMA3", "apertus": "_APERTUS", "glm4_moe": "_GLM4_MOE"}
+
+
+@pytest.mark.parametrize("model_type", sorted(CHECKED))
+def test_checked_forwards_are_recognised(model_type):
     """The installed transformers' attention forwards are the checked ones (a release that changes one fails here,
     loudly, instead of quietly losing the fused path)."""
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     classes = [c for n, c in vars(modeling).items() if n.endswith("Attention") and isinstance(c, type)
                and c.__module__ == modeling.__name__]
-    shapes = {attention_forward._shape_of(c) for c in classes}
-    assert kind in {s.kind for s in shapes if s is not None}
+    codes = {shape.code for shape in map(attention_forward._shape_of, classes) if shape is not None}
+    assert codes == {getattr(attention_forward, CHECKED[model_type])}
 
 
 def test_changed_forward_is_not_patched():

@@ -1,26 +1,28 @@
 """Patched attention forwards: the attention prologue of a patched transformers model in ropekit's fused ops.
 
-:func:`ropekit.integrations.patching.patch` swaps the rotation; for the attention modules listed here it also
-replaces the module's ``forward`` (per instance) with one that keeps the family's math and runs
+:func:`ropekit.integrations.patching.patch` swaps the rotation; for the attention modules listed here it also replaces
+the module's ``forward`` (per instance) with one that keeps the family's math and runs
 
 * per-head QK-norm and the rotation as one :func:`ropekit.qk_norm_rope` (forward and backward), where the family
-  normalises each head of q and k with an RMSNorm before the rotation (Qwen3, Qwen3-MoE, Qwen3-Next, Gemma 3);
+  normalises each head of q and k with an RMSNorm before the rotation (Qwen3, Qwen3-MoE, Qwen3-Next, Gemma 3, Apertus,
+  GLM-4.5 MoE with ``use_qk_norm``);
 * with transformers' ``StaticCache``, norm, rotation and the K/V write as one :func:`ropekit.rope_kv_write` into the
   cache layer's own tensors (inference only; other cache classes keep ``cache.update``);
-* with ``attention=True``, the rotation and the attention as one :func:`ropekit.rope_attention` (Llama's and
-  Qwen3's forwards), where that is the same attention: sdpa with no mask (causal, no padding, no packed sequences,
-  no sliding window), no dropout, and no cache or an empty ``DynamicCache`` layer (which then receives the rotated
-  k from :func:`ropekit.apply_rope`, as it would have).
+* with ``attention=True``, the rotation and the attention as one :func:`ropekit.rope_attention` (Llama's, Mistral's,
+  Qwen2's and Qwen3's forwards), where that is the same attention: sdpa with no mask (causal, no padding, no packed
+  sequences, no sliding window), no dropout, and no cache or an empty ``DynamicCache`` layer (which then receives the
+  rotated k from :func:`ropekit.apply_rope`, as it would have).
 
 Anything else takes the family's own math (modules and the patched rotation) inside the same forward.
 
-Which forward a class has is recognised by its code, not its name: the ``forward`` of the attention class is
-parsed and its syntax tree (less docstring, annotations and decorators) fingerprinted; only fingerprints whose code
-was read and checked against this module's forward are patched (:data:`_SHAPES`), so a family whose attention
-changes in a new transformers release keeps the rotation-only patch rather than running stale math. Families that
-copy one of these forwards verbatim (Qwen3-MoE's is Qwen3's; Granite's, Arcee's and Qwen2-MoE's are Llama's) are
-covered by the same fingerprint. The QK-norm modules are checked by behaviour: a probe through the module must
-equal ``x / sqrt(mean(x**2) + eps) * (w + offset)`` with offset 0 (Qwen3) or 1 (Gemma 3, Qwen3-Next).
+Which forward a class has is recognised by its code, not its name: the ``forward`` of the attention class is parsed
+and its syntax tree (less docstring, annotations and decorators) fingerprinted; only fingerprints whose code was read
+and checked against this module's forward are patched (:data:`_SHAPES`), so a family whose attention changes in a new
+transformers release keeps the rotation-only patch rather than running stale math. Families that copy one of these
+forwards verbatim (Qwen3-MoE's is Qwen3's; Granite's, Arcee's and Qwen2-MoE's are Llama's; Mixtral's is Mistral's,
+CWM's Qwen2's) are covered by the same fingerprint. The QK-norm modules are checked by behaviour: a probe through the
+module must equal ``x / sqrt(mean(x**2) + eps) * (w + offset)`` with offset 0 (Qwen3) or 1 (Gemma 3, Qwen3-Next), and
+the two norms must agree in offset and eps.
 """
 
 from __future__ import annotations
@@ -48,31 +50,48 @@ PLAN_ATTR = "_ropekit_plan"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shape:
-    """One checked attention forward: its math (``kind``) and how its transformers version passes the cache."""
+class _Code:
+    """What one checked attention forward does around the rotation (each checked line by line against the
+    forward below; the rest of the forward is the same in all of them)."""
 
-    kind: str  # "llama": no QK-norm; "qwen3": norms before the transpose, sliding_window passed; "qwen3_next":
-    # gated [q | gate] heads, no sliding_window; "gemma3": norms after the transpose, sliding_window passed
-    cache_arg: str  # "cache" (transformers >= 5.2x) or "past_key_values"
+    norms: str | None  # QK-norm "before" or "after" the transpose to [B, H, S, D], or None: no QK-norm
+    sliding: str | None  # sliding_window= given to the attention function: "module" (self.sliding_window),
+    # "config" (getattr(self.config, "sliding_window", None)), None: not given
+    gated: bool = False  # q_proj gives [q | gate] per head, the output is multiplied by sigmoid(gate) (Qwen3-Next)
+    norm_switch: str | None = None  # an attribute that turns the norms on (GLM-4.5 MoE's use_qk_norm)
+    attention: bool = False  # patch(model, attention=True) may route it through rope_attention (tested)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """One checked attention forward: its code, and how its transformers version passes the cache."""
+
+    code: _Code
+    cache_arg: str  # "cache" (transformers 5.24) or "past_key_values" (5.17)
     update_kwargs: bool  # cache.update(..., kwargs=kwargs)
 
+
+_LLAMA = _Code(norms=None, sliding=None, attention=True)  # Llama, Arcee, Granite, Qwen2-MoE
+_MISTRAL = _Code(norms=None, sliding="config", attention=True)  # Mistral, Mixtral
+_QWEN2 = _Code(norms=None, sliding="module", attention=True)  # Qwen2, CWM
+_QWEN3 = _Code(norms="before", sliding="module", attention=True)  # Qwen3, Qwen3-MoE
+_QWEN3_NEXT = _Code(norms="before", sliding=None, gated=True)
+_GEMMA3 = _Code(norms="after", sliding="module")
+_APERTUS = _Code(norms="after", sliding=None)
+_GLM4_MOE = _Code(norms="before", sliding=None, norm_switch="use_qk_norm")
 
 # fingerprint of an attention class's forward (see _fingerprint) -> its shape. Read and checked: transformers 5.17
 # (past_key_values, update without kwargs) and 5.24 (cache, update with kwargs=kwargs).
 _SHAPES: dict[str, _Shape] = {
-    # transformers 5.24
-    "daf1ef2bf100ce9b": _Shape("llama", "cache", True),  # Llama, Arcee, Granite, Qwen2-MoE
-    "1dcf44bd1ea05d8e": _Shape("qwen3", "cache", True),  # Qwen3, Qwen3-MoE, Dots1
-    "3f9ea87c15756fbb": _Shape("qwen3_next", "cache", True),
-    "60c3e01f01227383": _Shape("gemma3", "cache", True),
-    # transformers 5.17
-    "278ad3fc6ab29dd0": _Shape("llama", "past_key_values", False),
-    "f7f295877b0808ca": _Shape("qwen3", "past_key_values", False),
-    "d24ce3b033ec9d7c": _Shape("qwen3_next", "past_key_values", False),
-    "e82526f005aaec94": _Shape("gemma3", "past_key_values", False),
+    **{fingerprint: _Shape(code, "cache", True) for fingerprint, code in (
+        ("daf1ef2bf100ce9b", _LLAMA), ("f146b586c6ae9e09", _MISTRAL), ("037c37244b113100", _QWEN2),
+        ("1dcf44bd1ea05d8e", _QWEN3), ("3f9ea87c15756fbb", _QWEN3_NEXT), ("60c3e01f01227383", _GEMMA3),
+        ("f8cb3636524abc21", _APERTUS), ("2e5e41d7f5ce8270", _GLM4_MOE))},
+    **{fingerprint: _Shape(code, "past_key_values", False) for fingerprint, code in (
+        ("278ad3fc6ab29dd0", _LLAMA), ("a6e939190a0b7dcc", _MISTRAL), ("3fd64a29d3536685", _QWEN2),
+        ("f7f295877b0808ca", _QWEN3), ("d24ce3b033ec9d7c", _QWEN3_NEXT), ("e82526f005aaec94", _GEMMA3),
+        ("3d43d6eaad5a4b85", _APERTUS), ("f124ead91d722355", _GLM4_MOE))},
 }
-_NORMED = ("qwen3", "qwen3_next", "gemma3")
-_ATTENTION_KINDS = ("llama", "qwen3")  # the forwards patch(model, attention=True) routes through rope_attention
 # what the decoder layers pass on to the attention function that sdpa's ignores (output_attentions when false), so
 # rope_attention's route may too; any other keyword takes the usual path
 _IGNORABLE_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
@@ -165,15 +184,16 @@ def install(model: nn.Module, modeling: str, *, prologue: bool, attention: bool)
         shape = _shape_of(cls)
         if shape is None:
             continue
+        code = shape.code
         head_dim = getattr(attn, "head_dim", None)
         norms = (None, None)
-        if shape.kind in _NORMED and isinstance(head_dim, int):
+        if code.norms is not None and isinstance(head_dim, int) and _norms_on(attn, code):
             norms = (_norm_form(getattr(attn, "q_norm", None), head_dim),
                      _norm_form(getattr(attn, "k_norm", None), head_dim))
             if None in norms or norms[0][0] != norms[1][0]:
                 norms = (None, None)  # the two norms must be one kind for one launch
         fused_norm = norms[0] is not None and prologue
-        fused_attention = attention and shape.kind in _ATTENTION_KINDS
+        fused_attention = attention and code.attention
         if not (fused_norm or fused_attention):
             uninstall(attn)
             continue
@@ -231,7 +251,7 @@ def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, a
     hidden_shape = (*input_shape, -1, self.head_dim)
     q = self.q_proj(hidden_states)
     gate = None
-    if shape.kind == "qwen3_next":
+    if shape.code.gated:
         q, gate = torch.chunk(q.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(*input_shape, -1)
     q = q.view(hidden_shape)  # [B, S, H, D]
@@ -247,7 +267,7 @@ def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, a
         query, key, value = _prologue(self, state, q, k, v, cos, position_embeddings[1], cache, rotation, kwargs)
         attention_interface = state.modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, state.modeling.eager_attention_forward)
-        extra = {} if shape.kind in ("llama", "qwen3_next") else {"sliding_window": self.sliding_window}
+        extra = {} if shape.code.sliding is None else {"sliding_window": _sliding_window(self, shape.code)}
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask,
             dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, **extra, **kwargs)
@@ -256,6 +276,19 @@ def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, a
     if gate is not None:
         attn_output = attn_output * torch.sigmoid(gate)
     return self.o_proj(attn_output), attn_weights
+
+
+def _norms_on(attn: nn.Module, code: _Code) -> bool:
+    return code.norm_switch is None or bool(getattr(attn, code.norm_switch))
+
+
+def _sliding_window(attn: nn.Module, code: _Code):
+    """The sliding_window the family's forward gives its attention function (None where it gives none)."""
+    if code.sliding == "module":
+        return attn.sliding_window
+    if code.sliding == "config":
+        return getattr(attn.config, "sliding_window", None)
+    return None
 
 
 def _update(state: _State, cache, key: Tensor, value: Tensor, layer_idx: int, kwargs: dict):
@@ -286,10 +319,12 @@ def _prologue(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
                 key, value = _update(state, cache, key, value, self.layer_idx, kwargs)
             return query, key, value
     # the family's own order of operations
-    if state.shape.kind in ("qwen3", "qwen3_next"):
+    code = state.shape.code
+    normed = code.norms is not None and _norms_on(self, code)
+    if normed and code.norms == "before":
         q, k = self.q_norm(q), self.k_norm(k)
     query, key, value = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if state.shape.kind == "gemma3":
+    if normed and code.norms == "after":
         query, key = self.q_norm(query), self.k_norm(key)
     query, key = state.modeling.apply_rotary_pos_emb(query, key, cos, sin)
     if cache is not None:
@@ -390,7 +425,7 @@ def _attention_route(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: 
     every key of the attention among this call's tokens."""
     if self.config._attn_implementation != "sdpa" or attention_mask is not None:
         return False
-    if getattr(self, "is_causal", True) is not True or getattr(self, "sliding_window", None) is not None:
+    if getattr(self, "is_causal", True) is not True or _sliding_window(self, state.shape.code) is not None:
         return False
     if self.training and self.attention_dropout:
         return False
@@ -400,7 +435,8 @@ def _attention_route(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: 
         return False
     if not (q.dtype == k.dtype == v.dtype == cos.dtype):
         return False
-    if state.shape.kind == "qwen3" and not (self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype):
+    if state.shape.code.norms is not None and _norms_on(self, state.shape.code) \
+            and not (self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype):
         return False  # Qwen3's norm returns the weight's dtype promoted with the input's
     return cache is None or _empty_dynamic_layer(cache, self.layer_idx)
 
@@ -408,8 +444,8 @@ def _attention_route(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: 
 def _rope_attention(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, rotation: dict,
                     kwargs: dict) -> Tensor:
     """The attention of q, k, v [B, S, H, D] (unrotated) through rope_attention: [B, S, Hq, D]."""
-    if state.shape.kind == "qwen3":
-        q, k = self.q_norm(q), self.k_norm(k)
+    if state.shape.code.norms is not None and _norms_on(self, state.shape.code):
+        q, k = self.q_norm(q), self.k_norm(k)  # (before or after the transpose: the same per-row math)
     if cache is not None:  # the layer is empty: it stores the rotated keys, and its update returns them as given
         k_rot = apply_rope(k, **rotation)
         _update(state, cache, k_rot.transpose(1, 2), v.transpose(1, 2), self.layer_idx, kwargs)

@@ -30,10 +30,10 @@ then rotates them as M-RoPE with two contiguous sections, one frequency set shar
 The module-level replacement is shared by all patched models of a family and reference-counted: the original
 function comes back when the last such model is unpatched.
 
-The attention modules whose code ropekit has checked (Llama's, Qwen3's, Qwen3-Next's and Gemma 3's, and the
-families that share it) also get a forward of their own, per instance, that runs the fused attention prologue
-(``qk_norm_rope``, ``rope_kv_write`` into a ``StaticCache``) and, with ``patch(model, attention=True)``,
-``rope_attention`` where they are exact: :mod:`ropekit.integrations.attention_forward`.
+The attention modules whose code ropekit has checked (Llama's, Mistral's, Qwen2's, Qwen3's, Qwen3-Next's, Gemma 3's,
+Apertus's and GLM-4.5 MoE's, and the families that share it) also get a forward of their own, per instance, that runs
+the fused attention prologue (``qk_norm_rope``, ``rope_kv_write`` into a ``StaticCache``) and, with ``patch(model,
+attention=True)``, ``rope_attention`` where they are exact: :mod:`ropekit.integrations.attention_forward`.
 """
 
 from __future__ import annotations
@@ -484,13 +484,13 @@ def patch(model: nn.Module, *, prologue: bool = True, attention: bool = False) -
     """Make ``model`` (a transformers model) apply its rotary embedding with ropekit; returns ``model``.
 
     ``prologue`` (default on): where the family normalises each head of q and k before the rotation (Qwen3,
-    Qwen3-MoE, Qwen3-Next, Gemma 3), the attention runs both norms and the rotation as one
+    Qwen3-MoE, Qwen3-Next, Gemma 3, Apertus, GLM-4.5 MoE), the attention runs both norms and the rotation as one
     :func:`ropekit.qk_norm_rope`, and with transformers' ``StaticCache`` (``cache_implementation="static"``) as one
-    :func:`ropekit.rope_kv_write` that also writes the layer's keys and values (inference). ``attention``: Llama's
-    and Qwen3's attention (and the families that share their attention code) run rotation and attention as one
-    :func:`ropekit.rope_attention` where that is the same attention (sdpa without a mask, i.e. causal with no
-    padding; no sliding window or dropout; no cache or an empty ``DynamicCache``: training and prefill); other calls
-    take the usual path. See :mod:`ropekit.integrations.attention_forward`. Calling ``patch`` again on a patched
+    :func:`ropekit.rope_kv_write` that also writes the layer's keys and values (inference). ``attention``: Llama's,
+    Mistral's, Qwen2's and Qwen3's attention (and the families that share their attention code) run rotation and
+    attention as one :func:`ropekit.rope_attention` where that is the same attention (sdpa without a mask, i.e. causal
+    with no padding; no sliding window or dropout; no cache or an empty ``DynamicCache``: training and prefill); other
+    calls take the usual path. See :mod:`ropekit.integrations.attention_forward`. Calling ``patch`` again on a patched
     model applies the new switches.
 
     Supported ``config.model_type``: see :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Mixtral, Qwen2/3 and their
