@@ -422,6 +422,28 @@ def test_changed_forward_is_not_patched():
         del attention_forward._SHAPE_OF_CLASS[cls]
 
 
+def test_forwards_set_by_others_are_kept(fused_calls):
+    """An attention module whose forward someone else replaced on the instance (as accelerate's device hooks do)
+    keeps it through patch and unpatch; the other layers are fused."""
+    model = _tiny("qwen3")
+    ids = torch.randint(2, 128, (1, 6))
+    attn = model.model.layers[0].self_attn
+    seen = []
+
+    def wrapper(*args, _forward=attn.forward, **kwargs):
+        seen.append(1)
+        return _forward(*args, **kwargs)
+
+    attn.forward = wrapper
+    ref = model(ids).logits
+    with _patched(model):
+        assert attention_forward.fused_modules(model) == [model.model.layers[1].self_attn]
+        out = model(ids).logits
+    assert attn.forward is wrapper and len(seen) == 2
+    assert fused_calls["qk_norm_rope"] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_norm_modules_are_recognised_by_behaviour():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm

@@ -182,8 +182,8 @@ def install(model: nn.Module, modeling: str, *, prologue: bool, attention: bool)
         if cls.__module__ != modeling or not cls.__name__.endswith("Attention"):
             continue
         shape = _shape_of(cls)
-        if shape is None:
-            continue
+        if shape is None or ("forward" in attn.__dict__ and _STATE_ATTR not in attn.__dict__):
+            continue  # unchecked code, or a forward someone else set on the instance (accelerate's hooks): kept
         code = shape.code
         head_dim = getattr(attn, "head_dim", None)
         norms = (None, None)
