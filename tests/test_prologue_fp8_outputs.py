@@ -257,3 +257,21 @@ def test_apply_rope_float8_refused_where_it_cannot_hold(route):
             ropekit.rope_backward(q, k, **kw)
         with pytest.raises(RuntimeError, match="out_dtype"):
             ropekit.apply_rope(q.requires_grad_(), k, **kw)
+
+
+def test_readme_float8_example_runs():
+    """The README's float8 example, run as written on CPU tensors, gives what the float8 calls document."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("**float8 outputs for FP8 attention.**")[1].split("```python")[1].split("```")[0]
+    q, k, v, wq, wk, positions = _inputs("cpu")
+    k_cache = torch.zeros(4, 8, HK, D, dtype=torch.float8_e4m3fn)
+    scope = dict(torch=torch, ropekit=ropekit, q=q, k=k, v=v, q_norm_w=wq, k_norm_w=wk, pos=positions,
+                 k_cache=k_cache, v_cache=torch.zeros_like(k_cache), slots=torch.tensor([0, 5, 9, 17, 30]),
+                 q_scale=torch.tensor([0.5]), k_scale=torch.tensor(0.25), v_scale=2.0)
+    with torch.no_grad():
+        exec(code, scope)
+    assert scope["q8"].dtype == torch.float8_e4m3fn and scope["q8"].shape == q.shape
+    assert scope["q_scales"].shape == (T, HQ) and scope["k_scales"].shape == (T, HK)
+    assert k_cache.view(-1, HK, D)[[0, 5, 9, 17, 30]].float().abs().amax() > 0

@@ -76,12 +76,26 @@ def _norm_weights(w_ptr, w_offset, ROT_DIM: tl.constexpr, ROT_START: tl.constexp
 
 
 @triton.jit
-def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexpr):
-    """1 / sqrt(mean(x**2) + eps) over each head row, [BLOCK_T, BLOCK_H, 1]."""
-    if HAS_PASS:  # one cross-thread reduction where the spans share a shape
-        ss = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2) + tl.sum(x_p * x_p, axis=2)
-    else:
-        ss = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2)
+def _pairwise_sum(x, LEVELS: tl.constexpr):
+    """The sum over the last axis of ``x`` [BLOCK_T, BLOCK_H, 2**LEVELS] as one fixed tree of adjacent pairs
+    (``x[2j] + x[2j + 1]``, repeated: each step a reduction over an axis of two, one addition whatever the layout).
+    A ``tl.sum`` adds in an order that follows the tile's layout, which the compiler derives from the block shape
+    (elements per thread shrink for small tiles): a token's norm would then depend on the batch it came in and on
+    the op (qk_norm_rope and rope_kv_write pick different blocks). Adjacent pairs keep the steps where ``tl.sum``
+    has them: within threads first, then across lanes by shuffles."""
+    for _ in tl.static_range(LEVELS):
+        x = tl.sum(tl.reshape(x, [x.shape[0], x.shape[1], x.shape[2] // 2, 2]), axis=3)
+    return tl.reshape(x, [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexpr, HALF_LEVELS: tl.constexpr,
+             PASS_LEVELS: tl.constexpr):
+    """1 / sqrt(mean(x**2) + eps) over each head row, [BLOCK_T, BLOCK_H, 1], summed in an order independent of the
+    block shape (:func:`_pairwise_sum`; ``*_LEVELS``: log2 of the span blocks)."""
+    ss = _pairwise_sum(x_lo * x_lo + x_hi * x_hi, HALF_LEVELS)
+    if HAS_PASS:
+        ss = ss + _pairwise_sum(x_p * x_p, PASS_LEVELS)
     return (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, :, None]
 
 
@@ -143,7 +157,8 @@ def _norm_rope_block(
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
                                   HAS_PASS, True)
     if NORM:
-        r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+        r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS, HALF_BLOCK.bit_length() - 1,
+                     PASS_BLOCK.bit_length() - 1)
         w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK,
                                         PASS_BLOCK, HAS_PASS)
         x_lo = x_lo * r * w_lo
@@ -323,7 +338,8 @@ def _norm_rope_bwd_block(
     # d loss / d(normalised x): the conjugate rotation of the output gradient
     n_lo, n_hi = _turn(g_lo, g_hi, c_lo, c_hi, s_a, s_b)
     n_p = g_p * scale
-    r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS)
+    r = _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM, HAS_PASS, HALF_BLOCK.bit_length() - 1,
+                     PASS_BLOCK.bit_length() - 1)
     xh_lo, xh_hi, xh_p = x_lo * r, x_hi * r, x_p * r
     dh_lo, dh_hi, dh_p = n_lo * w_lo, n_hi * w_hi, n_p * w_p
     dot = tl.sum(dh_lo * xh_lo, axis=2) + tl.sum(dh_hi * xh_hi, axis=2)
