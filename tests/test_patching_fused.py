@@ -182,18 +182,22 @@ def test_prologue_under_gradient_checkpointing(fused_calls):
     _assert_same(logits, grads, ref_logits, ref_grads)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
-def test_prologue_bf16_keeps_dtypes_and_accuracy(model_type, fused_calls):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model_type, switches", [("qwen3", {}), ("gemma3_text", {}), ("llama", {"attention": True}),
+                                                  ("qwen3", {"attention": True})], ids=str)
+def test_bf16_keeps_dtypes_and_accuracy(model_type, switches, device, fused_calls):
     """bf16: the fused norm and rotation round once (transformers rounds the normalised q and k, then the rotated
-    ones, with bf16 tables), so the logits are bf16 and at least about as close to the fp32 model's."""
-    ids = torch.randint(2, 128, (2, 16))
+    ones, with bf16 tables), rope_attention accumulates in fp32, so the logits are bf16 and at least about as close
+    to the fp32 model's as transformers' own."""
+    ids = torch.randint(2, 128, (2, 16), device=device)
     with torch.no_grad():
-        exact = _tiny(model_type)(ids).logits
-        model = _tiny(model_type).to(torch.bfloat16)
+        exact = _tiny(model_type, attn="sdpa").to(device)(ids).logits
+        model = _tiny(model_type, attn="sdpa").to(device, torch.bfloat16)
         ref = model(ids).logits
-        with _patched(model):
+        with _patched(model, **switches):
             out = model(ids).logits
-    assert fused_calls["qk_norm_rope"] == 2 and out.dtype == ref.dtype == torch.bfloat16
+    op = "rope_attention" if switches else "qk_norm_rope"
+    assert fused_calls[op] == 2 and out.dtype == ref.dtype == torch.bfloat16
     assert rel_err(out.float(), ref.float()) < 2e-2
     assert rel_err(out.float(), exact) <= 1.5 * rel_err(ref.float(), exact) + 2e-3
 
@@ -333,8 +337,10 @@ def test_attention_route_matches_unpatched(model_type, use_cache, route, fused_c
         for want, got in zip(ref_cache.layers, cache.layers):
             torch.testing.assert_close(got.keys, want.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
-    # the prologue still fuses Qwen3's norms where rope_attention does not run: not here
-    assert fused_calls["qk_norm_rope"] == 0
+    assert fused_calls["qk_norm_rope"] == 0  # Qwen3's norms ran as modules, before rope_attention
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    again, _ = _forward_backward(model, ids, use_cache=use_cache)
+    assert torch.equal(again, ref_logits)  # unpatch restores the model bit for bit
 
 
 @pytest.mark.parametrize("model_type", ["arcee", "cwm", "granite", "mistral", "mixtral", "qwen2", "qwen2_moe",
