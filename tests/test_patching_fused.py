@@ -202,12 +202,13 @@ def test_bf16_keeps_dtypes_and_accuracy(model_type, switches, device, fused_call
     assert rel_err(out.float(), exact) <= 1.5 * rel_err(ref.float(), exact) + 2e-3
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gemma3_text", "apertus", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "apertus", "glm4_moe"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 def test_static_cache_writes_through_rope_kv_write(model_type, padded, fused_calls):
     """cache_implementation="static": each full-attention layer's norm, rotation and K/V write is one
-    rope_kv_write (Gemma 3's sliding layers, whose cache layer is a sliding one, keep qk_norm_rope and the
-    cache's update); the same tokens as unpatched, with left padding too (position ids then lag the cache rows)."""
+    rope_kv_write (Qwen3-Next's through its hybrid cache layer; Gemma 3's sliding layers, whose cache layer is a
+    sliding one, keep qk_norm_rope and the cache's update); the same tokens as unpatched, with left padding too
+    (position ids then lag the cache rows)."""
     model = _tiny(model_type)
     ids = torch.randint(2, 128, (2, 8))
     mask = torch.ones_like(ids)
@@ -217,10 +218,9 @@ def test_static_cache_writes_through_rope_kv_write(model_type, padded, fused_cal
     with _patched(model):
         tokens = _generate(model, ids, mask, cache_implementation="static")
     assert torch.equal(tokens, ref)
-    full = sum(1 for t in getattr(model.config, "layer_types", None) or ["full_attention"] * 2
-               if t == "full_attention")
-    assert fused_calls["rope_kv_write"] == 5 * full  # prefill and 4 decode steps
-    assert fused_calls["qk_norm_rope"] == 5 * (2 - full)
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"] * 2
+    assert fused_calls["rope_kv_write"] == 5 * layer_types.count("full_attention")  # prefill and 4 decode steps
+    assert fused_calls["qk_norm_rope"] == 5 * layer_types.count("sliding_attention")  # (Qwen3-Next: 1 linear)
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -336,16 +336,18 @@ def _prologue(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
 
 
 def _static_layer(self, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether this layer's update is exactly ``StaticLayer.update`` of a plain ``StaticCache`` (no offloading),
-    on caches rope_kv_write can write (the inputs' dtype and device), with nothing needing gradients."""
+    """Whether this layer's update is exactly ``StaticLayer.update`` (a ``StaticCache``'s full-attention layer, or
+    the full-attention half of a hybrid model's, as Qwen3-Next's), reached through ``Cache.update`` without
+    offloading, on caches rope_kv_write can write (the inputs' dtype and device), with nothing needing gradients."""
     from transformers import cache_utils
 
-    static_cache, static_layer = getattr(cache_utils, "StaticCache", None), getattr(cache_utils, "StaticLayer", None)
-    if static_layer is None or type(cache) is not static_cache or getattr(cache, "offloading", False):
+    base, static_layer = getattr(cache_utils, "Cache", None), getattr(cache_utils, "StaticLayer", None)
+    if static_layer is None or not isinstance(cache, base) or type(cache).update is not base.update \
+            or getattr(cache, "offloading", False):
         return False
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or self.layer_idx >= len(layers) \
-            or type(layers[self.layer_idx]) is not static_layer:
+            or type(layers[self.layer_idx]).update is not static_layer.update:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, self.q_norm.weight, self.k_norm.weight)):
         return False  # rope_kv_write is inference only
@@ -353,7 +355,10 @@ def _static_layer(self, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
         return False
     layer = layers[self.layer_idx]
     if not getattr(layer, "is_initialized", False):
-        return k.shape[1] <= layer.max_cache_len
+        # StaticLayer's own initialisation, or the hybrid layer's, which hands two positional tensors to it
+        hybrid = getattr(cache_utils, "LinearAttentionAndStaticFullAttentionLayer", None)
+        known = {static_layer.lazy_initialization, getattr(hybrid, "lazy_initialization", None)}
+        return type(layer).lazy_initialization in known and k.shape[1] <= layer.max_cache_len
     keys, values = layer.keys, layer.values
     want = (k.shape[0], k.shape[2], layer.max_cache_len, k.shape[3])
     return (isinstance(keys, Tensor) and isinstance(values, Tensor) and keys.dtype == values.dtype == k.dtype
