@@ -27,7 +27,7 @@ FP8 = torch.float8_e4m3fn
 
 # The implementations built here (impls.MODE_IMPLS lists them with the others): rope_kv_write and the unfused chain
 # (KV modes), qk_norm_rope and the unfused PyTorch code (norm-fwdbwd).
-PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "unfused-kv")
+PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "ropekit-kv-write-fp8q", "ropekit-kv-write-fp8q-dynamic", "unfused-kv")
 PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
 PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS
 
@@ -89,6 +89,40 @@ def _kv_bench(inp: Inputs, call: Callable[[], Tensor], note: str) -> Bench:
         return (q_out.reshape(inp.case.tokens, inp.case.hq, inp.case.head_dim), *inp.cache_rows())
 
     return Bench(run=call, result=result, note=note, tolerances=(None, FP8_MISMATCH, FP8_MISMATCH) if fp8 else None)
+
+
+def _fp8_q_kv_bench(inp: Inputs, dynamic: bool) -> Bench:
+    """rope_kv_write with a float8_e4m3fn q for FP8 attention: a static 0-d scale (calibrated once from the bf16
+    op's q: its amax over 448), or per-(token, head) scales computed in the same launch. The check dequantises q
+    (times its scale) and holds it, like fp8 cache rows, to one e4m3 step."""
+    import ropekit
+
+    q, k, v, kw = inp.kv_call()
+    if dynamic:
+        scale = "dynamic"
+    else:
+        calibration = ropekit.rope_kv_write(q, k, v, inp.k_cache, inp.v_cache, **kw)
+        scale = (calibration.float().abs().amax() / 448.0).clamp_min(1e-12).reshape(())
+
+    def call() -> Tensor:
+        return ropekit.rope_kv_write(q, k, v, inp.k_cache, inp.v_cache, out_dtype=FP8, q_out_scale=scale, **kw)
+
+    def result() -> tuple[Tensor, ...]:
+        inp.k_cache.fill_(float("nan"))
+        inp.v_cache.fill_(float("nan"))
+        out = call()
+        q8, q_scale = out if dynamic else (out, scale)
+        c = inp.case
+        if dynamic:
+            q_scale = q_scale.reshape(*q_scale.shape, 1)
+        q_deq = (q8.float() * q_scale).reshape(c.tokens, c.hq, c.head_dim)
+        return (q_deq, *inp.cache_rows())
+
+    fp8_cache = inp.cache_scale is not None
+    how = "per-(token, head) scales computed in the launch" if dynamic else "a static 0-d tensor scale"
+    return Bench(run=call, result=result, note=f"one launch, float8_e4m3fn q with {how} (q within one e4m3 step: "
+                                               f"max_rel_diff <= {FP8_MISMATCH}); " + _kv_note(inp),
+                 tolerances=(FP8_MISMATCH, FP8_MISMATCH if fp8_cache else None, FP8_MISMATCH if fp8_cache else None))
 
 
 def _unfused_kv(inp: Inputs) -> Callable[[], Tensor]:
@@ -182,6 +216,8 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
             q, k, v, kw = inp.kv_call()
             return _kv_bench(inp, lambda: ropekit.rope_kv_write(q, k, v, inp.k_cache, inp.v_cache, **kw),
                              "one launch; " + _kv_note(inp))
+        if name.startswith("ropekit-kv-write-fp8q"):
+            return _fp8_q_kv_bench(inp, dynamic=name.endswith("dynamic"))
         return _kv_bench(inp, _unfused_kv(inp), ("torch rms_norm x2 + " if c.qk_norm else "")
                          + "ropekit.apply_rope + cache scatter by indexing; " + _kv_note(inp))
     if inp.q_weight is None:

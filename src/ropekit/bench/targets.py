@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,8 +11,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A goal on a ratio: the worst ratio over the qualifying rows must not exceed ``limit``. A row qualifies when
-    its mode is ``mode``, its impl is ``impl`` and every column named in ``where`` lies in its inclusive
-    ``[low, high]`` range (``None``: unbounded)."""
+    its mode is ``mode``, its impl matches ``impl`` (a glob, e.g. ``"ropekit-kv-write-fp8q*"``) and every column
+    named in ``where`` lies in its inclusive ``[low, high]`` range (``None``: unbounded)."""
 
     key: str
     text: str
@@ -51,7 +52,8 @@ def evaluate_targets(rows: list[dict[str, Any]], targets: Sequence[Target]) -> l
         worst: tuple[float, str] | None = None
         n = 0
         for r in rows:
-            if r["mode"] != t.mode or r["impl"] != t.impl or not r["median_us"] or not t.select(r):
+            if r["mode"] != t.mode or not fnmatch.fnmatchcase(r["impl"], t.impl) or not r["median_us"] \
+                    or not t.select(r):
                 continue
             if t.versus is None:
                 if not r["ratio_vs_copy"]:
