@@ -63,6 +63,13 @@ TINY.update({
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=32),
+    "gemma": dict(head_dim=16), "nemotron": dict(partial_rotary_factor=0.5),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    # Llama's attention code with interleaved pairs (GLM: half of each head; ERNIE: float32 tables, fp32 here)
+    "glm": dict(head_dim=16, partial_rotary_factor=0.5), "glm4": dict(head_dim=16, partial_rotary_factor=0.5),
+    "ernie4_5": dict(head_dim=16),
+    # GLM-4.5 MoE's attention code, Cohere's repeated-pairs tables and LayerNorm QK-norm: not fused
+    "cohere": dict(use_qk_norm=True),
 })
 PROLOGUE_FAMILIES = ["qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "apertus", "glm4_moe"]
 ATTENTION_FAMILIES = ["llama", "qwen3"]
@@ -343,9 +350,11 @@ def test_attention_route_matches_unpatched(model_type, use_cache, route, fused_c
     assert torch.equal(again, ref_logits)  # unpatch restores the model bit for bit
 
 
-@pytest.mark.parametrize("model_type", ["arcee", "cwm", "granite", "mistral", "mixtral", "qwen2", "qwen2_moe",
-                                        "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["arcee", "cwm", "ernie4_5", "gemma", "glm", "glm4", "granite", "granitemoe",
+                                        "mistral", "mixtral", "nemotron", "qwen2", "qwen2_moe", "qwen3_moe"])
 def test_attention_route_covers_the_same_code(model_type, fused_calls):
+    """Every family whose attention code is Llama's, Mistral's, Qwen2's or Qwen3's takes the rope_attention route
+    with its own pairing (GLM's and ERNIE's interleaved pairs) and partial rotary."""
     model = _tiny(model_type, attn="sdpa")
     ids = torch.randint(2, 128, (2, 10))
     ref_logits, ref_grads = _forward_backward(model, ids)
@@ -405,6 +414,19 @@ def test_checked_forwards_are_recognised(model_type):
                and c.__module__ == modeling.__name__]
     codes = {shape.code for shape in map(attention_forward._shape_of, classes) if shape is not None}
     assert codes == {getattr(attention_forward, CHECKED[model_type])}
+
+
+def test_other_rotations_keep_the_rotation_only_patch(fused_calls, rope_calls):
+    """Cohere's attention code is GLM-4.5 MoE's, but its tables are repeated pairs (and its QK-norm a LayerNorm):
+    no fused forward, the rotation patch as before."""
+    model = _tiny("cohere", attn="sdpa")
+    ids = torch.randint(2, 128, (2, 8))
+    ref = model(ids).logits
+    with _patched(model, attention=True):
+        assert not attention_forward.fused_modules(model)
+        out = model(ids).logits
+    assert not any(fused_calls.values()) and rope_calls == ["interleaved"] * 2
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_changed_forward_is_not_patched():

@@ -166,15 +166,25 @@ def _norm_form(norm: object, head_dim: int) -> tuple[float, float] | None:
 class _State:
     shape: _Shape
     modeling: types.ModuleType
+    style: str  # the family's pairing: "neox" or "interleaved"
     prologue: bool  # QK-norm + rotation (+ the static-cache write) fused
     attention: bool  # rope_attention where exact
     q_norm: tuple[float, float] | None = None  # (weight_offset, eps)
     k_norm: tuple[float, float] | None = None
 
 
-def install(model: nn.Module, modeling: str, *, prologue: bool, attention: bool) -> int:
+def install(model: nn.Module, modeling: str, style: str | None, *, prologue: bool, attention: bool) -> int:
     """Give the attention modules of ``model`` from the modeling module ``modeling`` whose forward is a checked
-    shape the fused forward (or update the switches of those that have it); returns how many modules have it."""
+    shape the fused forward (or update the switches of those that have it); returns how many modules have it.
+
+    ``style``: how the family's ``apply_rotary_pos_emb`` pairs the columns of the first ``cos.shape[-1]`` of each
+    head (its tables' duplicated-halves layout), "neox" or "interleaved"; None for a family whose rotation is
+    neither (its attention keeps the rotation-only patch, whatever its code: GLM's shares Llama's code but pairs
+    columns (2i, 2i+1))."""
+    if style not in ("neox", "interleaved"):
+        for attn in model.modules():
+            uninstall(attn)
+        return 0
     module = importlib.import_module(modeling)
     count = 0
     for attn in model.modules():
@@ -197,7 +207,7 @@ def install(model: nn.Module, modeling: str, *, prologue: bool, attention: bool)
         if not (fused_norm or fused_attention):
             uninstall(attn)
             continue
-        state = _State(shape, module, prologue=fused_norm, attention=fused_attention, q_norm=norms[0],
+        state = _State(shape, module, style, prologue=fused_norm, attention=fused_attention, q_norm=norms[0],
                        k_norm=norms[1])
         object.__setattr__(attn, _STATE_ATTR, state)
         attn.forward = types.MethodType(_forward, attn)
@@ -218,7 +228,7 @@ def fused_modules(model: nn.Module) -> list[nn.Module]:
 # ------------------------------------------------------------------------------------------------ the forward
 
 
-def _rotation(plan, q: Tensor, cos: Tensor) -> dict | None:
+def _rotation(plan, q: Tensor, cos: Tensor, style: str) -> dict | None:
     """The rotation keywords of a patched model's plan for q [B, S, H, D] (bshd), or None when the plan does not
     cover this call (then the family's rotation function decides, as in the rotation-only patch)."""
     if plan is None or plan.sections is not None or plan.positions.dim() != 2 or cos.dim() != 3:
@@ -229,7 +239,7 @@ def _rotation(plan, q: Tensor, cos: Tensor) -> dict | None:
             or rotary_dim > D or plan.width != rotary_dim:
         return None
     return dict(positions=plan.positions, inv_freq=plan.inv_freq, rotary_scale=plan.scale, rotary_dim=rotary_dim,
-                style="neox", layout="bshd")
+                style=style, layout="bshd")
 
 
 def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, attention_mask=None, *args,
@@ -257,7 +267,7 @@ def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, a
     q = q.view(hidden_shape)  # [B, S, H, D]
     k = self.k_proj(hidden_states).view(hidden_shape)
     v = self.v_proj(hidden_states).view(hidden_shape)
-    rotation = _rotation(plan, q, cos)
+    rotation = _rotation(plan, q, cos, state.style)
 
     attn_output = attn_weights = None
     if state.attention and rotation is not None and _attention_route(self, state, q, k, v, cos, cache,

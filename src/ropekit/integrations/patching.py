@@ -535,7 +535,10 @@ def patch(model: nn.Module, *, prologue: bool = True, attention: bool = False) -
     todo = [(m, is_tower) for ms, is_tower in ((rotaries, False), (towers, True)) for m in ms
             if not hasattr(m, _STATE_ATTR)]
     with _LOCK:
-        attention_forward.install(model, modeling, prologue=prologue, attention=attention)
+        family = MODEL_FAMILIES[model_type]
+        kind = family.patched_functions.get("apply_rotary_pos_emb")
+        style = kind if family.rotary_tables in ("halves", "halves_float32") else None
+        attention_forward.install(model, modeling, style, prologue=prologue, attention=attention)
         for rotary, is_tower in todo:
             if is_tower:
                 state, forward = _ModuleState(rope=None, modeling=modeling), _vision_rotary_forward
