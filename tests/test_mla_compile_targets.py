@@ -17,19 +17,21 @@ import torch
 
 pytest.importorskip("triton")
 
-# (case id, cache dtype or None, split caches, split q and broadcast k, exact-angle method)
+# (case id, cache dtype or None, split caches, split q and broadcast k, exact-angle method, output dtype or None)
 CASES = [
-    ("paged-bf16-one-cache", torch.bfloat16, False, False, "float64"),
-    ("paged-e4m3-split-caches-split-q", torch.float8_e4m3fn, True, True, "integer"),
-    ("paged-e5m2-one-cache", torch.float8_e5m2, False, False, "float64"),
-    ("no-cache-broadcast-k", None, False, True, "integer"),
+    ("paged-bf16-one-cache", torch.bfloat16, False, False, "float64", None),
+    ("paged-e4m3-split-caches-split-q", torch.float8_e4m3fn, True, True, "integer", None),
+    ("paged-e5m2-one-cache", torch.float8_e5m2, False, False, "float64", None),
+    ("no-cache-broadcast-k", None, False, True, "integer", None),
+    ("e4m3-outputs-tensor-scales-e4m3-cache", torch.float8_e4m3fn, False, True, "float64", torch.float8_e4m3fn),
+    ("e5m2-outputs", None, False, False, "float64", torch.float8_e5m2),
 ]
 TARGETS = {"sm90": (("cuda", 90, 32), None), "gfx942": (("hip", "gfx942", 64), "6.2")}
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
-def _captured_launch(cache_dtype, split_caches: bool, split_q: bool, method: str):
+def _captured_launch(cache_dtype, split_caches: bool, split_q: bool, method: str, out_dtype):
     """(kernel, runtime args, constexprs by name, num_warps) of a DeepSeek-shaped call (16 heads, 128 + 64
     columns, latent 512), captured before it runs."""
     import ropekit
@@ -54,9 +56,11 @@ def _captured_launch(cache_dtype, split_caches: bool, split_q: bool, method: str
                      if split_caches else torch.zeros(4, 16, 576, dtype=cache_dtype))
             kw = dict(kv_cache=cache, slot_mapping=torch.arange(T), kv_cache_scale=torch.tensor(0.5)
                       if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None)
+        if out_dtype is not None:  # tensor scales beside a cache: the kernel reads them (graph capture)
+            kw.update(out_dtype=out_dtype, q_out_scale=torch.tensor(2.0) if kw else 2.0)
         with torch.no_grad():
-            ropekit.mla_rope_kv_write(q, k_pe, kv_c if kw else None, positions=torch.arange(T), split_q=split_q,
-                                      broadcast_k=split_q, style="interleaved", **kw)
+            ropekit.mla_rope_kv_write(q, k_pe, kv_c if "kv_cache" in kw else None, positions=torch.arange(T),
+                                      split_q=split_q, broadcast_k=split_q, style="interleaved", **kw)
     finally:
         runtime.run, _config.kernels_on_cpu, _config.exact_angles = saved
     return seen

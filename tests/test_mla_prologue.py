@@ -537,7 +537,7 @@ def test_q_out_checks():
     q, k_pe, _ = _inputs((T,), torch.float32, "cpu")
     for q_out, split_q, error, match in (
             (torch.empty(T, H, D_NOPE), False, ValueError, r"q_out must have shape"),
-            (torch.empty(T, H, D_NOPE + R, dtype=torch.float16), False, TypeError, "q_out must have q's dtype"),
+            (torch.empty(T, H, D_NOPE + R, dtype=torch.float16), False, TypeError, "q_out must be a tensor of"),
             (q, False, ValueError, "q_out and q share memory"),
             (torch.empty(T, H, D_NOPE + R), True, TypeError, "must be a pair"),
             ((None, torch.empty(T, H, R + 2)), True, ValueError, r"q_out\[1\] must have shape"),
@@ -665,5 +665,5 @@ def test_opcheck():
     cache = torch.zeros(BLOCKS, BLOCK_SIZE, L + R)
     q_pe_out = torch.zeros(T, 1, H, R)
     torch.library.opcheck(ops.mla_rope_kv_write, (q4.detach(), k4.detach(), kv_c.unsqueeze(1), cache, None, None,
-                                                  q_pe_out, torch.arange(T).view(T, 1), True, None, 1.0, 1, True,
-                                                  *spec))
+                                                  q_pe_out, torch.arange(T).view(T, 1), True, None, 1.0, None, None,
+                                                  1.0, 1.0, 1, True, *spec))

@@ -249,7 +249,8 @@ torch.library.register_autograd("ropekit::mla_rope", _backward, setup_context=_s
 def mla_rope_kv_write(
     q: Tensor, k_pe: Tensor, kv_c: Tensor | None = None, *, positions: Positions = None, kv_cache=None,
     slot_mapping: Tensor | None = None, cache_layout: str = "paged", kv_cache_scale=None, split_q: bool = False,
-    broadcast_k: bool = False, q_out=None, cu_seqlens: Tensor | None = None, inv_freq: Tensor | None = None,
+    broadcast_k: bool = False, q_out=None, out_dtype: torch.dtype | None = None, q_out_scale=None,
+    k_out_scale=None, cu_seqlens: Tensor | None = None, inv_freq: Tensor | None = None,
     base: float = 10000.0, cos: Tensor | None = None, sin: Tensor | None = None, angles: Tensor | None = None,
     style: str = "neox", q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0,
     sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
@@ -290,8 +291,14 @@ def mla_rope_kv_write(
     q_out : Tensor or (Tensor | None, Tensor | None), optional
         Where to write q's output instead of a new tensor: [.., H, D_nope + D_rope], or with ``split_q`` a pair
         (q_nope_out [.., H, D_nope], q_pe_out [.., H, D_rope]), e.g. the q_pe columns of the buffer the attention
-        reads; any strides with a contiguous last dim, q's dtype, sharing no memory with the inputs or caches.
-        Returned as given. Inference only (raises where autograd would need gradients).
+        reads; any strides with a contiguous last dim, the outputs' dtype, sharing no memory with the inputs or
+        caches. Returned as given. Inference only (raises where autograd would need gradients).
+    out_dtype : None, torch.float8_e4m3fn or torch.float8_e5m2
+        float8 q and k_pe outputs for FP8 attention (FlashInfer's ``mla_rope_quantize_fp8``): ``value /
+        q_out_scale`` (``k_out_scale`` for k_pe), rounded to nearest even and saturated to the format's largest
+        finite value. Inference only.
+    q_out_scale, k_out_scale : float or 0-d / [1] float tensor, optional
+        The float8 outputs' per-tensor scales (default 1.0); device tensors keep the call capturable in a CUDA graph.
 
     Every other keyword is :func:`ropekit.apply_rope`'s (frequencies, ``style``: DeepSeek pairs interleaved
     columns, ``style="interleaved"``; scales; multi-axis positions). Slots outside the cache raise
@@ -310,8 +317,10 @@ def mla_rope_kv_write(
     q4, k4, spec, cache, k_heads, tokens = _validate(q, k_pe, kv_c, positions, kv_cache, slot_mapping, cache_layout,
                                                      kv_cache_scale, cu_seqlens, broadcast_k, args)
     grad = torch.is_grad_enabled() and (q.requires_grad or k_pe.requires_grad)
-    given = _check_q_out(q_out, q, k_pe, kv_c, cache, split_q, spec.rotary_dim, grad)
-    writes = cache is not None or any(g is not None for g in given)
+    out_scales = _out_scales(out_dtype, q_out_scale, k_out_scale, q, grad, args.check_positions)
+    spec = spec._replace(out_dtype=out_dtype)
+    given = _check_q_out(q_out, q, k_pe, kv_c, cache, split_q, spec.rotary_dim, grad, out_dtype or q.dtype)
+    writes = cache is not None or any(g is not None for g in given) or out_dtype is not None
     # Eager calls run the ops' bodies without the dispatcher, whose round trips cost more host time than a decode
     # kernel; traced calls (and gradients, through the registered formula) go through the ops.
     traced = torch.compiler.is_compiling()
@@ -322,14 +331,17 @@ def mla_rope_kv_write(
             if traced:
                 scale_t, scale_f = ((c["cache_scale"], 1.0) if isinstance(c["cache_scale"], Tensor)
                                     else (None, c["cache_scale"]))
+                outs_t, outs_f = ((out_scales, (1.0, 1.0)) if isinstance(out_scales[0], Tensor)
+                                  else ((None, None), out_scales))
                 outs = ops.mla_rope_kv_write(q4, k4, c["kv_c"], c["ckv_cache"], c["kpe_cache"], *q_outs,
-                                             c["slots"], c["paged"], scale_t, scale_f, k_heads, split_q, *spec)
+                                             c["slots"], c["paged"], scale_t, scale_f, *outs_t, *outs_f, k_heads,
+                                             split_q, *spec)
                 outs = list(outs) if split_q else [outs[0], outs[2]]
                 for i, g in enumerate(q_outs[:len(outs) - 1]):
                     if g is not None:
                         outs[i] = g  # written in place; the op returned an empty stand-in
             else:
-                outs = ops.mla_rotate(q4, k4, k_heads, split_q, spec, q_outs, **c)
+                outs = ops.mla_rotate(q4, k4, k_heads, split_q, spec, q_outs, **c, out_scales=out_scales)
     if grad or (traced and not writes):
         outs = ops.mla_rope(q4, k4, k_heads, split_q, *spec)
     elif not writes:
@@ -344,7 +356,41 @@ def mla_rope_kv_write(
     return tuple(outs)
 
 
-def _check_q_out(q_out, q: Tensor, k_pe: Tensor, kv_c, cache, split_q: bool, rope: int, grad: bool) -> tuple:
+def _out_scales(out_dtype, q_out_scale, k_out_scale, q: Tensor, grad: bool, check: bool) -> tuple:
+    """(q's, k's) float8 output scales as the kernel takes them: two floats, or two float32 0-d tensors."""
+    if out_dtype is None:
+        for name, value in (("q_out_scale", q_out_scale), ("k_out_scale", k_out_scale)):
+            if value is not None:
+                raise ValueError(f"{name} applies to float8 outputs only (out_dtype=torch.float8_e4m3fn or "
+                                 "torch.float8_e5m2)")
+        return (1.0, 1.0)
+    if out_dtype not in FP8_CACHES:
+        raise TypeError(f"out_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2, got {out_dtype!r}")
+    if grad:
+        raise RuntimeError("float8 outputs are not differentiable: call under torch.no_grad() or "
+                           "torch.inference_mode(), or leave out_dtype None for training")
+    scales = []
+    for name, value in (("q_out_scale", q_out_scale), ("k_out_scale", k_out_scale)):
+        if isinstance(value, Tensor):
+            if value.shape not in ((), (1,)) or not value.dtype.is_floating_point or value.device != q.device:
+                raise ValueError(f"{name} must be a float or a floating tensor of shape [] or [1] on q's device "
+                                 f"{q.device}, got shape {tuple(value.shape)} {value.dtype} on {value.device}")
+            if _host_values(value, check) and not bool((torch.isfinite(value) & (value > 0)).all()):
+                raise ValueError(f"{name} must be finite and > 0, got {value.tolist()!r}")
+            value = value.to(torch.float32).reshape(())
+        elif value is None:
+            value = 1.0
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
+            raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+        scales.append(value if isinstance(value, Tensor) else float(value))
+    if isinstance(scales[0], Tensor) != isinstance(scales[1], Tensor):  # the kernel reads both or neither
+        scales = [s if isinstance(s, Tensor) else torch.full((), s, dtype=torch.float32, device=q.device)
+                  for s in scales]
+    return tuple(scales)
+
+
+def _check_q_out(q_out, q: Tensor, k_pe: Tensor, kv_c, cache, split_q: bool, rope: int, grad: bool,
+                 dtype: torch.dtype) -> tuple:
     """(q_nope_out, q_pe_out) -- the whole q's output in the first slot without ``split_q`` -- each a checked
     tensor or None."""
     if q_out is None:
@@ -368,7 +414,13 @@ def _check_q_out(q_out, q: Tensor, k_pe: Tensor, kv_c, cache, split_q: bool, rop
         if t is None:
             checked.append(None)
             continue
-        _check_input(name, t, q)
+        if not isinstance(t, Tensor) or t.dtype != dtype:
+            raise TypeError(f"{name} must be a tensor of the outputs' dtype {dtype}, got "
+                            f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(t.shape)}")
         if not torch.compiler.is_compiling():

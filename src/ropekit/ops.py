@@ -386,23 +386,24 @@ def _rope_attention_backward_fake(do, dlse, q, k, v, *args):
 # --- MLA: ropekit::mla_rope (differentiable) and ropekit::mla_rope_kv_write (writes the latent cache) ----------
 
 def _mla_outputs(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, rotary_dim: int,
-                 q_outs: tuple = (None, None)) -> list[Tensor]:
+                 q_outs: tuple = (None, None), out_dtype: torch.dtype | None = None) -> list[Tensor]:
     """``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]`` (k_pe's shape with ``k_heads`` heads): the q outputs given in
-    ``q_outs`` (the whole q's in its first slot), new tensors in q's dtype for the others."""
+    ``q_outs`` (the whole q's in its first slot), new tensors of ``out_dtype`` (None: q's) for the others."""
+    dtype = out_dtype or q.dtype
     if split_q:
         shapes = ((*q.shape[:-1], q.shape[-1] - rotary_dim), (*q.shape[:-1], rotary_dim))
-        outs = [given if given is not None else q.new_empty(shape) for given, shape in zip(q_outs, shapes)]
+        outs = [given if given is not None else q.new_empty(shape, dtype=dtype) for given, shape in zip(q_outs, shapes)]
     else:
-        outs = [q_outs[0] if q_outs[0] is not None else q.new_empty(q.shape)]
-    return [*outs, k_pe.new_empty((*k_pe.shape[:-2], k_heads, k_pe.shape[-1]))]
+        outs = [q_outs[0] if q_outs[0] is not None else q.new_empty(q.shape, dtype=dtype)]
+    return [*outs, k_pe.new_empty((*k_pe.shape[:-2], k_heads, k_pe.shape[-1]), dtype=dtype)]
 
 
 def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeSpec, q_outs: tuple = (None, None),
                **cache) -> list[Tensor]:
-    """The body of both MLA ops: the rotated q (whole, or split; into ``q_outs`` where given) and k_pe, and with
-    ``cache`` (the keywords of :func:`ropekit.triton.mla_launcher.launch_mla` after the outputs) each token's
-    latent cache row."""
-    outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim, q_outs)
+    """The body of both MLA ops: the rotated q (whole, or split; into ``q_outs`` where given) and k_pe, in
+    ``spec.out_dtype`` (float8: divided by ``out_scales``), and with ``cache`` (the keywords of
+    :func:`ropekit.triton.mla_launcher.launch_mla` after the outputs) each token's latent cache row."""
+    outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim, q_outs, spec.out_dtype)
     if uses_kernels(q):
         from ropekit.triton.mla_launcher import launch_mla
 
@@ -435,11 +436,13 @@ def _new_outputs_only(q: Tensor, outs: list[Tensor], q_outs: tuple, split_q: boo
 
 
 def _mla_rope_kv_write(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_pe_out, slots, paged, cache_scale_t,
-                       cache_scale, k_heads, split_q, *spec) -> tuple[Tensor, Tensor, Tensor]:
+                       cache_scale, q_out_scale_t, k_out_scale_t, q_out_scale, k_out_scale, k_heads, split_q,
+                       *spec) -> tuple[Tensor, Tensor, Tensor]:
     q_outs = (q_nope_out, q_pe_out)
+    out_scales = (q_out_scale, k_out_scale) if q_out_scale_t is None else (q_out_scale_t, k_out_scale_t)
     outs = mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec), q_outs, kv_c=kv_c, ckv_cache=ckv_cache,
                       kpe_cache=kpe_cache, slots=slots, paged=paged,
-                      cache_scale=cache_scale if cache_scale_t is None else cache_scale_t)
+                      cache_scale=cache_scale if cache_scale_t is None else cache_scale_t, out_scales=out_scales)
     return _new_outputs_only(q, outs, q_outs, split_q)
 
 
@@ -452,18 +455,21 @@ mla_rope_kv_write = torch.library.custom_op(
     mutates_args=("ckv_cache", "kpe_cache", "q_nope_out", "q_pe_out"),
     schema=op_schema(False, "Tensor q, Tensor k_pe, Tensor? kv_c, Tensor(a!)? ckv_cache, Tensor(b!)? kpe_cache, "
                             "Tensor(c!)? q_nope_out, Tensor(d!)? q_pe_out, Tensor? slots, bool paged, "
-                            f"Tensor? cache_scale_t, float cache_scale, {_MLA}",
+                            "Tensor? cache_scale_t, float cache_scale, Tensor? q_out_scale_t, Tensor? k_out_scale_t, "
+                            f"float q_out_scale, float k_out_scale, {_MLA}",
                      returns="(Tensor, Tensor, Tensor)"))
 
 
 @mla_rope.register_fake
 def _mla_rope_fake(q, k_pe, k_heads, split_q, *spec):
-    return _mla_outputs(q, k_pe, k_heads, split_q, RopeSpec(*spec).rotary_dim)
+    spec = RopeSpec(*spec)
+    return _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim, out_dtype=spec.out_dtype)
 
 
 @mla_rope_kv_write.register_fake
 def _mla_rope_kv_write_fake(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_pe_out, slots, paged, cache_scale_t,
-                            cache_scale, k_heads, split_q, *spec):
-    q_outs = (q_nope_out, q_pe_out)
-    outs = _mla_outputs(q, k_pe, k_heads, split_q, RopeSpec(*spec).rotary_dim, q_outs)
+                            cache_scale, q_out_scale_t, k_out_scale_t, q_out_scale, k_out_scale, k_heads, split_q,
+                            *spec):
+    q_outs, spec = (q_nope_out, q_pe_out), RopeSpec(*spec)
+    outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim, q_outs, spec.out_dtype)
     return _new_outputs_only(q, outs, q_outs, split_q)

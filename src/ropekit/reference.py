@@ -505,12 +505,14 @@ def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: i
     return dq, dk, dv
 
 def mla_reference(q, k_pe, outs: list, spec: RopeSpec, kv_c=None, ckv_cache=None, kpe_cache=None, slots=None,
-                  paged: bool = True, cache_scale=1.0, math_dtype: torch.dtype = torch.float64) -> None:
+                  paged: bool = True, cache_scale=1.0, out_scales=(1.0, 1.0),
+                  math_dtype: torch.dtype = torch.float64) -> None:
     """:func:`ropekit.mla_rope_kv_write` in ``math_dtype`` (float32: the float32 path of devices without float64,
     angles formed on the host): q's last ``spec.rotary_dim`` columns rotated and the others
     times ``q_scale`` into ``outs`` (``[q_out, k_out]`` or ``[q_nope, q_pe, k_out]``), ``k_pe`` (one head)
     rotated into ``k_out`` (each of its heads), and with ``ckv_cache`` each token's ``[kv_c | R(k_pe)]`` into its
-    cache row (``kpe_cache`` None: one cache, the key after the latent columns). q, k_pe in ``spec.layout``;
+    cache row (``kpe_cache`` None: one cache, the key after the latent columns); float8 outputs hold the values
+    divided by ``out_scales`` (q's, k's), as a float8 cache stores them. q, k_pe in ``spec.layout``;
     ``kv_c``, ``slots`` and the caches as the launcher takes them (3-D views)."""
     rot = spec._replace(out_dtype=math_dtype)
     angle_device = q.device if math_dtype == torch.float64 else torch.device("cpu")
@@ -518,12 +520,10 @@ def mla_reference(q, k_pe, outs: list, spec: RopeSpec, kv_c=None, ckv_cache=None
     (k_rot,) = _rope_torch(k_pe, None, rot._replace(rotary_start=0, q_scale=spec.k_scale), math_dtype=math_dtype,
                            angle_device=angle_device)
     R = spec.rotary_dim
-    if len(outs) == 3:
-        outs[0].copy_(q_rot[..., :-R])
-        outs[1].copy_(q_rot[..., -R:])
-    else:
-        outs[0].copy_(q_rot)
-    outs[-1].copy_(k_rot.expand(outs[-1].shape))
+    q_parts = [q_rot[..., :-R], q_rot[..., -R:]] if len(outs) == 3 else [q_rot]
+    for out, x, scale in (*((o, x, out_scales[0]) for o, x in zip(outs, q_parts)),
+                          (outs[-1], k_rot.expand(outs[-1].shape), out_scales[1])):
+        out.copy_(to_cache(x, out.dtype, scale) if out.dtype in FP8_MAX else x)
     if ckv_cache is None:
         return
     B, S = to_canonical(k_pe, spec.layout).shape[:2]

@@ -12,10 +12,11 @@ import torch
 
 from ropekit._spec import RopeSpec, to_canonical
 from ropekit.triton import heuristics, launcher, runtime
-from ropekit.triton.mla_kernels import mla_kernel
-from ropekit.triton.prologue_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS, FP8_E4M3, FP8_E5M2
+from ropekit.triton.mla_kernels import CACHE_NONE, CACHE_PAGED, CACHE_ROWS, mla_kernel
+from ropekit.triton.prologue_kernels import FP8_E4M3, FP8_E5M2
 
-MLA = runtime.KernelRoles(mla_kernel, ("q_scale", "k_scale", "rotary_scale", "cache_scale"), ("pos_offset",))
+MLA = runtime.KernelRoles(mla_kernel, ("q_scale", "k_scale", "rotary_scale", "cache_scale", "q_out_mult",
+                                       "k_out_mult"), ("pos_offset",))
 
 # rope_kernel's arguments (runtime, then constexprs) that the MLA kernel takes as they are
 _FP8_KINDS = {torch.float8_e4m3fn: FP8_E4M3.value, torch.float8_e5m2: FP8_E5M2.value}  # CACHE_FP8 of a cache dtype
@@ -33,14 +34,15 @@ def _rows(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 
 def launch_mla(q, k_pe, q_nope_out, q_pe_out, k_out, spec: RopeSpec, *, kv_c=None, ckv_cache=None,
-               kpe_cache=None, slots=None, paged: bool = True, cache_scale=1.0) -> None:
+               kpe_cache=None, slots=None, paged: bool = True, cache_scale=1.0, out_scales=(1.0, 1.0)) -> None:
     """Rotate the last ``spec.rotary_dim`` columns of q into ``q_pe_out`` (at their own columns when it is
     ``q_nope_out``, else from column 0) and copy the others into ``q_nope_out``; rotate ``k_pe`` (one head) into
     ``k_out`` (its heads: one, or q's where broadcast); with ``ckv_cache``, write each token's ``kv_c`` and rotated
     ``k_pe`` into its cache row. q, k_pe and the outputs in ``spec.layout``; ``kv_c`` [B, S, L] or [T, L] (``thd``);
     the caches [num_blocks, block_size, W] (``paged``: token (b, s) at slot ``slots[b, s]``) or [B, max_seq, W]
     (at row [b, its position]), ``kpe_cache`` None for one cache (the key after the latent columns);
-    ``cache_scale`` a float or a 0-d float32 tensor (float8 caches)."""
+    ``cache_scale`` a float or a 0-d float32 tensor (float8 caches). float8 outputs (their dtype says) hold the
+    values divided by ``out_scales`` (q's, k's): floats, or 0-d float32 tensors both."""
     launch = launcher.rope_arguments(q, None, q_pe_out, None, spec)
     if launch is None:
         return
@@ -58,6 +60,12 @@ def launch_mla(q, k_pe, q_nope_out, q_pe_out, k_out, spec: RopeSpec, *, kv_c=Non
                 HQ=rope["HQ"], KH=to_canonical(k_out, spec.layout).shape[2])
     constexprs = {name: rope_constexprs[name] for name in _SHARED_CONSTEXPRS}
     D = q.shape[-1]
+    q_scale_out, k_scale_out = out_scales
+    out_ptrs = isinstance(q_scale_out, torch.Tensor)
+    args.update(qs_ptr=q_scale_out if out_ptrs else dummy, ks_ptr=k_scale_out if out_ptrs else dummy,
+                q_out_mult=1.0 if out_ptrs else 1.0 / float(q_scale_out),
+                k_out_mult=1.0 if out_ptrs else 1.0 / float(k_scale_out))
+    constexprs.update(OUT_FP8=_FP8_KINDS.get(q_pe_out.dtype, 0), OUT_SCALE_PTR=out_ptrs)
     constexprs.update(Q_DIM=D, QPE_START=D - spec.rotary_dim if q_pe_out is q_nope_out else 0,
                       BLOCK_H=rope_constexprs["BLOCK_HQ"], ROUND_FP8=q.device.type != "cuda")
     if ckv_cache is None:
