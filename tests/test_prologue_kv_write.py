@@ -458,7 +458,9 @@ KV_BAD = [
     ("multi-axis positions with a bshd cache", _set(positions=_tensor([[0, 1, 2, 3]] * 3), sections=(2, 3, 3)),
      ValueError, "positions|sections", False),
     ("paged without slot_mapping", _paged(), (ValueError, TypeError), "slot_mapping", False),
-    ("slot_mapping wrong shape", _paged(slot_mapping=_tensor([0, 1, 2])), ValueError, "slot_mapping", False),
+    ("slot_mapping longer than the tokens", _paged(slot_mapping=_tensor([0, 1, 2, 3, 4])), ValueError, "slot_mapping",
+     False),
+    ("slot_mapping 2-D for tokens", _paged(slot_mapping=_tensor([[0, 1], [2, 3]])), ValueError, "slot_mapping", False),
     ("slot_mapping float", _paged(slot_mapping=_tensor([0, 1, 2, 3], torch.float32)), (TypeError, ValueError),
      "slot_mapping", False),
     ("slot past the blocks", _paged(slot_mapping=_tensor([0, 1, 8, 2])), (IndexError, ValueError), "slot_mapping",
@@ -495,3 +497,33 @@ def test_rope_kv_write_bad_input_names_the_argument_and_writes_nothing(device, c
         with pytest.raises(exc, match=match):
             rope_kv_write(*args, **kw)
         assert_unchanged(tensors, before)
+
+
+# ----------------------------------------------------------------------- slot_mapping shorter than the tokens
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("packed", [False, True], ids=["decode", "packed"])
+def test_slot_mapping_shorter_than_the_tokens_pads(route, packed):
+    """vLLM's CUDA-graph padding: a slot_mapping of T' < T slots covers the first T' tokens and the rest are
+    padding -- rotated into q, never written. The same bytes as the call whose slot_mapping lists -1 for the padding
+    tokens (q and both caches), replayed from a launch plan too (third call, decode)."""
+    with on_route(route, clear_plans=True) as dev:
+        q, k, v = (torch.randn(5, h, 16, device=dev) for h in (3, 1, 1))
+        positions = torch.tensor([4, 9, 0, 2, 7], device=dev)
+        extra = dict(cu_seqlens=torch.tensor([0, 2, 5], device=dev)) if packed else {}
+        slots = torch.tensor([6, 0, 13], device=dev)
+        results = []
+        for mapping in (slots, torch.cat([slots, slots.new_full((2,), -1)])):
+            for _ in range(3 if mapping is slots and not packed else 1):
+                caches = [torch.full((4, 4, 1, 16), float("nan"), device=dev) for _ in range(2)]
+                with torch.no_grad():
+                    q_out = ropekit.rope_kv_write(q, k, v, *caches, positions=positions, slot_mapping=mapping,
+                                                  cache_layout="paged", **extra)
+            results.append((q_out, *caches))
+            if route == "cpu-kernels" and not packed and mapping is slots:
+                assert len(ropekit._fastpath._KV_PLANS) == 1  # the third call was replayed
+    (q_short, k_short, v_short), (q_pad, k_pad, v_pad) = results
+    assert same_bits(q_short, q_pad) and same_bits(k_short, k_pad) and same_bits(v_short, v_pad)
+    assert not torch.isnan(q_short).any()
+    written = ~torch.isnan(k_short.view(-1, 16)).all(-1)
+    assert written.nonzero().flatten().tolist() == sorted(slots.tolist())

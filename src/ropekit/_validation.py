@@ -658,9 +658,11 @@ def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
         if slot_mapping is None:
             raise ValueError('cache_layout="paged" needs slot_mapping (each token\'s slot, -1 to skip)')
         _check_tensor("slot_mapping", slot_mapping, q, INT_DTYPES, "an int32 or int64 tensor")
-        if tuple(slot_mapping.shape) != (B, S):
-            want = "[T]" if tokens else f"[{B}, {S}]"
-            raise ValueError(f"slot_mapping must have shape {want} (one slot per token), got "
+        short = tokens and slot_mapping.dim() == 2 and slot_mapping.numel() <= B * S \
+            and slot_mapping.shape[1 if cu_seqlens is None else 0] == 1
+        if tuple(slot_mapping.shape) != (B, S) and not short:  # a short [T'] mapping: the tokens past T' are padding
+            want = f"[T'] with T' <= T = {B * S} (the tokens past T' are padding)" if tokens else f"[{B}, {S}]"
+            raise ValueError(f"slot_mapping must have shape {want}, one slot per token, got "
                              f"{tuple(slot_mapping.shape)}")
         rows = kcv.shape[0] * kcv.shape[1]
         if (_host_readable(slot_mapping) or check_positions) and slot_mapping.numel() \

@@ -400,7 +400,9 @@ def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: f
     B, S = kc.shape[:2]
     k_view, v_view = cache.views()
     if cache.paged:
-        slot = cache.slots.to(torch.int64)
+        slot = cache.slots.to(torch.int64).reshape(-1)
+        # a slot_mapping shorter than the tokens: the rest are padding (slot -1)
+        slot = torch.cat([slot, slot.new_full((B * S - slot.numel(),), -1)]).view(B, S)
         ok = (slot >= 0) & (slot < cache.rows)
         first, second = slot // cache.block_size, slot % cache.block_size
     else:

@@ -100,12 +100,13 @@ def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexp
 
 
 @triton.jit
-def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size,
-                CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr):
+def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, n_slots,
+                CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr, SLOTS_SHORT: tl.constexpr):
     """(first index, second index, tokens that write) [BLOCK_T] of each token's row in the [B | num_blocks,
     rows | block_size] grid the two caches share -- each cache turns them into an offset with its own strides:
     ``CACHE_ROWS`` at (batch, position) with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of
-    ``cache_rows`` slots."""
+    ``cache_rows`` slots. ``SLOTS_SHORT``: only the first ``n_slots`` tokens have a slot (the rest are padding and
+    write nothing)."""
     if CACHE_MODE == CACHE_ROWS:
         if CACHE_BATCH_PER_TOKEN:
             r0 = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
@@ -114,7 +115,10 @@ def _cache_rows(b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, ca
         ok = valid & (pos < cache_rows)
         r1 = tl.where(ok, pos, 0)
     else:  # CACHE_PAGED
-        slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
+        has_slot = mask_t
+        if SLOTS_SHORT:
+            has_slot = has_slot & (t < n_slots)
+        slot = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=has_slot, other=-1).to(tl.int64)
         ok = valid & (slot >= 0) & (slot < cache_rows)  # valid: within mask_t, and a valid position
         slot = tl.where(ok, slot, 0)
         r0 = slot // block_size
@@ -225,7 +229,7 @@ def prologue_kernel(
     q_scale, k_scale, rotary_scale, pos_sa,
     qw_ptr, kw_ptr, w_offset, eps,
     cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, kc_sb, kc_ss, vc_sb, vc_ss, ks_ptr, vs_ptr, v_scale,
-    qs_ptr, qd_ptr, qd_sb, qd_ss, qd_sh, kd_ptr, kd_sb, kd_ss, kd_sh,
+    qs_ptr, qd_ptr, qd_sb, qd_ss, qd_sh, kd_ptr, kd_sb, kd_ss, kd_sh, n_slots,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
@@ -233,7 +237,7 @@ def prologue_kernel(
     AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, Q_DYNAMIC: tl.constexpr,
-    K_DYNAMIC: tl.constexpr,
+    K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
@@ -245,7 +249,9 @@ def prologue_kernel(
     ``v_scale`` already hold it (divided in). float8 outputs: ``Q_FP8``/``K_FP8`` name the float8 kind of q's and
     k's target (1 e4m3fn, 2 e5m2); ``Q_SCALE_PTR`` reads q's output scale from ``qs_ptr`` (k's, without a cache,
     from ``ks_ptr``); ``Q_DYNAMIC``/``K_DYNAMIC`` (k: no cache) scale each row by its own ``max |row| / fp8 max``,
-    stored as float32 [B, S, H] at ``qd_ptr``/``kd_ptr`` (strides ``*d_sb``, ``*d_ss``, ``*d_sh``)."""
+    stored as float32 [B, S, H] at ``qd_ptr``/``kd_ptr`` (strides ``*d_sb``, ``*d_ss``, ``*d_sh``).
+    ``SLOTS_SHORT``: a paged write's ``slot_mapping`` covers the first ``n_slots`` tokens only (the rest: padding,
+    rotated but not written)."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -267,8 +273,8 @@ def prologue_kernel(
                 row_valid = row_valid & (pos < table_rows)
         for a in tl.static_range(1, NUM_AXES):
             row_valid = row_valid & _axis_valid(a, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
-        r0, r1, k_ok = _cache_rows(b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
-                                   block_size, CACHE_MODE, CACHE_BATCH_PER_TOKEN)
+        r0, r1, k_ok = _cache_rows(t, b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
+                                   block_size, n_slots, CACHE_MODE, CACHE_BATCH_PER_TOKEN, SLOTS_SHORT)
     if hb < n_qb:
         scale = q_scale
         if Q_SCALE_PTR:

@@ -107,7 +107,9 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     q_div = 1.0  # the same for q's float8 output scale
     q_scale_mode = 0
     dynamic = quant is not None and quant.dynamic
-    args.update(qs_ptr=dummy, qd_ptr=dummy, qd_sb=0, qd_ss=0, qd_sh=0, kd_ptr=dummy, kd_sb=0, kd_ss=0, kd_sh=0)
+    args.update(qs_ptr=dummy, qd_ptr=dummy, qd_sb=0, qd_ss=0, qd_sh=0, kd_ptr=dummy, kd_sb=0, kd_ss=0, kd_sh=0,
+                n_slots=0)
+    constexprs["SLOTS_SHORT"] = False
     if quant is not None and not dynamic:
         q_scale_mode = _scale_mode(quant.q_scale)
         q_div = 1.0 if q_scale_mode else 1.0 / quant.q_scale
@@ -131,6 +133,9 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
         k_target, v_target = cache.views()
         v_sb, v_ss, v_sh = to_canonical(v, spec.layout).stride()[:3]
         slots = cache.slots
+        if slots is not None and slots.numel() < rope["num_tokens"]:  # the tokens past slot_mapping are padding
+            args["n_slots"] = slots.numel()
+            constexprs["SLOTS_SHORT"] = True
         # A scale held in a device tensor is read by the kernel (graph capture); a float is divided in here.
         k_ptr_scale, v_ptr_scale = _scale_mode(cache.k_scale), _scale_mode(cache.v_scale)
         k_div = 1.0 if k_ptr_scale else 1.0 / cache.k_scale
