@@ -127,3 +127,44 @@ def test_float8_output_checks():
             ropekit.mla_rope_kv_write(q, k_pe, positions=pos, **kwargs)
     with pytest.raises(RuntimeError, match="float8 outputs are not differentiable"):
         ropekit.mla_rope_kv_write(q.requires_grad_(True), k_pe, positions=pos, out_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_with_device_scales():
+    """With the cache's and the outputs' scales as device scalars the call needs no host sync: captured once in a
+    CUDA graph, each replay rotates and writes the data then in the static inputs, with the scales then held."""
+    fp8, device = torch.float8_e4m3fn, "cuda"
+    q = torch.randn(T, H, D_NOPE + R, dtype=torch.bfloat16, device=device)
+    k_pe = torch.randn(T, 1, R, dtype=torch.bfloat16, device=device)
+    kv_c = torch.randn(T, L, dtype=torch.bfloat16, device=device)
+    positions, slots = torch.zeros(T, dtype=torch.int64, device=device), torch.arange(T, device=device)
+    cache = _poisoned((4, 4, L + R), fp8, device)
+    cache_scale, q_scale_out = torch.ones((), device=device), torch.ones((), device=device)
+
+    def step():
+        return ropekit.mla_rope_kv_write(q, k_pe, kv_c, positions=positions, kv_cache=cache, slot_mapping=slots,
+                                         kv_cache_scale=cache_scale, out_dtype=fp8, q_out_scale=q_scale_out,
+                                         k_out_scale=q_scale_out)
+
+    with torch.inference_mode():
+        step()  # compiles the kernel outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q_out, k_out = step()
+        for call in range(CALLS):
+            for x in (q, k_pe, kv_c):
+                x.copy_(torch.randn_like(x))
+            positions.copy_(torch.randint(0, 9999, (T,), device=device))
+            slots.copy_(torch.randperm(16, device=device)[:T])
+            cache_scale.fill_(0.5 + call)
+            q_scale_out.fill_(2.0 + call)
+            graph.replay()
+            torch.cuda.synchronize()
+            q_rot, k_rot = _oracle(q, k_pe, positions, "neox")
+            assert_close_to_ref(q_out, _quantised(q_rot, fp8, 2.0 + call), fp8, "kernels")
+            assert_close_to_ref(k_out, _quantised(k_rot, fp8, 2.0 + call), fp8, "kernels")
+            rows = cache.view(-1, L + R).cpu()
+            for t, slot in enumerate(slots.tolist()):
+                assert_close_to_ref(rows[slot, L:], _quantised(k_rot[t, 0], fp8, 0.5 + call), fp8, "kernels")
+                assert_close_to_ref(rows[slot, :L], _quantised(kv_c[t].cpu().double(), fp8, 0.5 + call), fp8,
+                                    "kernels")
