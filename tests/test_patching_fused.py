@@ -377,6 +377,20 @@ def test_attention_route_generate(model_type, fused_calls):
     assert fused_calls["rope_attention"] == 2  # the prefill, each layer
 
 
+def test_attention_route_with_packed_position_ids(fused_calls):
+    """Position ids that restart inside a row (packed sequences) with no mask: transformers' sdpa call attends
+    causally over the whole row, and so does the route (the same logits and gradients); a block mask, where the
+    caller gives one, takes the usual path."""
+    model = _tiny("llama", attn="sdpa")
+    ids = torch.randint(2, 128, (1, 10))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    ref_logits, ref_grads = _forward_backward(model, ids, position_ids=positions)
+    with _patched(model, attention=True):
+        logits, grads = _forward_backward(model, ids, position_ids=positions)
+    assert fused_calls["rope_attention"] == 2
+    _assert_same(logits, grads, ref_logits, ref_grads)
+
+
 @pytest.mark.parametrize("case", ["padding", "eager", "sliding"])
 def test_attention_route_falls_back(case, fused_calls):
     """A padding mask, another attention implementation or a sliding window is not rope_attention's causal

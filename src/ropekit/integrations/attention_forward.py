@@ -435,9 +435,10 @@ def _empty_dynamic_layer(cache, layer_idx: int) -> bool:
 
 def _attention_route(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, cache, attention_mask,
                      kwargs: dict) -> bool:
-    """Whether rope_attention computes exactly what this call's attention would: transformers' sdpa with no mask
-    (``is_causal``, no padding, no packed sequences), no sliding window, no dropout, no logit soft-capping, and
-    every key of the attention among this call's tokens."""
+    """Whether rope_attention computes exactly what this call's attention would: transformers' sdpa with no mask,
+    i.e. where its call takes ``is_causal`` (no padding; packed position ids without a mask attend causally over the
+    whole row there as here), no sliding window, no dropout, no other keyword for the attention function, and every
+    key of the attention among this call's tokens."""
     if self.config._attn_implementation != "sdpa" or attention_mask is not None:
         return False
     if getattr(self, "is_causal", True) is not True or _sliding_window(self, state.shape.code) is not None:
