@@ -151,7 +151,7 @@ def _norm_form(norm: object, head_dim: int) -> tuple[float, float] | None:
     x = torch.randn(4, head_dim, generator=generator, dtype=torch.float64)
     with torch.no_grad():
         try:
-            got = norm(x.to(weight.device, torch.float32)).double().cpu()
+            got = norm.forward(x.to(weight.device, torch.float32)).double().cpu()  # (hooks not run)
         except Exception:  # noqa: BLE001 -- a module that cannot take the probe is not fused
             return None
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))
