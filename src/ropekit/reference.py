@@ -386,9 +386,11 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
 
 
 def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
-                       cache: CacheSpec, math_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                       cache: CacheSpec, math_dtype: torch.dtype = torch.float64,
+                       k_out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ropekit.rope_kv_write` in ``math_dtype``: writes the normalised (with weights) and rotated k and
-    v into ``cache`` and returns the rotated q in q's dtype. q, k, v are 4-D in ``spec.layout``."""
+    v into ``cache`` and returns the rotated q in q's dtype. q, k, v are 4-D in ``spec.layout``; ``k_out`` (k's
+    shape) receives the rotated k too."""
     q_dtype = q.dtype
     if q_weight is not None:
         q, k = (rms_norm_reference(x, w, weight_offset, eps, math_dtype) for x, w in ((q, q_weight), (k, k_weight)))
@@ -396,6 +398,8 @@ def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: f
     angle_device = q.device if math_dtype == torch.float64 else torch.device("cpu")
     q_rot, k_rot = _rope_torch(q, k, rotate_spec, math_dtype=math_dtype, angle_device=angle_device)
     kc = to_canonical(k_rot, spec.layout)
+    if k_out is not None:
+        k_out.copy_(k_rot)
     vc = to_canonical(v, spec.layout)
     B, S = kc.shape[:2]
     k_view, v_view = cache.views()
@@ -444,6 +448,8 @@ def _attention_probs(qr, kr, qk_mult: float, causal: bool, cu_seqlens=None):
     """(P [B, H, S, S], lse [B, H, S]) of base-2 scores ``(qr . kr) * qk_mult`` ([B, H, S, D] inputs); with
     ``cu_seqlens`` (B = 1) a token attends only to tokens of its own packed sequence."""
     s = (qr @ kr.transpose(-1, -2)) * (qk_mult * math.log(2.0))  # natural-log scores
+    S = qr.shape[2]
+    hidden = torch.zeros(S, S, dtype=torch.bool, device=qr.device)
     if causal:
         hidden |= torch.ones(S, S, dtype=torch.bool, device=qr.device).triu(1)
     if cu_seqlens is not None:
@@ -469,8 +475,6 @@ def rope_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     c1, c2, cos, sin = _attention_rotation(angles, rotary_start, rotary_dim, neox)
     group = q.shape[2] // k.shape[2]
     qr = _rotate_pairs(q, c1, c2, cos, sin, q_scale).transpose(1, 2)
-    S = qr.shape[2]
-    hidden = torch.zeros(S, S, dtype=torch.bool, device=qr.device)
     kr = _rotate_pairs(k, c1, c2, cos, sin, k_scale).transpose(1, 2).repeat_interleave(group, dim=1)
     p, lse = _attention_probs(qr, kr, qk_mult, causal, cu_seqlens)
     o = p @ v.double().transpose(1, 2).repeat_interleave(group, dim=1)
@@ -505,6 +509,7 @@ def rope_attention_backward_reference(do, dlse, q, k, v, angles, rotary_start: i
     dq = _rotate_pairs(dqr, c1, c2, cos, sin, q_scale, inverse=True)
     dk = _rotate_pairs(dkr, c1, c2, cos, sin, k_scale, inverse=True)
     return dq, dk, dv
+
 
 def mla_reference(q, k_pe, outs: list, spec: RopeSpec, kv_c=None, ckv_cache=None, kpe_cache=None, slots=None,
                   paged: bool = True, cache_scale=1.0, out_scales=(1.0, 1.0),
