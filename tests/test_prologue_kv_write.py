@@ -527,3 +527,30 @@ def test_slot_mapping_shorter_than_the_tokens_pads(route, packed):
     assert not torch.isnan(q_short).any()
     written = ~torch.isnan(k_short.view(-1, 16)).all(-1)
     assert written.nonzero().flatten().tolist() == sorted(slots.tolist())
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_return_k_is_qk_norm_ropes_k_and_the_cached_k(route, dtype):
+    """return_k=True also returns the rotated k (vLLM's fused op leaves it in ``key``): the bytes qk_norm_rope
+    returns for it and the cache holds, padding tokens of a short slot_mapping included; beside a float8 q with
+    dynamic scales the tuple is (q_out, q_scales, k_out)."""
+    with on_route(route, clear_plans=True) as dev:
+        q, k, v = (torch.randn(5, h, 16, device=dev).to(dtype) for h in (4, 2, 2))
+        wq, wk = norm_weight(16, dtype, dev), norm_weight(16, dtype, dev)
+        positions, slots = torch.tensor([4, 9, 0, 2, 7], device=dev), torch.tensor([6, 0, 13], device=dev)
+        caches = [torch.full((4, 4, 2, 16), float("nan"), device=dev, dtype=dtype) for _ in range(2)]
+        kw = dict(positions=positions, slot_mapping=slots, cache_layout="paged", q_weight=wq, k_weight=wk)
+        with torch.no_grad():
+            q_out, k_out = ropekit.rope_kv_write(q, k, v, *caches, return_k=True, **kw)
+            q8, q_scales, k_out8 = ropekit.rope_kv_write(q, k, v, *caches, return_k=True, **kw,
+                                                         out_dtype=torch.float8_e4m3fn, q_out_scale="dynamic")
+            q_ref, k_ref = ropekit.qk_norm_rope(q, k, wq, wk, positions=positions, layout="thd")
+    assert k_out.shape == k.shape and k_out.dtype == dtype
+    assert same_bits(k_out, k_ref) and same_bits(q_out, q_ref) and same_bits(k_out8, k_ref)
+    assert q8.dtype == torch.float8_e4m3fn and q_scales.shape == (5, 4)
+    assert same_bits(caches[0].view(-1, 2, 16)[slots.cpu()], k_out[:3])
+    before = snapshot(*caches)
+    with torch.no_grad(), pytest.raises(TypeError, match="return_k"):
+        ropekit.rope_kv_write(q, k, v, *caches, return_k=1, **kw)
+    assert_unchanged(caches, before)

@@ -247,11 +247,13 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 class OutScales(NamedTuple):
-    """The prologue's float8 output scales as the caller gives them (``RopeArgs.out_dtype`` names the float8
-    dtype): None (1.0), a Python float, a float tensor of one element, or ``"dynamic"``."""
+    """The prologue's extra outputs as the caller asks for them: the float8 output scales (``RopeArgs.out_dtype``
+    names the float8 dtype): None (1.0), a Python float, a float tensor of one element, or ``"dynamic"``; and
+    whether rope_kv_write also returns the rotated k (``return_k``)."""
 
     q_out_scale: float | Tensor | str | None = None
     k_out_scale: float | Tensor | str | None = None
+    return_k: bool = False
 
     @property
     def given(self) -> bool:

@@ -506,14 +506,14 @@ def _cache_scale(name: str, scale, cache: Tensor, cache_name: str, check_values:
 def validate_out_quant(dtype, scales: OutScales, q: Tensor, k: Tensor | None, check_values: bool) -> OutQuant | None:
     """Check the prologue's float8 output arguments (``out_dtype``, ``q_out_scale``, ``k_out_scale``): None where the
     outputs keep the inputs' dtype; else the validated :class:`OutQuant` (the caller refuses autograd)."""
-    names = tuple(zip(OutScales._fields, scales))
+    names = tuple(zip(OutScales._fields[:2], scales[:2]))
     if dtype is None:
         for name in (n for n, v in names if v is not None):
             raise ValueError(f"{name} applies to float8 outputs only (out_dtype float8_e4m3fn or float8_e5m2)")
         return None
     if dtype not in FP8_DTYPES:
         raise TypeError(f"out_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    dynamic = [isinstance(v, str) for v in scales]
+    dynamic = [isinstance(v, str) for v in scales[:2]]
     if any(dynamic):
         if not dynamic[0]:
             raise ValueError('k_out_scale="dynamic" needs q_out_scale="dynamic" (they apply to q and k together)')

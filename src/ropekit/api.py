@@ -235,8 +235,8 @@ def rope_kv_write(
     layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0,
     k_scale: float = 1.0, rotary_scale: float = 1.0, sections: Sequence[int] | None = None,
     section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
-    q_out_scale: float | Tensor | str | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    q_out_scale: float | Tensor | str | None = None, return_k: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """The attention prologue of a decode or prefill step in one kernel: rotate q and k (after a per-head RMSNorm
     with ``q_weight``/``k_weight``), write the rotated k and the unchanged v into the KV caches, return the rotated
     q. Inputs are never modified. Inference only (raises where autograd would need gradients).
@@ -256,13 +256,18 @@ def rope_kv_write(
         Each token's position (int32/int64 [T] or [B, S]; an int: offset of 0..S-1): the rotation's position and,
         for "bshd"/"bhsd", its cache row.
     slot_mapping : Tensor, optional
-        int32/int64 [T] or [B, S]; required for "paged".
+        int32/int64 [T] or [B, S]; required for "paged". For [T, H, D] tokens it may be shorter, [T'] (vLLM's
+        CUDA-graph padding): the tokens from T' on are rotated but not written.
     k_cache_scale, v_cache_scale : float or float tensor, optional
         float8 caches' scales (default 1.0): a float, a device tensor of shape [] or [1] (vLLM's), or [Hkv] (one
         per cache head); a device tensor keeps the call capturable in a CUDA graph.
     out_dtype, q_out_scale :
         A float8 q output, as :func:`qk_norm_rope`'s: with ``q_out_scale="dynamic"`` returns ``(q_out,
         q_scales)``, q_scales float32 shaped like q without its last dim.
+    return_k : bool
+        Also return the rotated (and normalised) k, in k's shape and dtype, last: the values ``qk_norm_rope``
+        returns for it (vLLM's fused op rotates ``key`` in place), padding tokens of a short ``slot_mapping``
+        included. Computed in the same launch.
     q_weight, k_weight, eps, weight_offset :
         Per-head RMSNorm before the rotation, as :func:`qk_norm_rope` (both weights or neither).
 
@@ -283,4 +288,4 @@ def rope_kv_write(
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
                     section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype)
-    return _fastpath.write_kv(q, k, cache, norm, args, OutScales(q_out_scale))
+    return _fastpath.write_kv(q, k, cache, norm, args, OutScales(q_out_scale, return_k=return_k))

@@ -248,26 +248,29 @@ def norm_rotate_float8(q, k, q_weight, k_weight, weight_offset: float, eps: floa
     return _float8_outputs([q, k], ys, quant)
 
 
-def write_kv_float8(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
-                    cache: CacheSpec, quant: OutQuant) -> list[Tensor]:
-    """rope_kv_write with a float8 q output: [q_out] and, with dynamic scales, [q_scales]; k and v written into
-    the caches."""
+def write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
+                     cache: CacheSpec, quant: OutQuant | None, return_k: bool) -> list[Tensor]:
+    """rope_kv_write with a float8 q output (``quant``) and/or the rotated k (``return_k``): [q_out, then q_scales
+    (dynamic scales), then k_out (k's dtype)]; k and v written into the caches."""
+    k_out = torch.empty_like(k) if return_k else None
     if uses_kernels(q):
         from ropekit.triton.prologue_launcher import launch_prologue
 
-        outs = _new_float8([q], quant)
+        outs = _new_float8([q], quant) if quant is not None else [q.new_empty(q.shape)]
         launch_prologue(q, k, outs[0], None, spec, v=v, cache=cache, q_weight=q_weight, k_weight=k_weight,
                         weight_offset=weight_offset, eps=eps, quant=quant,
-                        q_scales=outs[1] if quant.dynamic else None)
+                        q_scales=outs[1] if quant is not None and quant.dynamic else None, k_rotated=k_out)
         torch.autograd.graph.increment_version(cache.k_cache)
         torch.autograd.graph.increment_version(cache.v_cache)
-        return outs
+        return outs + ([k_out] if return_k else [])
     from ropekit.reference import kv_write_reference
 
     dtype = torch.float32 if uses_float32_path(q) else torch.float64
-    with torch.no_grad():  # the rotated q in the math dtype: q's values, upcast exactly
-        y = kv_write_reference(q.to(dtype), k, v, q_weight, k_weight, weight_offset, eps, spec, cache, dtype)
-    return _float8_outputs([q], [y], quant)
+    with torch.no_grad():  # float8: the rotated q in the math dtype (q's values, upcast exactly), rounded once below
+        y = kv_write_reference(q.to(dtype) if quant is not None else q, k, v, q_weight, k_weight, weight_offset, eps,
+                               spec, cache, dtype, k_out=k_out)
+    outs = _float8_outputs([q], [y], quant) if quant is not None else [y]
+    return outs + ([k_out] if return_k else [])
 
 
 def cache_op_args(cache: CacheSpec) -> tuple:

@@ -74,8 +74,8 @@ def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeA
              scales: OutScales = _NO_SCALES) -> Tensor:
     """:func:`ropekit.rope_kv_write` (its arguments bundled): replay the plan of the call's signature, or validate,
     run and note the signature. float8 outputs (``args.out_dtype``, ``scales``) take the full path."""
-    if args.out_dtype is not None or scales.given:
-        return _write_kv_float8(q, k, cache, norm, args, scales)
+    if args.out_dtype is not None or scales.given or scales.return_k is not False:
+        return _write_kv_outputs(q, k, cache, norm, args, scales)
     call = KvCall(q, k, cache, norm, args)
     if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None):
         return _write_kv_full(call, None, None)
@@ -182,28 +182,36 @@ class KvPlan:
 # Inference calls through the full path (no launch plans yet: a plan would also have to allocate the dynamic
 # scales per call), eager only (no registered op yet).
 
-def _refuse_grad(name: str, tensors) -> None:
+def _refuse_grad(name: str, tensors, what: str = "float8 outputs") -> None:
     if torch.compiler.is_compiling():
-        raise NotImplementedError(f"{name} with float8 outputs runs eagerly only: call it outside torch.compile "
-                                  "(or wrap the call in torch.compiler.disable)")
+        raise NotImplementedError(f"{name} with {what} runs eagerly only: call it outside torch.compile (or wrap "
+                                  "the call in torch.compiler.disable)")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError(f"{name} with float8 outputs is not differentiable: call it under torch.no_grad() or "
+        raise RuntimeError(f"{name} with {what} is not differentiable: call it under torch.no_grad() or "
                            "torch.inference_mode(), or leave out_dtype None for training")
 
 
-def _write_kv_float8(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs, scales: OutScales):
-    """:func:`ropekit.rope_kv_write` with a float8 q output: (q_out) or, with dynamic scales, (q_out, q_scales)."""
+def _write_kv_outputs(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs, scales: OutScales):
+    """:func:`ropekit.rope_kv_write` with a float8 q output and/or the rotated k: q_out, then (dynamic scales)
+    q_scales, then (``return_k``) k_out; a tuple where there is more than q_out."""
     from ropekit import ops
 
-    _refuse_grad("rope_kv_write", (q, k, cache.v, norm.q_weight, norm.k_weight))
+    _refuse_grad("rope_kv_write", (q, k, cache.v, norm.q_weight, norm.k_weight),
+                 "float8 outputs" if args.out_dtype is not None or scales.given else "return_k")
     q4, k4, v4, rope_args, cache_spec = validate_kv_write(q, k, cache, args._replace(out_dtype=None))
     spec = validate_args(q4, k4, rope_args)
     norm = validate_norm(q, k, norm, required=False) or NormSpec(None, None)
-    quant = validate_out_quant(args.out_dtype, scales, q, None, args.check_positions)  # not None: raises
-    outs = ops.write_kv_float8(q4, k4, v4, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
-                               cache_spec, quant)
-    q_out = outs[0].view(q.shape)
-    return (q_out, outs[1].view(q.shape[:-1])) if quant.dynamic else q_out
+    if not isinstance(scales.return_k, bool):
+        raise TypeError(f"return_k must be a bool, got {type(scales.return_k).__name__}")
+    quant = validate_out_quant(args.out_dtype, scales, q, None, args.check_positions)
+    outs = ops.write_kv_outputs(q4, k4, v4, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
+                                cache_spec, quant, scales.return_k)
+    shaped = [outs[0].view(q.shape)]
+    if quant is not None and quant.dynamic:
+        shaped.append(outs[1].view(q.shape[:-1]))
+    if scales.return_k:
+        shaped.append(outs[-1].view(k.shape))
+    return shaped[0] if len(shaped) == 1 else tuple(shaped)
 
 
 def _norm_rotate_float8(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, scales: OutScales) -> tuple:

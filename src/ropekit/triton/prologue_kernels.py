@@ -229,7 +229,7 @@ def prologue_kernel(
     q_scale, k_scale, rotary_scale, pos_sa,
     qw_ptr, kw_ptr, w_offset, eps,
     cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, kc_sb, kc_ss, vc_sb, vc_ss, ks_ptr, vs_ptr, v_scale,
-    qs_ptr, qd_ptr, qd_sb, qd_ss, qd_sh, kd_ptr, kd_sb, kd_ss, kd_sh, n_slots,
+    qs_ptr, qd_ptr, qd_sb, qd_ss, qd_sh, kd_ptr, kd_sb, kd_ss, kd_sh, n_slots, kr_ptr, kr_sb, kr_ss, kr_sh, kr_scale,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
@@ -237,7 +237,7 @@ def prologue_kernel(
     AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, Q_DYNAMIC: tl.constexpr,
-    K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr,
+    K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr, K_RETURN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
@@ -251,7 +251,8 @@ def prologue_kernel(
     from ``ks_ptr``); ``Q_DYNAMIC``/``K_DYNAMIC`` (k: no cache) scale each row by its own ``max |row| / fp8 max``,
     stored as float32 [B, S, H] at ``qd_ptr``/``kd_ptr`` (strides ``*d_sb``, ``*d_ss``, ``*d_sh``).
     ``SLOTS_SHORT``: a paged write's ``slot_mapping`` covers the first ``n_slots`` tokens only (the rest: padding,
-    rotated but not written)."""
+    rotated but not written). ``K_RETURN`` (with a cache): k's rows are also rotated into ``kr_ptr`` (strides
+    ``kr_sb``, ``kr_ss``, ``kr_sh``; scale ``kr_scale``, no cache scale), recomputed from the loaded rows."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -303,6 +304,15 @@ def prologue_kernel(
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
             HALF_BLOCK, PASS_BLOCK, K_SCALE_PTR == 2, K_DYNAMIC)
+        if K_RETURN:  # the rotated k itself too, in k's dtype (the same values qk_norm_rope returns)
+            _norm_rope_block(
+                k_ptr, k_sb, k_ss, k_sh, kr_ptr, b * kr_sb + s * kr_ss, mask_t, kr_sh, kw_ptr, w_offset, eps,
+                kr_scale, b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
+                pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
+                pos_sa, ks_ptr, kd_ptr, 0, 0,
+                HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
+                NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, 0, ROUND_FP8, BLOCK_HK,
+                HALF_BLOCK, PASS_BLOCK, False, False)
     else:
         scale = v_scale
         if V_SCALE_PTR == 1:

@@ -23,7 +23,7 @@ from ropekit.triton.prologue_kernels import (
     prologue_kernel,
 )
 
-_FLOATS = ("q_scale", "k_scale", "rotary_scale", "w_offset", "eps", "v_scale")
+_FLOATS = ("q_scale", "k_scale", "rotary_scale", "w_offset", "eps", "v_scale", "kr_scale")
 PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",))
 NORM_ROPE_BWD = runtime.KernelRoles(norm_rope_bwd_kernel, _FLOATS, ("pos_offset",))
 
@@ -81,11 +81,13 @@ def prologue_block_config(q, k, spec: RopeSpec, *, norm: bool, cache: bool, min_
 
 def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheSpec | None = None,
                     q_weight=None, k_weight=None, weight_offset: float = 0.0, eps: float = 1e-6,
-                    quant: OutQuant | None = None, q_scales=None, k_scales=None, config=None) -> None:
+                    quant: OutQuant | None = None, q_scales=None, k_scales=None, k_rotated=None,
+                    config=None) -> None:
     """Normalise (with weights) and rotate q into ``q_out`` and k into ``k_out`` -- or, with ``cache``, k and v
     into its caches -- as ``spec`` says, in one launch. q, k, v in ``spec.layout``; allocates nothing.
     float8 ``q_out``/``k_out`` store ``value / scale`` with ``quant``'s scales, or with ``quant.dynamic`` each
     row's own scale, written to ``q_scales``/``k_scales`` (float32, q's/k's [B, S, H] in ``spec.layout``).
+    ``k_rotated`` (with ``cache``): k's rotation is also written there (k's shape and dtype).
     ``config`` overrides the block shape as in :func:`ropekit.triton.launcher.launch_rope` (tuning only)."""
     if config is None and q.is_cuda:
         config = prologue_block_config(q, k, spec, norm=q_weight is not None, cache=cache is not None,
@@ -108,8 +110,11 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     q_scale_mode = 0
     dynamic = quant is not None and quant.dynamic
     args.update(qs_ptr=dummy, qd_ptr=dummy, qd_sb=0, qd_ss=0, qd_sh=0, kd_ptr=dummy, kd_sb=0, kd_ss=0, kd_sh=0,
-                n_slots=0)
-    constexprs["SLOTS_SHORT"] = False
+                n_slots=0, kr_ptr=dummy, kr_sb=0, kr_ss=0, kr_sh=0, kr_scale=rope["k_scale"])
+    constexprs.update(SLOTS_SHORT=False, K_RETURN=k_rotated is not None)
+    if k_rotated is not None:
+        kr_sb, kr_ss, kr_sh = to_canonical(k_rotated, spec.layout).stride()[:3]
+        args.update(kr_ptr=k_rotated, kr_sb=kr_sb, kr_ss=kr_ss, kr_sh=kr_sh)
     if quant is not None and not dynamic:
         q_scale_mode = _scale_mode(quant.q_scale)
         q_div = 1.0 if q_scale_mode else 1.0 / quant.q_scale
