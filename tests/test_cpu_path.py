@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ropekit
+from helpers import INTERPRETED
 from ropekit import reference
 from ropekit.testing import assert_close_to_ref, kernels_on_cpu, make_qk, reference_on_cpu
 
@@ -50,6 +51,7 @@ def test_float64_and_reference_on_cpu_keep_the_float64_reference(routes):
     assert routes == ["rope_reference"]
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 def test_kernels_on_cpu_still_runs_the_kernels(routes):
     q, k = make_qk(1, 5, 2, 1, 16, dtype=torch.bfloat16)
     with kernels_on_cpu():
