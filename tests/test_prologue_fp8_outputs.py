@@ -139,7 +139,7 @@ def test_float8_e5m2_caches_store_nan_and_saturate(route):
         caches = [torch.zeros(T, 64, HK, D, dtype=torch.float8_e5m2, device=dev) for _ in range(2)]
         with torch.no_grad():
             ropekit.rope_kv_write(q, k, v, *caches, positions=positions)
-    rows = caches[1][torch.arange(T), positions].float().cpu()
+    rows = caches[1].float().cpu()[torch.arange(T), positions.cpu()]
     assert torch.isnan(rows[0, 0, 3]) and torch.isnan(rows).sum() == 1
     assert rows[1, 1, 2] == 57344.0 and rows[2, 0, 0] == -57344.0
 
