@@ -275,3 +275,34 @@ def test_readme_float8_example_runs():
     assert scope["q8"].dtype == torch.float8_e4m3fn and scope["q8"].shape == q.shape
     assert scope["q_scales"].shape == (T, HQ) and scope["k_scales"].shape == (T, HK)
     assert k_cache.view(-1, HK, D)[[0, 5, 9, 17, 30]].float().abs().amax() > 0
+
+
+@pytest.mark.parametrize("route", KERNEL_ROUTES)
+@pytest.mark.parametrize("q_scale", ["dynamic", "tensor", "float"])
+def test_rope_kv_write_float8_replayed_plan_matches_the_full_path(route, q_scale):
+    """rope_kv_write with a float8 q (dynamic, device-tensor or float scale), float8 caches with per-head scales and
+    the rotated k returned: the third call of a signature, replayed from its launch plan, gives the full path's
+    bytes in every output and cache."""
+    with on_route(route, clear_plans=True) as dev:
+        q, k, v, wq, wk, positions = _inputs(dev, torch.bfloat16)
+        scale = {"dynamic": "dynamic", "tensor": torch.tensor([0.5], device=dev), "float": 0.25}[q_scale]
+        kw = dict(positions=positions, slot_mapping=torch.tensor([3, 17, 8], device=dev), cache_layout="paged",
+                  q_weight=wq, k_weight=wk, k_cache_scale=torch.tensor([0.5, 2.0], device=dev), v_cache_scale=0.25,
+                  out_dtype=torch.float8_e5m2, q_out_scale=scale, return_k=True)
+
+        def call():
+            caches = [torch.zeros(4, 8, HK, D, dtype=torch.float8_e4m3fn, device=dev) for _ in range(2)]
+            with torch.no_grad():
+                return ropekit.rope_kv_write(q, k, v, *caches, **kw), caches
+
+        for _ in range(3):
+            planned, planned_caches = call()
+        assert len(_fastpath._KV_PLANS) == 1
+        previous = ropekit.set_fast_path(False)
+        try:
+            full, full_caches = call()
+        finally:
+            ropekit.set_fast_path(previous)
+    assert len(planned) == len(full) == (3 if q_scale == "dynamic" else 2)
+    for a, b in zip((*planned, *planned_caches), (*full, *full_caches)):
+        assert same_bits(a, b)

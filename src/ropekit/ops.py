@@ -252,7 +252,7 @@ def write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset: float, eps: flo
                      cache: CacheSpec, quant: OutQuant | None, return_k: bool) -> list[Tensor]:
     """rope_kv_write with a float8 q output (``quant``) and/or the rotated k (``return_k``): [q_out, then q_scales
     (dynamic scales), then k_out (k's dtype)]; k and v written into the caches."""
-    k_out = torch.empty_like(k) if return_k else None
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if return_k else None  # dense: plans replay it
     if uses_kernels(q):
         from ropekit.triton.prologue_launcher import launch_prologue
 

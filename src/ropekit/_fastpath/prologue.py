@@ -48,9 +48,10 @@ from ropekit.autograd import write_kv as write_kv_spec
 
 _NO_SCALES = OutScales()  # no float8 output scales
 
-# rope_kv_write's arguments that may be tensors, in the order a plan's sources index them (q_out comes last).
+# rope_kv_write's arguments that may be tensors, in the order a plan's sources index them (its fresh outputs come
+# last: q_out, then q's dynamic scales and the rotated k where asked).
 _KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping", "q_weight", "k_weight",
-               "k_cache_scale", "v_cache_scale", "inv_freq", "cos", "sin", "angles")
+               "k_cache_scale", "v_cache_scale", "inv_freq", "cos", "sin", "angles", "q_out_scale")
 
 
 class KvCall(NamedTuple):
@@ -61,22 +62,26 @@ class KvCall(NamedTuple):
     cache: CacheArgs
     norm: NormSpec
     args: RopeArgs
+    scales: OutScales = _NO_SCALES
 
     def values(self) -> tuple:
         """The call's possible tensors in ``_KV_TENSORS`` order, and its other arguments."""
         c, n, a = self.cache, self.norm, self.args
         tensors = (self.q, self.k, c.v, c.k_cache, c.v_cache, a.positions, c.slot_mapping, n.q_weight, n.k_weight,
-                   c.k_cache_scale, c.v_cache_scale, a.inv_freq, a.cos, a.sin, a.angles)
-        return tensors, (c.cache_layout, n.weight_offset, n.eps, *_rope_scalars(a))
+                   c.k_cache_scale, c.v_cache_scale, a.inv_freq, a.cos, a.sin, a.angles, self.scales.q_out_scale)
+        return tensors, (c.cache_layout, n.weight_offset, n.eps, self.scales.return_k, *_rope_scalars(a))
+
+    @property
+    def extra(self) -> bool:
+        """A float8 q output or the rotated k asked for."""
+        return self.args.out_dtype is not None or self.scales.given or self.scales.return_k is not False
 
 
 def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs,
              scales: OutScales = _NO_SCALES) -> Tensor:
     """:func:`ropekit.rope_kv_write` (its arguments bundled): replay the plan of the call's signature, or validate,
-    run and note the signature. float8 outputs (``args.out_dtype``, ``scales``) take the full path."""
-    if args.out_dtype is not None or scales.given or scales.return_k is not False:
-        return _write_kv_outputs(q, k, cache, norm, args, scales)
-    call = KvCall(q, k, cache, norm, args)
+    run and note the signature; ``scales``: the float8 q output's scale and ``return_k``."""
+    call = KvCall(q, k, cache, norm, args, scales)
     if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None):
         return _write_kv_full(call, None, None)
     return _prologue_call(_KV_PLANS, _kv_signature(call), call, _write_kv_full)
@@ -89,13 +94,17 @@ def _rope_scalars(args: RopeArgs) -> tuple:
 def _write_kv_full(call: KvCall, sig, launches: list | None) -> Tensor:
     """The full path of :func:`write_kv`: validate, run, and note ``sig`` (None: not planned) with the launches
     it made (``launches``)."""
-    q4, k4, v4, rope_args, cache = validate_kv_write(call.q, call.k, call.cache, call.args)
-    spec = validate_args(q4, k4, rope_args)
-    norm = validate_norm(call.q, call.k, call.norm, required=False) or NormSpec(None, None)
-    q_out = write_kv_spec(q4, k4, v4, norm, spec, cache)
-    out = q_out.view(call.q.shape) if call.q.dim() == 3 else q_out
+    if call.extra:
+        fresh, out, seqlen, cache = _write_kv_outputs(call)
+    else:
+        q4, k4, v4, rope_args, cache = validate_kv_write(call.q, call.k, call.cache, call.args)
+        spec = validate_args(q4, k4, rope_args)
+        norm = validate_norm(call.q, call.k, call.norm, required=False) or NormSpec(None, None)
+        q_out = write_kv_spec(q4, k4, v4, norm, spec, cache)
+        fresh, seqlen = [q_out], to_canonical(q4, rope_args.layout).shape[1]
+        out = q_out.view(call.q.shape) if call.q.dim() == 3 else q_out
     if sig is not None:
-        _kv_sighted(sig, call, q_out, out, to_canonical(q4, rope_args.layout).shape[1], cache, launches)
+        _kv_sighted(sig, call, fresh, out, seqlen, cache, launches)
     return out
 
 def _kv_signature(call: KvCall):
@@ -110,31 +119,32 @@ def _kv_signature(call: KvCall):
     return (key, inference), tensors
 
 
-def _kv_sighted(sig, call: KvCall, q_out: Tensor, out: Tensor, seqlen: int, cache, launches: list) -> None:
+def _kv_sighted(sig, call: KvCall, fresh: list, out, seqlen: int, cache, launches: list) -> None:
     def record():
-        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], call, q_out, out, seqlen, cache, launches))
+        _keep(_KV_PLANS, sig[0], KvPlan.record(sig[1], call, fresh, out, seqlen, cache, launches))
 
     _note(_KV_SEEN, sig[0], record)
 
 class KvPlan:
     """The prologue kernel's launch for one rope_kv_write signature (:class:`_Replay`, whose sources are the call's
-    tensors in ``_KV_TENSORS`` order and then the fresh q output), with the checks a replay repeats per call."""
+    tensors in ``_KV_TENSORS`` order and then its fresh outputs), with the checks a replay repeats per call."""
 
-    __slots__ = ("replay", "q_out", "out_shape", "int_offset", "max_offset", "kv_spans", "input_spans")
+    __slots__ = ("replay", "fresh", "out_shapes", "int_offset", "max_offset", "kv_spans", "input_spans")
 
     @classmethod
-    def record(cls, tensors: list, call: KvCall, q_out: Tensor, out: Tensor, seqlen: int, cache, launch: list):
-        """A plan from the full path's launch (``launch``: what ``launch_prologue`` recorded), or None where a
-        kernel argument is a copy of a call's tensor rather than a view of it."""
-        if len(launch) != 1:
-            return None
+    def record(cls, tensors: list, call: KvCall, fresh: list, out, seqlen: int, cache, launch: list):
+        """A plan from the full path's launch (``launch``: what ``launch_prologue`` recorded; ``fresh``: the
+        outputs it wrote, ``out``: what the call returned, views of them), or None where a kernel argument is a
+        copy of a call's tensor rather than a view of it."""
+        if len(launch) != 1 or not all(f.is_contiguous() for f in fresh):
+            return None  # (a replay allocates its outputs dense: the launch's strides must be theirs)
         plan = cls()
-        plan.replay = _Replay.record(launch[0], [*tensors, q_out], call.args.inv_freq is None)
+        plan.replay = _Replay.record(launch[0], [*tensors, *fresh], call.args.inv_freq is None)
         if plan.replay is None:
             return None
         roles, constexprs, args = plan.replay.roles, plan.replay.constexprs, launch[0][1]
-        plan.q_out = (q_out.shape, q_out.dtype)
-        plan.out_shape = out.shape
+        plan.fresh = tuple((f.shape, f.dtype) for f in fresh)
+        plan.out_shapes = tuple(o.shape for o in out) if isinstance(out, tuple) else out.shape
         plan.int_offset = not isinstance(call.args.positions, Tensor)
         if plan.int_offset:  # refilled and bounds-checked per call
             rows = cache.rows if not cache.paged else MAX_POSITION + 1
@@ -171,16 +181,19 @@ class KvPlan:
             return None
         if not self._caches_disjoint(tensors[3], tensors[4]) or not self._inputs_outside_caches(tensors):
             return None  # the full path decides (and raises where they overlap)
-        q_out = torch.empty(self.q_out[0], dtype=self.q_out[1], device=tensors[0].device)
-        self.replay([*tensors, q_out], offset)
+        device = tensors[0].device
+        fresh = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.fresh]
+        self.replay([*tensors, *fresh], offset)
         for cache in tensors[3:5]:  # the kernel's writes, declared to autograd as the full path does
             torch.autograd.graph.increment_version(cache)
-        return q_out.view(self.out_shape)
+        if type(self.out_shapes) is tuple:
+            return tuple(f.view(shape) for f, shape in zip(fresh, self.out_shapes))
+        return fresh[0].view(self.out_shapes)
 
 
-# --- float8 outputs ----------------------------------------------------------------------------------------------
-# Inference calls through the full path (no launch plans yet: a plan would also have to allocate the dynamic
-# scales per call), eager only (no registered op yet).
+# --- float8 outputs and the rotated k -----------------------------------------------------------------------------
+# rope_kv_write's are planned as its plain calls are (KvPlan allocates every fresh output); qk_norm_rope's float8
+# calls take the full path. Both are eager only (no registered op for them yet).
 
 def _refuse_grad(name: str, tensors, what: str = "float8 outputs") -> None:
     if torch.compiler.is_compiling():
@@ -191,11 +204,13 @@ def _refuse_grad(name: str, tensors, what: str = "float8 outputs") -> None:
                            "torch.inference_mode(), or leave out_dtype None for training")
 
 
-def _write_kv_outputs(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeArgs, scales: OutScales):
-    """:func:`ropekit.rope_kv_write` with a float8 q output and/or the rotated k: q_out, then (dynamic scales)
-    q_scales, then (``return_k``) k_out; a tuple where there is more than q_out."""
+def _write_kv_outputs(call: KvCall) -> tuple:
+    """The full path of :func:`ropekit.rope_kv_write` with a float8 q output and/or the rotated k: (the outputs the
+    kernel wrote, what the call returns -- q_out, then (dynamic scales) q_scales, then (``return_k``) k_out, a tuple
+    where there is more than q_out --, the sequence length, the cache spec)."""
     from ropekit import ops
 
+    q, k, cache, norm, args, scales = call
     _refuse_grad("rope_kv_write", (q, k, cache.v, norm.q_weight, norm.k_weight),
                  "float8 outputs" if args.out_dtype is not None or scales.given else "return_k")
     q4, k4, v4, rope_args, cache_spec = validate_kv_write(q, k, cache, args._replace(out_dtype=None))
@@ -211,7 +226,8 @@ def _write_kv_outputs(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, ar
         shaped.append(outs[1].view(q.shape[:-1]))
     if scales.return_k:
         shaped.append(outs[-1].view(k.shape))
-    return shaped[0] if len(shaped) == 1 else tuple(shaped)
+    seqlen = to_canonical(q4, rope_args.layout).shape[1]
+    return outs, shaped[0] if len(shaped) == 1 else tuple(shaped), seqlen, cache_spec
 
 
 def _norm_rotate_float8(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, scales: OutScales) -> tuple:
