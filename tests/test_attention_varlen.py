@@ -1,8 +1,8 @@
 """ropekit.rope_attention on packed sequences (``layout="thd"`` with ``cu_seqlens``) against its definition.
 
-The oracle is the float64 definition of tests/test_attention.py applied to each sequence on its own (positions
+The oracle is the float64 definition of tests/attention_definition.py applied to each sequence on its own (positions
 restarting at 0 there, plus the sequence's offset where given) and concatenated: a packed call must equal
-attention run sequence by sequence. The tolerance rule and the low-precision baseline are that module's.
+attention run sequence by sequence. The tolerance rule and the low-precision baseline are that module's too.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import pytest
 import torch
 
 import ropekit
-from helpers import INTERPRETED, ROUTES
-from ropekit.testing import kernels_on_cpu
-from test_attention import (
+from attention_definition import (
     LN2,
     assert_accurate,
     definition,
@@ -24,6 +22,8 @@ from test_attention import (
     route_context,
     route_device,
 )
+from helpers import INTERPRETED, ROUTES
+from ropekit.testing import kernels_on_cpu
 
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
 
