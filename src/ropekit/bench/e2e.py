@@ -165,11 +165,25 @@ def run_variant(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.model, args.variant, device, dtype, args.tiny)
-    rows = [time_training(model, args.batch, args.seq, args.steps, device)]
+    rows = [_attempt(lambda: time_training(model, args.batch, args.seq, args.steps, device), "train", args.batch,
+                     args.seq)]
     for batch in args.decode_batches:
         for graph in (False, True) if device.type == "cuda" else (False,):
-            rows.append(time_decoding(model, batch, args.prompt, args.new_tokens, graph, device))
+            rows.append(_attempt(lambda b=batch, g=graph: time_decoding(model, b, args.prompt, args.new_tokens, g,
+                                                                        device),
+                                 "decode-graph" if graph else "decode", batch, args.prompt))
     return rows
+
+
+def _attempt(measure, kind: str, batch: int, seq: int) -> dict:
+    """``measure()``'s row, or a row saying why it failed (one failing measurement keeps the variant's others)."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 -- reported in the table, not hidden
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return dict(kind=kind, batch=batch, seq=seq, ms=float("nan"), tokens_per_s=float("nan"),
+                    error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
 def _available(variant: str, model: str) -> str | None:
@@ -249,10 +263,10 @@ def _table(results: dict[str, list[dict]], args) -> list[dict]:
             if ref and "tokens" in r:
                 same = f"{sum(a == b for a, b in zip(r['tokens'], ref['tokens']))}/{len(ref['tokens'])}"
             print(f"{r['kind']:<13}{r['batch']:>6} {variant:<18}{r['ms']:>10.3f}{r['tokens_per_s']:>12.0f}"
-                  f"{ratio:>9.3f}  {same}")
+                  f"{ratio:>9.3f}  {same}{r.get('error', '')}")
             out.append(dict(model=args.model, device=device, variant=variant, kind=r["kind"], batch=r["batch"],
                             seq=r["seq"], ms=round(r["ms"], 4), tokens_per_s=round(r["tokens_per_s"], 1),
-                            vs_sdpa=round(ratio, 4), same_tokens=same, tiny=args.tiny))
+                            vs_sdpa=round(ratio, 4), same_tokens=same, tiny=args.tiny, error=r.get("error", "")))
     return out
 
 
