@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
 import gzip
 import io
 import re
@@ -124,9 +125,11 @@ def _span(rows: list[dict[str, Any]], column: str) -> str:
     return f"{len(values)} values ({', '.join(values[:3])}{', ...' if len(values) > 3 else ''})"
 
 
-def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ...], latest_rel: str) -> str:
+def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ...], latest_rel: str,
+             e2e: list[dict[str, Any]] | None = None) -> str:
     """BENCHMARKS.md: a short preamble, then per card one table per mode with a line per target (and for the
-    attention modes, where the card has their rows, a table of every implementation's TFLOP/s)."""
+    attention modes, where the card has their rows, a table of every implementation's TFLOP/s); then the newest
+    end-to-end run of each card and model (``e2e``: rows of ``python -m ropekit.bench.e2e --csv``)."""
     lines = [
         "# Benchmarks",
         "",
@@ -154,14 +157,43 @@ def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ..
                 if res["worst"] is None:
                     lines.append(f"| {t.text} | {t.limit:g} | | | 0 | not measured |")
                     continue
-                at = next(r for r in rows if r["case"] == res["case"] and r["mode"] == mode and r["impl"] == t.impl)
+                at = next(r for r in rows if r["case"] == res["case"] and r["mode"] == mode
+                          and fnmatch.fnmatchcase(r["impl"], t.impl))
                 status = "**met**" if res["ok"] else "**missed**"
                 lines.append(f"| {t.text} | {t.limit:g} | {res['worst']:.3f} | {res['case']} ({at['commit']}) | "
                              f"{res['cases']} | {status} |")
             lines.append("")
             if mode in ATTN_MODES:
                 lines += _throughput_table([r for r in rows if r["mode"] == mode])
+    lines += _e2e_tables(e2e or [])
     return "\n".join(lines)
+
+
+def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """Per (card, model), the newest run's rows (smoke runs left out): time and ratio to unpatched sdpa."""
+    rows = [r for r in rows if r.get("tiny") not in ("True", True) and r["device"] != "cpu"
+            and not r["device"].startswith("none")]
+    if not rows:
+        return []
+    lines = ["## End to end: patched transformers models", "",
+             "`python -m ropekit.bench.e2e` (method: [benchmarks/README.md](benchmarks/README.md)): a training step "
+             "(forward, backward, AdamW) and greedy static-cache decoding per token, eager and in a CUDA graph; "
+             "random-weight ~0.5 B models, bf16; each ratio is to unpatched sdpa in the same run.", ""]
+    for device, model in sorted({(r["device"], r["model"]) for r in rows}):
+        mine = [r for r in rows if (r["device"], r["model"]) == (device, model)]
+        newest = max(r["date"] for r in mine)
+        run = [r for r in mine if r["date"] == newest]
+        lines += [f"### {device}, {model} ({newest[:10]}, {run[0]['commit']}, torch {run[0]['torch']})", "",
+                  "| step | batch | variant | ms | tokens/s | vs sdpa | greedy tokens as sdpa |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in run:
+            if r.get("error"):
+                lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | failed: {r['error']} | | | |")
+                continue
+            lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | {float(r['ms']):.3f} | "
+                         f"{float(r['tokens_per_s']):.0f} | {float(r['vs_sdpa']):.3f} | {r['same_tokens']} |")
+        lines.append("")
+    return lines
 
 
 def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -199,10 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summary: {exc}", file=sys.stderr)
         return 2
     by_card = newest_runs(read_history(results / "all_runs.csv.gz"))
+    e2e_path = results / "e2e.csv"
+    e2e = list(csv.DictReader(e2e_path.open(newline="", encoding="utf-8"))) if e2e_path.is_file() else []
     written = write_latest(by_card, results / "latest", plot=args.plot)
     out = Path(args.out)
     latest_rel = Path(results / "latest").as_posix()
-    out.write_text(markdown(by_card, targets_from_registry(registry), latest_rel), encoding="utf-8")
+    out.write_text(markdown(by_card, targets_from_registry(registry), latest_rel, e2e), encoding="utf-8")
     print("wrote " + ", ".join(str(p) for p in [*written, out]))
     return 0
 
