@@ -210,7 +210,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny configs: a smoke test of the harness (CPU)")
-    p.add_argument("--csv", type=Path, help="append the rows to this CSV")
+    p.add_argument("--csv", type=Path, help="append the rows to this CSV (benchmarks/results/e2e.csv feeds "
+                                             "BENCHMARKS.md)")
+    p.add_argument("--commit", help="the commit to stamp on the rows (default: git's, where there is a checkout)")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # the child's one variant
     return p
 
@@ -248,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(results: dict[str, list[dict]], args) -> list[dict]:
     """Print time, throughput and ratio to sdpa per (kind, batch) and variant; return the rows for the CSV."""
-    device = (torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available()
-              else "cpu")
+    from .env import environment
+
+    env = environment(torch.device(args.device), args.commit)
+    device = env["gpu"]
     base = {(r["kind"], r["batch"]): r for r in results.get("sdpa", [])}
     out = []
     print(f"\n{args.model} ({'tiny' if args.tiny else '~0.5B'}), {device}; train {args.batch}x{args.seq} tokens, "
@@ -264,7 +268,8 @@ def _table(results: dict[str, list[dict]], args) -> list[dict]:
                 same = f"{sum(a == b for a, b in zip(r['tokens'], ref['tokens']))}/{len(ref['tokens'])}"
             print(f"{r['kind']:<13}{r['batch']:>6} {variant:<18}{r['ms']:>10.3f}{r['tokens_per_s']:>12.0f}"
                   f"{ratio:>9.3f}  {same}{r.get('error', '')}")
-            out.append(dict(model=args.model, device=device, variant=variant, kind=r["kind"], batch=r["batch"],
+            out.append(dict(date=env["date"], commit=env["commit"], torch=env["torch"], model=args.model,
+                            device=device, variant=variant, kind=r["kind"], batch=r["batch"],
                             seq=r["seq"], ms=round(r["ms"], 4), tokens_per_s=round(r["tokens_per_s"], 1),
                             vs_sdpa=round(ratio, 4), same_tokens=same, tiny=args.tiny, error=r.get("error", "")))
     return out
