@@ -151,3 +151,24 @@ def test_benchmarks_md_is_generated_from_the_kept_history():
         latest = ROOT / "benchmarks" / "results" / "latest" / summary.card_slug(gpu) / "results.csv.gz"
         kept = gzip.decompress(latest.read_bytes()).decode("utf-8").splitlines()
         assert kept[0] == ",".join(summary.latest_fields(rows)) and len(kept) == len(rows) + 1
+
+
+def test_end_to_end_rows_render_the_newest_run_per_card_and_model():
+    """The page's end-to-end section: per (card, model) the newest run's rows only, failures shown with their
+    error, CPU smoke rows left out."""
+    def row(date, variant, kind, ms, **extra):
+        return dict(date=date, commit="abc1234", torch="2.11", model="qwen3", device="NVIDIA H200", variant=variant,
+                    kind=kind, batch="4", seq="2048", ms=str(ms), tokens_per_s="1000", vs_sdpa=str(ms / 10),
+                    same_tokens="", tiny="False", error="", **extra)
+
+    rows = [row("2026-11-01T00:00:00", "sdpa", "train", 99.0), row("2026-11-02T00:00:00", "sdpa", "train", 10.0),
+            row("2026-11-02T00:00:00", "ropekit", "train", 9.0),
+            dict(row("2026-11-02T00:00:00", "liger", "train", float("nan")), error="ImportError: x"),
+            dict(row("2026-11-03T00:00:00", "sdpa", "train", 1.0), device="none (CPU x86_64)", tiny="True")]
+    page = summary.markdown({}, (), "benchmarks/results/latest", rows)
+    section = page.split("## End to end")[1]
+    assert "### NVIDIA H200, qwen3 (2026-11-02, abc1234" in section
+    assert "| train | 4 | ropekit | 9.000 | 1000 | 0.900 |" in section
+    assert "failed: ImportError: x" in section
+    assert "99.000" not in section and "CPU" not in section
+    assert "End to end" not in summary.markdown({}, (), "benchmarks/results/latest")
