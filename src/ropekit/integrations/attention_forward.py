@@ -11,7 +11,9 @@ the module's ``forward`` (per instance) with one that keeps the family's math an
 * with ``attention=True``, the rotation and the attention as one :func:`ropekit.rope_attention` (Llama's, Mistral's,
   Qwen2's and Qwen3's forwards), where that is the same attention: sdpa with no mask (causal, no padding, no packed
   sequences, no sliding window), no dropout, and no cache or an empty ``DynamicCache`` layer (which then receives the
-  rotated k from :func:`ropekit.apply_rope`, as it would have).
+  rotated k from :func:`ropekit.apply_rope`, as it would have). While compiled, transformers 5.17 (and 5.24 before
+  torch 2.14) hands sdpa the causal mask as a tensor, whose values a traced graph cannot inspect: those calls take
+  the usual path.
 
 Anything else takes the family's own math (modules and the patched rotation) inside the same forward.
 
@@ -162,10 +164,30 @@ def _norm_form(norm: object, head_dim: int) -> tuple[float, float] | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _CacheClasses:
+    """transformers' cache classes the forward recognises, resolved when the model is patched: an import inside the
+    forward would be traced by torch.compile, whose older releases (2.11) cannot import from transformers' lazy
+    top-level module with fullgraph=True."""
+
+    cache: type | None  # Cache
+    static_layer: type | None  # StaticLayer
+    hybrid_layer: type | None  # LinearAttentionAndStaticFullAttentionLayer (Qwen3-Next's static layers)
+    dynamic_cache: type | None  # DynamicCache
+    dynamic_layer: type | None  # DynamicLayer
+
+
+def _cache_classes() -> _CacheClasses:
+    cache_utils = importlib.import_module("transformers.cache_utils")
+    return _CacheClasses(*(getattr(cache_utils, name, None) for name in (
+        "Cache", "StaticLayer", "LinearAttentionAndStaticFullAttentionLayer", "DynamicCache", "DynamicLayer")))
+
+
 @dataclasses.dataclass
 class _State:
     shape: _Shape
     modeling: types.ModuleType
+    caches: _CacheClasses
     style: str  # the family's pairing: "neox" or "interleaved"
     prologue: bool  # QK-norm + rotation (+ the static-cache write) fused
     attention: bool  # rope_attention where exact
@@ -186,6 +208,7 @@ def install(model: nn.Module, modeling: str, style: str | None, *, prologue: boo
             uninstall(attn)
         return 0
     module = importlib.import_module(modeling)
+    caches = _cache_classes()
     count = 0
     for attn in model.modules():
         cls = type(attn)
@@ -207,7 +230,7 @@ def install(model: nn.Module, modeling: str, style: str | None, *, prologue: boo
         if not (fused_norm or fused_attention):
             uninstall(attn)
             continue
-        state = _State(shape, module, style, prologue=fused_norm, attention=fused_attention, q_norm=norms[0],
+        state = _State(shape, module, caches, style, prologue=fused_norm, attention=fused_attention, q_norm=norms[0],
                        k_norm=norms[1])
         object.__setattr__(attn, _STATE_ATTR, state)
         attn.forward = types.MethodType(_forward, attn)
@@ -320,7 +343,7 @@ def _prologue(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
     if fused:
         offset, q_eps = state.q_norm
         if q_eps == state.k_norm[1]:
-            if cache is not None and _static_layer(self, cache, q, k, v):
+            if cache is not None and _static_layer(self, state.caches, cache, q, k, v):
                 return _static_write(self, state, q, k, v, cache, rotation)
             q_rot, k_rot = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, eps=q_eps,
                                         weight_offset=offset, **rotation)
@@ -345,14 +368,12 @@ def _prologue(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
 # ------------------------------------------------------------------------------------- the static-cache write
 
 
-def _static_layer(self, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _static_layer(self, classes: _CacheClasses, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether this layer's update is exactly ``StaticLayer.update`` (a ``StaticCache``'s full-attention layer, or
     the full-attention half of a hybrid model's, as Qwen3-Next's), reached through ``Cache.update`` without
     offloading, on caches rope_kv_write can write (the inputs' dtype and device), with nothing needing gradients."""
-    from transformers import cache_utils
-
-    base, static_layer = getattr(cache_utils, "Cache", None), getattr(cache_utils, "StaticLayer", None)
-    if static_layer is None or not isinstance(cache, base) or type(cache).update is not base.update \
+    base, static_layer = classes.cache, classes.static_layer
+    if base is None or static_layer is None or not isinstance(cache, base) or type(cache).update is not base.update \
             or getattr(cache, "offloading", False):
         return False
     layers = getattr(cache, "layers", None)
@@ -366,8 +387,7 @@ def _static_layer(self, cache, q: Tensor, k: Tensor, v: Tensor) -> bool:
     layer = layers[self.layer_idx]
     if not getattr(layer, "is_initialized", False):
         # StaticLayer's own initialisation, or the hybrid layer's, which hands two positional tensors to it
-        hybrid = getattr(cache_utils, "LinearAttentionAndStaticFullAttentionLayer", None)
-        known = {static_layer.lazy_initialization, getattr(hybrid, "lazy_initialization", None)}
+        known = {static_layer.lazy_initialization, getattr(classes.hybrid_layer, "lazy_initialization", None)}
         return type(layer).lazy_initialization in known and k.shape[1] <= layer.max_cache_len
     keys, values = layer.keys, layer.values
     want = (k.shape[0], k.shape[2], layer.max_cache_len, k.shape[3])
@@ -415,13 +435,10 @@ def _static_write(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, r
 # ------------------------------------------------------------------------------------------ rope_attention
 
 
-def _empty_dynamic_layer(cache, layer_idx: int) -> bool:
+def _empty_dynamic_layer(classes: _CacheClasses, cache, layer_idx: int) -> bool:
     """Whether ``cache`` is a plain DynamicCache whose layer ``layer_idx`` holds nothing yet (its update then
     returns exactly the keys and values given)."""
-    from transformers import cache_utils
-
-    dynamic_cache, dynamic_layer = getattr(cache_utils, "DynamicCache", None), getattr(cache_utils, "DynamicLayer",
-                                                                                     None)
+    dynamic_cache, dynamic_layer = classes.dynamic_cache, classes.dynamic_layer
     if dynamic_layer is None or type(cache) is not dynamic_cache or getattr(cache, "offloading", False):
         return False
     layers = getattr(cache, "layers", None)
@@ -454,7 +471,7 @@ def _attention_route(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cos: 
     if state.shape.code.norms is not None and _norms_on(self, state.shape.code) \
             and not (self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype):
         return False  # Qwen3's norm returns the weight's dtype promoted with the input's
-    return cache is None or _empty_dynamic_layer(cache, self.layer_idx)
+    return cache is None or _empty_dynamic_layer(state.caches, cache, self.layer_idx)
 
 
 def _rope_attention(self, state: _State, q: Tensor, k: Tensor, v: Tensor, cache, rotation: dict,
