@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -120,6 +121,15 @@ def _assert_same(logits, grads, ref_logits, ref_grads):
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+def _cache(model, cache) -> dict:
+    """The model keyword that hands it ``cache``: ``cache`` (transformers 5.24) or ``past_key_values`` (5.17, where
+    a ``cache=`` keyword would pass silently into ``**kwargs``, and no cache be used at all)."""
+    parameters = inspect.signature(type(model).forward).parameters
+    name = "cache" if "cache" in parameters else "past_key_values"
+    assert name in parameters
+    return {name: cache}
 
 
 def _generate(model, ids, mask=None, **kwargs):
@@ -249,8 +259,8 @@ def test_static_cache_contents_match(padded, route, fused_calls):
     for patched in (False, True):
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad(), (_patched(model) if patched else contextlib.nullcontext()), route_context(route):
-            model(ids[:, :6], position_ids=positions[:, :6], cache=cache, use_cache=True)
-            model(ids[:, 6:], position_ids=positions[:, 6:], cache=cache, use_cache=True)
+            model(ids[:, :6], position_ids=positions[:, :6], **_cache(model, cache), use_cache=True)
+            model(ids[:, 6:], position_ids=positions[:, 6:], **_cache(model, cache), use_cache=True)
         caches.append(cache)
     assert fused_calls["rope_kv_write"] == 4
     for i, (want, got) in enumerate(zip(*(c.layers for c in caches))):
@@ -268,10 +278,10 @@ def test_static_cache_overflow_raises_and_writes_nothing(fused_calls):
     ids = torch.randint(2, 128, (1, 6))
     cache = transformers.StaticCache(config=model.config, max_cache_len=6)
     with torch.no_grad(), _patched(model):
-        model(ids[:, :5], cache=cache, use_cache=True)
+        model(ids[:, :5], **_cache(model, cache), use_cache=True)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         with pytest.raises(IndexError, match="static cache holds 6 tokens per sequence"):
-            model(ids[:, 4:], position_ids=torch.arange(5, 7)[None], cache=cache, use_cache=True)
+            model(ids[:, 4:], position_ids=torch.arange(5, 7)[None], **_cache(model, cache), use_cache=True)
     assert fused_calls["rope_kv_write"] == 2
     assert int(cache.layers[0].cumulative_length) == 5
     for layer, (keys, values) in zip(cache.layers, before):
@@ -283,10 +293,12 @@ def test_static_cache_keeps_update_where_gradients_are_needed(fused_calls):
     own update, with the unpatched logits."""
     model = _tiny("qwen3")
     ids = torch.randint(2, 128, (1, 6))
-    ref = model(ids, cache=transformers.StaticCache(config=model.config, max_cache_len=8), use_cache=True).logits
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=8) for _ in range(2)]
+    ref = model(ids, **_cache(model, caches[0]), use_cache=True).logits
     with _patched(model):
-        out = model(ids, cache=transformers.StaticCache(config=model.config, max_cache_len=8), use_cache=True).logits
+        out = model(ids, **_cache(model, caches[1]), use_cache=True).logits
     assert fused_calls["rope_kv_write"] == 0 and fused_calls["qk_norm_rope"] == 2
+    assert [int(layer.cumulative_length) for layer in caches[1].layers] == [6, 6]  # the cache was used
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -509,11 +521,17 @@ def test_norm_modules_are_recognised_by_behaviour():
 @pytest.mark.parametrize("case", ["prologue", "attention-llama", "attention-qwen3"])
 def test_compiled_fused_forwards_trace_the_fused_ops(case, fused_calls):
     """torch.compile(fullgraph=True) of a patched model: the fused forwards trace (no graph break) through the
-    fused ops, with the unpatched logits and gradients."""
+    fused ops, with the unpatched logits and gradients. rope_attention needs the mask-free call: transformers 5.17
+    (and 5.24 before torch 2.14) builds the causal mask as a tensor while compiling, which takes the usual path
+    (a mask's values cannot be read in a traced graph), so the test records which mask the attention modules got."""
     model_type = "qwen3" if case != "attention-llama" else "llama"
     model = _tiny(model_type, attn="sdpa")
     ids = torch.randint(2, 128, (2, 12))
     ref_logits, ref_grads = _forward_backward(model, ids)
+    masks = []
+    hooks = [m.register_forward_pre_hook(lambda _, args, kwargs: masks.append(kwargs.get("attention_mask")),
+                                         with_kwargs=True) for m in model.modules() if type(m).__name__.endswith(
+                                             "Attention") and hasattr(m, "q_proj")]
     torch._dynamo.reset()
     try:
         with _patched(model, attention=case.startswith("attention")):
@@ -524,8 +542,49 @@ def test_compiled_fused_forwards_trace_the_fused_ops(case, fused_calls):
                              ref_grads)
     finally:
         torch._dynamo.reset()
-    op = "qk_norm_rope" if case == "prologue" else "rope_attention"
-    assert fused_calls[op] >= 2  # traced once per layer, not bypassed
+        for hook in hooks:
+            hook.remove()
+    assert len(masks) >= 2
+    if case == "prologue" or (model_type == "qwen3" and any(mask is not None for mask in masks)):
+        assert fused_calls["qk_norm_rope"] >= 2  # traced once per layer, not bypassed
+    if case != "prologue":
+        mask_free = all(mask is None for mask in masks)
+        assert (fused_calls["rope_attention"] >= 2) == mask_free
+        if not mask_free:
+            _assert_compiled_attention_layer(model, ids)
+            assert fused_calls["rope_attention"] >= 1
+
+
+def _assert_compiled_attention_layer(model, ids):
+    """One attention layer called as transformers calls it without a mask (sdpa's is_causal), compiled with
+    fullgraph=True around the patched rotary module and attention forward: the output and gradients of the
+    unpatched layer."""
+    inner, layer = model.model, model.model.layers[0].self_attn
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    hidden = torch.randn(*ids.shape, model.config.hidden_size)
+    weight = torch.randn(*ids.shape, model.config.hidden_size)
+
+    def attention(hidden):
+        embeddings = inner.rotary_emb(hidden, positions)
+        return layer(hidden, position_embeddings=embeddings, attention_mask=None, position_ids=positions)[0]
+
+    def run(function):
+        x = hidden.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        out = function(x)
+        (out * weight).sum().backward()
+        return out.detach(), [x.grad, *(p.grad for p in layer.parameters())]
+
+    ref, ref_grads = run(attention)
+    torch._dynamo.reset()
+    try:
+        with _patched(model, attention=True):
+            out, grads = run(torch.compile(attention, fullgraph=True, backend="aot_eager"))
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 1e-5
 
 
 def test_compiled_static_decode_traces_rope_kv_write(fused_calls):
@@ -539,9 +598,9 @@ def test_compiled_static_decode_traces_rope_kv_write(fused_calls):
         for patched in (False, True):
             cache = transformers.StaticCache(config=model.config, max_cache_len=12)
             with torch.no_grad(), (_patched(model) if patched else contextlib.nullcontext()):
-                model(ids[:, :5], cache=cache, use_cache=True)  # prefill, eager
+                model(ids[:, :5], **_cache(model, cache), use_cache=True)  # prefill, eager
                 step = torch.compile(model, fullgraph=True, backend="aot_eager")
-                logits = step(ids[:, 5:], cache=cache, use_cache=True,
+                logits = step(ids[:, 5:], **_cache(model, cache), use_cache=True,
                               position_ids=torch.full((2, 1), 5)).logits
             results.append((logits, cache))
             torch._dynamo.reset()
