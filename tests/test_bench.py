@@ -127,6 +127,16 @@ def test_registry_presets_expand():
     assert next(c for c in kv_decode if c.model == "qwen3-8b").qk_norm
     assert not next(c for c in kv_decode if c.model == "llama3-8b").qk_norm
     assert len({c.name for c in kv_decode}) == len(kv_decode)  # the cache dtype is part of the name
+    # The MLA prologue: DeepSeek-V3 at 16 and 128 heads, 128 + 64 rope columns, latent 512, bf16 and fp8 caches.
+    mla_decode = [c for c in full if "mla-decode" in c.modes]
+    assert {c.hq for c in mla_decode} == {16, 128} and {c.cache for c in mla_decode} == {"bf16", "fp8"}
+    assert all((c.head_dim, c.rotary_dim, c.rotary_at, c.latent_dim, c.dtype) == (192, 64, "back", 512, "bf16")
+               and c.seqlen == 1 and c.positions == "batch" for c in mla_decode)
+    assert {c.tokens for c in mla_decode} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    mla_prefill = [c for c in full if "mla-prefill" in c.modes]
+    assert {c.tokens for c in mla_prefill} == {2048, 4096, 8192, 16384, 32768}
+    assert {c.cache for c in mla_prefill} == {"bf16", "fp8"} and {c.latent_dim for c in mla_prefill} == {512}
+    assert all(c.latent_dim is None for c in full if not set(c.modes) & set(bench_cases.MLA_MODES))
     # RoPE fused into attention: GQA D128, MHA D64 and MLA (v head dim 128), causal and not, in "full" and alone.
     attn = [c for c in full if c.modes == bench_cases.ATTN_MODES]
     assert attn == bench_cases.expand_preset(registry, "attention")
@@ -150,6 +160,10 @@ def test_registry_presets_expand():
     ({"sizes": [[1, 4]]}, "one token per sequence"),
     ({"positions": ["thd"], "modes": ["kv-prefill"]}, "KV modes take positions"),
     ({"models": ["tiny"], "modes": ["norm-fwdbwd"], "caches": None}, "needs a model with qk_norm"),
+    ({"modes": ["mla-decode", "kv-decode"]}, "group of their own"),
+    ({"modes": ["mla-decode"]}, "need a model with latent_dim"),
+    ({"models": ["tiny-latent"], "modes": ["mla-prefill"], "positions": ["thd"]}, "KV modes take positions"),
+    ({"models": ["tiny-latent"], "modes": ["mla-decode"], "sizes": [[1, 4]]}, "mla-decode is one token"),
 ])
 def test_registry_rejects_bad_prologue_groups(group, error):
     registry = bench_cases.load_registry(str(REGISTRY))
@@ -254,6 +268,34 @@ def test_prologue_bytes_model_matches_the_tensors(positions, cache, qk_norm):
     seq, pos = inp.cache_index
     assert seq.tolist() == [b for b in range(3) for _ in range(seqlen)]
     assert pos.tolist() == inp.pos_grid.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("positions, cache", [("batch", "fp8"), ("offset", "bf16"), ("ids", "bf16")])
+def test_mla_bytes_model_matches_the_tensors(positions, cache):
+    """The MLA modes' inputs: q, and k_pe and kv_c as views of one packed latent buffer; a paged cache with room for
+    every position, each token at its own slot; the bytes model counts exactly what the tensors hold."""
+    import torch
+
+    seqlen = 1 if positions == "batch" else 8
+    case = bench_cases.Case(group="t", family="t", model="tiny-latent", hq=3, hk=1, head_dim=24, rotary_dim=8,
+                            rotary_at="back", base=10000.0, dtype="bf16", style="interleaved", positions=positions,
+                            batch=3, seqlen=seqlen, modes=("mla-prefill",), cache=cache, latent_dim=32)
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    nbytes = inputs.bytes_model(inp)
+    expected = inputs.case_bytes(case)
+    assert {m: nbytes[m] for m in bench_cases.MLA_MODES} == {m: expected[m] for m in bench_cases.MLA_MODES}
+    assert nbytes["mla-decode"] == nbytes["mla-prefill"]
+    T, cache_elem = 3 * seqlen, bench_cases.CACHE_DTYPES[cache].itemsize
+    pos = {"batch": 3 * 8, "ids": T * 8}.get(positions, 0)
+    assert nbytes["mla-prefill"] == (2 * inp.q.numel() * 2 + (inp.kv_c.numel() + inp.k.numel()) * (2 + cache_elem)
+                                     + inp.slot_mapping.numel() * 8 + pos + 4 * 4 + (4 if cache == "fp8" else 0))
+    assert inp.k.shape == (3, seqlen, 1, 8) and inp.kv_c.shape == (3, seqlen, 32)
+    assert inp.kv_c.data_ptr() + 32 * 2 == inp.k.data_ptr() and inp.v is None and inp.k_cache is None
+    assert inp.mla_cache.shape[1:] == (bench_cases.MLA_PAGE_SIZE, 40)
+    assert inp.mla_cache.dtype == bench_cases.CACHE_DTYPES[cache]
+    slots = inp.slot_mapping.reshape(-1)
+    assert len(set(slots.tolist())) == T and 0 <= int(slots.min()) and int(slots.max()) < inp.mla_cache.shape[0] * 64
+    assert (slots % 64).tolist() == (inp.pos_grid.reshape(-1) % 64).tolist()
 
 
 @pytest.mark.parametrize("positions", bench_cases.POSITION_KINDS)
@@ -438,7 +480,7 @@ def test_targets_come_from_the_registry_data(tmp_path):
                                            "mrope-fwd", "mrope-decode", "prologue-decode",
                                            "prologue-decode-vs-unfused", "prologue-prefill", "prologue-decode-fp8q",
                                            "prologue-prefill-fp8q", "qk-norm-fwdbwd",
-                                           "qk-norm-vs-compile",
+                                           "qk-norm-vs-compile", "mla-decode", "mla-prefill",
                                            *(f"attn-{m}-vs-{v}" for m in ("fwd", "fwdbwd")
                                              for v in ("rope-flex", "rope-flash", "rope-cudnn", "cudnn"))}
     # Another registry file with other targets: the harness evaluates those, nothing built in.
@@ -610,7 +652,7 @@ def smoke_run(tmp_path_factory):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(stand_in), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, "-m", "ropekit.cli", "bench", "--preset", "smoke", "--device", "cpu",
-           "--impls", "ropekit*,hf,unfused-kv,unfused-eager", "--out", str(out), "--commit", "test",
+           "--impls", "ropekit*,hf,unfused-kv,unfused-eager,unfused-mla", "--out", str(out), "--commit", "test",
            "--history", str(tmp / "history.csv")]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
@@ -697,7 +739,8 @@ def test_smoke_csv_and_json_rows(smoke_run):
 def test_smoke_plots(smoke_run):
     pytest.importorskip("matplotlib")
     _, out, _ = smoke_run
-    for mode in ("fwd", "fwdbwd", "decode", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd"):
+    for mode in ("fwd", "fwdbwd", "decode", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
+                 "mla-decode", "mla-prefill"):
         png = _one(out, f"bench-*-cpu-smoke-{mode}.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
@@ -766,7 +809,8 @@ def test_graphs_replayed_in_turn_start_on_a_held_gpu_in_alternating_order(monkey
 
 
 @pytest.mark.parametrize("modes, impl, baselines", [(("decode", "host"), "ropekit", ("copy-q", "copy")),
-                                                    (("kv-decode",), "ropekit-kv-write", ("copy-kv",))])
+                                                    (("kv-decode",), "ropekit-kv-write", ("copy-kv",)),
+                                                    (("mla-decode",), "ropekit-mla-kv-write", ("copy-mla",))])
 def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines):
     """A graph mode's captured calls cycle over ``GRAPH_INPUT_SETS`` input sets (fresh tensors at other addresses),
     the checked set first, for the baselines and the implementations alike, each set called once before the
@@ -827,6 +871,9 @@ def test_decode_calls_cycle_over_input_sets(monkeypatch, modes, impl, baselines)
     if modes == ("kv-decode",):
         assert all(m.k_cache is made[0].k_cache and m.v_cache is made[0].v_cache for m in made)
         assert len({m.cache_index[1].data_ptr() for m in made}) == sets
+    if modes == ("mla-decode",):
+        assert all(m.mla_cache is made[0].mla_cache for m in made)
+        assert len({m.slot_mapping.data_ptr() for m in made}) == sets
 
 
 def test_an_input_set_refuses_caches_too_short_for_its_positions():

@@ -18,8 +18,13 @@ from ropekit._spec import SECTION_LAYOUTS
 REGISTRY_FILE = Path(__file__).with_name("registry.py")
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
-MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd")
+MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
+         "mla-decode", "mla-prefill")
 KV_MODES = ("kv-decode", "kv-prefill")  # rope_kv_write: the case has K/V caches (its ``cache`` dtype)
+MLA_MODES = ("mla-decode", "mla-prefill")  # mla_rope_kv_write: the case has a paged latent cache (its ``cache``)
+CACHE_MODES = KV_MODES + MLA_MODES  # the modes whose groups cross ``caches``
+DECODE_CACHE_MODES = ("kv-decode", "mla-decode")  # one token per sequence, at its own position
+MLA_PAGE_SIZE = 64  # the MLA modes' paged cache: rows per page (block_size)
 ATTN_MODES = ("attn-fwd", "attn-fwdbwd")  # rope_attention: the case has v and a mask (its ``causal`` flag)
 GRAD_MODES = ("fwdbwd", "norm-fwdbwd", "attn-fwdbwd")  # timed with autograd on
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -57,6 +62,7 @@ class Case:
     cache: str | None = None  # KV modes: the caches' dtype (a CACHE_DTYPES name); None for the other modes
     causal: bool | None = None  # attention modes: the causal mask or none; None for the other modes
     v_head_dim: int | None = None  # the model's v head dim where it differs from head_dim (MLA); None: head_dim
+    latent_dim: int | None = None  # MLA models: the latent kv_c's width (D_latent); head_dim = D_nope + D_rope
 
     @property
     def tokens(self) -> int:
@@ -144,10 +150,13 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
         for mode in modes:
             if mode not in MODES:
                 raise ValueError(f"group {group['name']!r}: unknown mode {mode!r} (modes: {MODES})")
-        kv = _check_kv_group(group, modes)
+        kv = _check_cache_group(group, modes)
         masks = _check_attn_group(group, modes)
         for model_name in group["models"]:
             model = registry["MODELS"][model_name]
+            if set(modes) & set(MLA_MODES) and not model.get("latent_dim"):
+                raise ValueError(f"group {group['name']!r}: the MLA modes {MLA_MODES} need a model with latent_dim; "
+                                 f"{model_name!r} has none")
             if "norm-fwdbwd" in modes and not model.get("qk_norm"):
                 raise ValueError(f"group {group['name']!r}: mode 'norm-fwdbwd' needs a model with qk_norm; "
                                  f"{model_name!r} has none")
@@ -175,7 +184,8 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                     sections=tuple(model["sections"]) if model.get("sections") else None,
                                     section_layout=model.get("section_layout", "contiguous"),
                                     qk_norm=bool(model.get("qk_norm", False)), cache=cache, causal=causal,
-                                    v_head_dim=model.get("v_head_dim"))
+                                    v_head_dim=model.get("v_head_dim"),
+                                    latent_dim=model.get("latent_dim") if kv == "mla" else None)
                                 _check_case(group["name"], case)
                                 fresh = tuple(m for m in modes if (case.name, m) not in seen)
                                 seen.update((case.name, m) for m in fresh)
@@ -184,18 +194,23 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
     return cases
 
 
-def _check_kv_group(group: dict[str, Any], modes: tuple[str, ...]) -> bool:
-    """Whether the group times rope_kv_write (KV modes only: their cases carry a cache dtype, which the other modes
-    would ignore and run twice)."""
+def _check_cache_group(group: dict[str, Any], modes: tuple[str, ...]) -> str | None:
+    """Which cache the group writes: "kv" (rope_kv_write, the KV modes), "mla" (mla_rope_kv_write, the MLA modes)
+    or None. Each kind goes in a group of its own: its cases carry a cache dtype, which the other modes would ignore
+    and run twice."""
     kv = [m for m in modes if m in KV_MODES]
+    mla = [m for m in modes if m in MLA_MODES]
     if kv and len(kv) != len(modes):
         raise ValueError(f"group {group['name']!r}: KV modes {KV_MODES} go in a group of their own")
-    if group.get("caches") and not kv:
-        raise ValueError(f"group {group['name']!r}: 'caches' applies to the KV modes {KV_MODES} only")
+    if mla and len(mla) != len(modes):
+        raise ValueError(f"group {group['name']!r}: MLA modes {MLA_MODES} go in a group of their own")
+    if group.get("caches") and not (kv or mla):
+        raise ValueError(f"group {group['name']!r}: 'caches' applies to the KV modes {KV_MODES} and the MLA modes "
+                         f"{MLA_MODES} only")
     for cache in group.get("caches") or ():
         if cache not in CACHE_DTYPES:
             raise ValueError(f"group {group['name']!r}: unknown cache dtype {cache!r} ({sorted(CACHE_DTYPES)})")
-    return bool(kv)
+    return "kv" if kv else "mla" if mla else None
 
 
 def _check_attn_group(group: dict[str, Any], modes: tuple[str, ...]) -> list[bool | None]:
@@ -231,8 +246,12 @@ def _check_case(group: str, case: Case) -> None:
                          f"{case.positions!r}")
     if case.v_head_dim is not None and case.v_head_dim <= 0:
         raise ValueError(f"model {case.model!r}: v_head_dim must be positive, got {case.v_head_dim}")
-    if "kv-decode" in case.modes and (case.seqlen != 1 or case.positions != "batch"):
-        raise ValueError(f"group {group!r}: kv-decode is one token per sequence at its own position (positions "
+    if case.latent_dim is not None and (case.rotary_at != "back" or case.rotary_dim >= case.head_dim):
+        raise ValueError(f"model {case.model!r}: the MLA modes rotate q's last rotary_dim columns (rotary_at 'back', "
+                         f"rotary_dim < head_dim = D_nope + D_rope)")
+    decode = [m for m in case.modes if m in DECODE_CACHE_MODES]
+    if decode and (case.seqlen != 1 or case.positions != "batch"):
+        raise ValueError(f"group {group!r}: {decode[0]} is one token per sequence at its own position (positions "
                          f"'batch', sizes [B, 1]), not {case.positions!r} {case.batch}x{case.seqlen}")
 
 

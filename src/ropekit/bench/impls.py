@@ -1,7 +1,8 @@
 """Implementation builders: the baselines, ropekit's entry points and the peers, each prepared as a :class:`Bench`
 (what is timed, and fresh outputs for the check against ropekit). The attention prologue's (KV modes,
-norm-fwdbwd) are in :mod:`.prologue` and those of RoPE fused into attention (attn-fwd, attn-fwdbwd) in
-:mod:`.attention`, which :func:`build` dispatches to; what they all build on is in :mod:`.base`."""
+norm-fwdbwd) are in :mod:`.prologue`, the MLA prologue's (MLA modes) in :mod:`.mla` and those of RoPE fused into
+attention (attn-fwd, attn-fwdbwd) in :mod:`.attention`, which :func:`build` dispatches to; what they all build on
+is in :mod:`.base`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .base import Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_de
 from .base import forget_compiles as forget_compiles  # the run loop calls it through this module
 from .cases import ATTN_MODES
 from .inputs import Inputs
+from .mla import MLA_IMPLS, build_copy_mla, build_mla
 from .peers import Peers
 from .prologue import (
     PROLOGUE_IMPLS,
@@ -32,7 +34,7 @@ from .timing import _sync
 # The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
 BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_", "kv-decode": "copy-kv",
             "kv-prefill": "copy-kv", "norm-fwdbwd": "copy-5pass", "attn-fwd": ATTN_BASELINE,
-            "attn-fwdbwd": ATTN_BASELINE}
+            "attn-fwdbwd": ATTN_BASELINE, "mla-decode": "copy-mla", "mla-prefill": "copy-mla"}
 EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
 ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d")
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
@@ -46,9 +48,12 @@ MODE_IMPLS = {
     "norm-fwdbwd": PROLOGUE_NORM_IMPLS,
     "attn-fwd": ATTN_IMPLS,
     "attn-fwdbwd": ATTN_IMPLS,
+    "mla-decode": MLA_IMPLS,
+    "mla-prefill": MLA_IMPLS,
 }
 # The implementation every other one of a mode is checked against (its outputs are the reference).
-REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm"}
+REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm",
+             "mla-decode": "ropekit-mla-kv-write", "mla-prefill": "ropekit-mla-kv-write"}
 
 
 def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | None = None) -> Bench:
@@ -66,6 +71,8 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | N
         q_out = torch.empty_like(inp.q)
         return Bench(run=lambda: q_out.copy_(inp.q), bytes=2 * inp.q.numel() * inp.q.element_size(),
                      note="one copy_ of q alone (a device-to-device memcpy)")
+    if name == "copy-mla":
+        return build_copy_mla(inp)
     if name in ("copy-kv", "copy-5pass"):
         return build_copy_kv(inp) if name == "copy-kv" else build_copy_5pass(inp, nbytes)
     if name == "add_":
@@ -305,6 +312,8 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if mode in ATTN_MODES:  # "ropekit" there is rope_attention
         return build_attention(name, inp, mode)
+    if name in MLA_IMPLS:
+        return build_mla(name, inp)
     if name in PROLOGUE_IMPLS:
         return build_prologue(name, inp, mode)
     if name in ROPEKIT_IMPLS:

@@ -14,7 +14,7 @@ from torch import Tensor
 from ropekit._spec import pair_axis_tensor
 from ropekit.modules import hf_tables
 
-from .cases import CACHE_DTYPES, DTYPES, MAX_CACHE_LEN, POSITION_OFFSET, Case
+from .cases import CACHE_DTYPES, DTYPES, MAX_CACHE_LEN, MLA_PAGE_SIZE, POSITION_OFFSET, Case
 
 FP8_CACHE_SCALE = 0.05  # fp8 caches: stored = value / scale (N(0, 1) values stay well inside e4m3's +-448)
 NORM_EPS = 1e-6  # the per-head RMSNorm's eps (Qwen3's)
@@ -47,6 +47,12 @@ class Inputs:
     v_cache: Tensor | None = None
     cache_scale: Tensor | None = None  # fp8 caches: a 0-d fp32 tensor (the same for k and v)
     cache_index: tuple[Tensor, Tensor] | None = None  # KV modes: each token's (sequence, position), int64 [T] each
+    # MLA modes: k is k_pe [B, S, 1, R] and kv_c [B, S, L] the latent, views of one packed [B, S, L + R] buffer (as
+    # DeepSeek's kv_a projection gives them); the paged latent cache [blocks, MLA_PAGE_SIZE, L + R] (row
+    # [kv_c | R(k_pe)]) and each token's slot in it, int64 [B, S], through a block table of shuffled pages
+    kv_c: Tensor | None = None
+    mla_cache: Tensor | None = None
+    slot_mapping: Tensor | None = None
     _hf: tuple[Tensor, Tensor] | None = None
 
     @property
@@ -138,8 +144,12 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
     B, S, D, R = case.batch, case.seqlen, case.head_dim, case.rotary_dim
     layout = "thd" if case.positions == "thd" else "bshd"
     lead = (B * S,) if layout == "thd" else (B, S)
-    v = None
-    if case.causal is not None:  # attention: fresh [B, H, S, D] tensors, v with its own head dim
+    v = kv_c = None
+    if case.latent_dim is not None:  # MLA: q from its own projection; kv_c and k_pe from the shared latent one
+        q, latent = _randn(device, seed, (B, S, case.hq, D), (B, S, case.latent_dim + R), dtype=dtype)
+        kv_c, k = latent.split([case.latent_dim, R], dim=-1)
+        k = k.unsqueeze(-2)
+    elif case.causal is not None:  # attention: fresh [B, H, S, D] tensors, v with its own head dim
         layout = "bhsd"
         q, k, v = _randn(device, seed, (B, case.hq, S, D), (B, case.hk, S, D), (B, case.hk, S, case.value_dim),
                          dtype=dtype)
@@ -191,7 +201,10 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
         gen_w = torch.Generator(device=device).manual_seed(seed + 2)
         inp.q_weight, inp.k_weight = (torch.rand(D, generator=gen_w, device=device).add_(0.5).to(dtype)
                                       for _ in range(2))
-    if case.cache is not None and caches_of is not None:
+    if case.latent_dim is not None:
+        inp.kv_c = kv_c
+        _mla_cache(inp, rows, gen, caches_of)
+    elif case.cache is not None and caches_of is not None:
         inp.k_cache, inp.v_cache, inp.cache_scale = caches_of.k_cache, caches_of.v_cache, caches_of.cache_scale
         if inp.k_cache.shape[1] < rows:
             raise ValueError(f"caches_of: its caches hold {inp.k_cache.shape[1]} rows, this set needs {rows}")
@@ -201,10 +214,45 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
         inp.v_cache = torch.zeros_like(inp.k_cache)
         if case.cache == "fp8":
             inp.cache_scale = torch.tensor(FP8_CACHE_SCALE, device=device, dtype=torch.float32)
-    if case.cache is not None:
+    if case.cache is not None and case.latent_dim is None:
         seq = torch.arange(B, dtype=torch.int64).repeat_interleave(S)
         inp.cache_index = (seq.to(device), grid.reshape(-1).to(device))
     return inp
+
+
+def _mla_cache(inp: Inputs, rows: int, gen: torch.Generator, caches_of: Inputs | None) -> None:
+    """The MLA modes' paged latent cache (or ``caches_of``'s) and the tokens' slots: each sequence owns enough
+    pages for its positions (at least MAX_CACHE_LEN rows), scattered over the cache by a random block table."""
+    c = inp.case
+    B, S = c.batch, c.seqlen
+    pages = -(-max(MAX_CACHE_LEN, rows) // MLA_PAGE_SIZE)
+    if caches_of is not None:
+        inp.mla_cache, inp.cache_scale = caches_of.mla_cache, caches_of.cache_scale
+        if inp.mla_cache.shape[0] < B * pages:
+            raise ValueError(f"caches_of: its cache holds {inp.mla_cache.shape[0]} pages, this set needs {B * pages}")
+    else:
+        inp.mla_cache = torch.zeros(B * pages, MLA_PAGE_SIZE, c.latent_dim + c.rotary_dim, device=inp.device,
+                                    dtype=CACHE_DTYPES[c.cache])
+        if c.cache == "fp8":
+            inp.cache_scale = torch.tensor(FP8_CACHE_SCALE, device=inp.device, dtype=torch.float32)
+    blocks = torch.randperm(B * pages, generator=gen).view(B, pages)
+    grid = inp.pos_grid.cpu()
+    slots = blocks.gather(1, grid // MLA_PAGE_SIZE) * MLA_PAGE_SIZE + grid % MLA_PAGE_SIZE
+    inp.slot_mapping = slots.reshape(B, S).contiguous().to(inp.device)
+
+
+def mla_bytes(case: Case) -> dict[str, int]:
+    """The MLA modes' bytes (:func:`bytes_model`; empty for other cases): q read and written, k_pe and kv_c read,
+    each token's cache row [kv_c | R(k_pe)] written in the cache dtype, its slot (int64) and position data read,
+    ``inv_freq`` and the fp8 cache scale."""
+    if case.latent_dim is None:
+        return {}
+    elem = DTYPES[case.dtype].itemsize
+    T, R, L = case.tokens, case.rotary_dim, case.latent_dim
+    positions = {"batch": case.batch * 8, "ids": T * 8}.get(case.positions, 0)
+    nbytes = (2 * T * case.hq * case.head_dim * elem + T * (L + R) * (elem + CACHE_DTYPES[case.cache].itemsize)
+              + T * 8 + positions + (R // 2) * 4 + (4 if case.cache == "fp8" else 0))
+    return {"mla-decode": nbytes, "mla-prefill": nbytes}
 
 
 def case_bytes(case: Case) -> dict[str, int]:
@@ -227,7 +275,7 @@ def case_bytes(case: Case) -> dict[str, int]:
     fwd = 2 * qk + extra
     kv_write = 2 * q + 2 * kv + 2 * kv // elem * cache_elem + extra + weights + (8 if case.cache == "fp8" else 0)
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
-            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(case, qk, extra)}
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(case, qk, extra), **mla_bytes(case)}
 
 
 def _attention_bytes(case: Case, qk: int, extra: int) -> dict[str, int]:
@@ -274,6 +322,7 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
       and ``inv_freq`` twice, and the weights three times (read twice, their gradients written).
     * ``attn-fwd`` (``rope_attention``): q, k and v read once, o ``[B, Hq, S, Dv]`` written, plus the position data
       and ``inv_freq`` (the S x S scores never leave the chip; the row statistics are not counted).
+    * ``mla-decode``, ``mla-prefill`` (``mla_rope_kv_write``): :func:`mla_bytes`.
     * ``attn-fwdbwd``: three times the tensors' bytes (the backward reads q, k, v, o and the gradient of o and writes
       the gradients of q, k and v), the position data and ``inv_freq`` twice.
 
@@ -293,4 +342,5 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     kv_write = 2 * q + k + v + (k + v) // elem * cache_elem + extra + weights + scales
     fwd = 2 * qk + extra
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
-            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(inp.case, qk, extra)}
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(inp.case, qk, extra),
+            **mla_bytes(inp.case)}

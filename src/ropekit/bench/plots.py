@@ -15,13 +15,13 @@ _BYTES_AXES = ("gbps", "GB/s (useful bytes)", "tokens", "tokens")
 _FLOPS_AXES = ("tflops", "TFLOP/s (attention flops)", "seqlen", "sequence length")
 PLOT_AXES = {"fwd": _BYTES_AXES, "fwdbwd": _BYTES_AXES, "decode": _BYTES_AXES, "kv-decode": _BYTES_AXES,
              "kv-prefill": _BYTES_AXES, "norm-fwdbwd": _BYTES_AXES, "attn-fwd": _FLOPS_AXES,
-             "attn-fwdbwd": _FLOPS_AXES}
+             "attn-fwdbwd": _FLOPS_AXES, "mla-decode": _BYTES_AXES, "mla-prefill": _BYTES_AXES}
 
 
 def plot_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any], dpi: int = 110) -> list[Path]:
-    """One PNG per mode (fwd, fwdbwd, decode, the prologue's kv-decode, kv-prefill, norm-fwdbwd and the attention
-    modes): a panel per series, GB/s against tokens (attention: TFLOP/s against the sequence length), one line per
-    implementation (the baseline dashed)."""
+    """One PNG per mode (fwd, fwdbwd, decode, the prologue's kv-decode, kv-prefill, norm-fwdbwd, the attention
+    modes and the MLA prologue's): a panel per series, GB/s against tokens (attention: TFLOP/s against the
+    sequence length), one line per implementation (the baseline dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -9,7 +9,9 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     axis, for positions "mrope") and ``section_layout`` ("contiguous", the default, or "interleaved" as Qwen3-VL),
     ``qk_norm`` (True: per-head RMSNorm of q and k before the rotation, as Qwen3;
     the prologue modes normalise, and norm-fwdbwd needs it), ``v_head_dim`` (the attention modes' v head dim,
-    as MLA's 128 beside a q/k head dim of 192; default: head_dim), ``about`` (one line).
+    as MLA's 128 beside a q/k head dim of 192; default: head_dim), ``latent_dim`` (MLA models: the latent kv_c's
+    width; the MLA modes' q head is ``head_dim`` = D_nope + D_rope with the ``rotary_dim`` rope columns at the
+    back, k_pe one shared head of ``rotary_dim``), ``about`` (one line).
 ``SIZES``
     name -> list of ``[batch, seqlen]`` pairs. Tokens = batch * seqlen. Decode sizes are ``[batch, 1]``: one new
     token for each of ``batch`` sequences, each at its own cache length.
@@ -20,7 +22,8 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     ``--cases`` selects. Groups of the KV modes (kv-decode, kv-prefill; no other modes in the group) also cross
     ``caches``: the K/V caches' dtype, the inputs' dtype or "fp8" (default: the inputs' dtype). Groups of the
     attention modes (attn-fwd, attn-fwdbwd; no other modes in the group) also cross ``causal``: a list of
-    booleans (default ``[False, True]``); the case name says ``causal`` or ``noncausal``.
+    booleans (default ``[False, True]``); the case name says ``causal`` or ``noncausal``. Groups of the MLA modes
+    (mla-decode, mla-prefill; no other modes in the group) cross ``caches`` as the KV modes' do.
 ``TARGETS``
     list of goals the printed table ends with (GPU runs only). Each is the worst ratio over the rows that qualify
     and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
@@ -53,6 +56,12 @@ Values:
                "attn-fwd"    the forward, cold L2, one call
                "attn-fwdbwd" forward + backward through autograd with a fixed random gradient of o (dq, dk, dv)
                Their rows carry ``flops`` (2 B Hq S^2 (D + Dv), half of it causal; fwd+bwd 3.5x) and ``tflops``.
+               the MLA prologue (ropekit.mla_rope_kv_write: q [.., Hq, D_nope + D_rope], k_pe and kv_c views of
+               one packed [.., latent_dim + D_rope] buffer, a paged latent cache [blocks, 64, latent_dim + D_rope]
+               whose pages are shuffled over the sequences), against "copy-mla" (one Triton kernel moving its
+               bytes) and "unfused-mla" (apply_rope + torch.cat + scatter):
+               "mla-decode"  one token per sequence (positions "batch"), replayed from a CUDA graph
+               "mla-prefill" [B, S] tokens (e.g. positions "offset"), cold L2, one call
     caches     "bf16", "fp16", "fp32" (the inputs' dtype), "fp8" (float8_e4m3fn with a 0-d fp32 tensor scale)
     causal     True (query i attends to keys 0..i, top-left aligned as SDPA's is_causal), False (no mask)
 """
@@ -77,6 +86,12 @@ MODELS = {
     "qwen3-vl-8b": {"hq": 32, "hk": 8, "head_dim": 128, "base": 5000000.0, "sections": [24, 20, 20],
                     "section_layout": "interleaved",
                     "about": "Qwen3-VL-8B's language model: GQA 32 / 8 heads, D 128, interleaved M-RoPE 24/20/20"},
+    "deepseek-v3": {"hq": 128, "hk": 1, "head_dim": 192, "rotary_dim": 64, "rotary_at": "back", "base": 10000.0,
+                    "latent_dim": 512, "v_head_dim": 128,
+                    "about": "DeepSeek-V3's MLA: 128 heads, q 128 + 64 rope columns, one shared k_pe 64, latent 512"},
+    "deepseek-v3-tp8": {"hq": 16, "hk": 1, "head_dim": 192, "rotary_dim": 64, "rotary_at": "back",
+                        "base": 10000.0, "latent_dim": 512, "v_head_dim": 128,
+                        "about": "DeepSeek-V3's MLA on one of 8 tensor-parallel GPUs: 16 heads, latent 512"},
     # Tiny shapes for the CPU smoke run (Triton interpreter); not model shapes.
     "tiny": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "sections": [4, 6, 6], "about": "CPU smoke only"},
     "tiny-interleaved": {"hq": 4, "hk": 2, "head_dim": 32, "base": 10000.0, "sections": [6, 5, 5],
@@ -88,6 +103,8 @@ MODELS = {
     "tiny-mla": {"hq": 4, "hk": 2, "head_dim": 48, "rotary_dim": 16, "rotary_at": "back", "v_head_dim": 32,
                  "base": 10000.0,
                  "about": "CPU smoke only: GQA 4 / 2 heads, D 48 rotated at the back (16), v head dim 32 (as MLA)"},
+    "tiny-latent": {"hq": 3, "hk": 1, "head_dim": 24, "rotary_dim": 8, "rotary_at": "back", "base": 10000.0,
+                    "latent_dim": 32, "about": "CPU smoke only: MLA prologue, 3 heads, 16 + 8 rope columns, latent 32"},
 }
 
 SIZES = {
@@ -114,6 +131,9 @@ _PROLOGUE = {"models": ["llama3-8b", "qwen3-8b"], **_BF16_NEOX}
 _ATTENTION = {"name": "attention", "models": ["llama3-8b", "mha16-d64", "mla-rope"], **_BF16_NEOX,
               "positions": ["range"], "causal": [False, True], "sizes": "attention",
               "modes": ["attn-fwd", "attn-fwdbwd"]}
+# The MLA prologue at DeepSeek-V3 shapes (128 heads, and 16 as on one of 8 tensor-parallel GPUs); DeepSeek pairs
+# interleaved columns.
+_MLA = {"models": ["deepseek-v3-tp8", "deepseek-v3"], "dtypes": ["bf16"], "styles": ["interleaved"]}
 
 PRESETS = {
     # One representative case per target (but the attention modes': preset "attention"); about 3-4 minutes on an
@@ -135,6 +155,10 @@ PRESETS = {
          "caches": ["fp8"], "sizes": [[1, 8192]], "modes": ["kv-prefill"]},
         {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"],
          "sizes": [[8, 4096]], "modes": ["norm-fwdbwd"]},
+        {"name": "mla-prologue-decode", **_MLA, "positions": ["batch"], "caches": ["bf16"],
+         "sizes": [[1, 1], [64, 1]], "modes": ["mla-decode"]},
+        {"name": "mla-prologue-prefill", **_MLA, "positions": ["offset"], "caches": ["fp8"], "sizes": [[1, 8192]],
+         "modes": ["mla-prefill"]},
     ],
     # Everything the issue lists. Split it with --cases GROUP or --shard I/N to fit a time limit per command.
     "full": [
@@ -171,6 +195,11 @@ PRESETS = {
          "sizes": "prefill-1seq", "modes": ["kv-prefill"]},
         {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"], "sizes": "train",
          "modes": ["norm-fwdbwd"]},
+        # The MLA prologue: mla_rope_kv_write against a one-kernel copy of its bytes and the unfused chain.
+        {"name": "mla-prologue-decode", **_MLA, "positions": ["batch"], "caches": ["bf16", "fp8"], "sizes": "decode",
+         "modes": ["mla-decode"]},
+        {"name": "mla-prologue-prefill", **_MLA, "positions": ["offset"], "caches": ["bf16", "fp8"],
+         "sizes": "prefill-1seq", "modes": ["mla-prefill"]},
         # RoPE fused into attention: rope_attention against SDPA (cuDNN, flash) and flex_attention.
         _ATTENTION,
     ],
@@ -196,6 +225,10 @@ PRESETS = {
          "positions": ["range"], "sizes": [[2, 8]], "modes": ["norm-fwdbwd"]},
         {"name": "smoke-attention", "models": ["tiny-mla"], "dtypes": ["bf16"], "styles": ["neox"],
          "positions": ["range"], "causal": [True], "sizes": [[1, 64]], "modes": ["attn-fwd", "attn-fwdbwd"]},
+        {"name": "smoke-mla-decode", "models": ["tiny-latent"], "dtypes": ["bf16"], "styles": ["interleaved"],
+         "positions": ["batch"], "caches": ["bf16", "fp8"], "sizes": [[3, 1]], "modes": ["mla-decode"]},
+        {"name": "smoke-mla-prefill", "models": ["tiny-latent"], "dtypes": ["fp16"], "styles": ["neox"],
+         "positions": ["offset"], "caches": ["fp8"], "sizes": [[2, 8]], "modes": ["mla-prefill"]},
     ],
 }
 
@@ -234,6 +267,11 @@ TARGETS = [
      "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "where": {"tokens": [32768, None]}},
     {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
      "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
+    # The MLA prologue (mla_rope_kv_write) against copy-mla, the one-kernel copy of its bytes.
+    {"key": "mla-decode", "what": "mla_rope_kv_write decode 1-256 tokens, DeepSeek-V3 16/128 heads, paged cache, "
+     "graph replay, vs copy-mla", "limit": 1.10, "mode": "mla-decode", "impl": "ropekit-mla-kv-write"},
+    {"key": "mla-prefill", "what": "mla_rope_kv_write prefill 2k-32k tokens, cold L2, vs copy-mla", "limit": 1.05,
+     "mode": "mla-prefill", "impl": "ropekit-mla-kv-write", "where": {"tokens": [2048, 32768]}},
     # RoPE fused into attention (rope_attention). Tiers in the text: required (ahead of the unfused chains a user
     # can write with flash or flex), goal (ahead of the unfused chain with cuDNN, the baseline), moonshot (RoPE for
     # free: as fast as cuDNN's attention without any rotation).

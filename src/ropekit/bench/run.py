@@ -27,7 +27,7 @@ from .peers import Peers
 from .timing import Timer, cycling
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
-GRAPH_MODES = ("decode", "kv-decode")  # timed under CUDA-graph replay, a mode's implementations in turn
+GRAPH_MODES = ("decode", "kv-decode", "mla-decode")  # timed under CUDA-graph replay, a mode's implementations in turn
 # Input sets the captured calls of a graph mode cycle over (GRAPH_CALLS a multiple of it): where a decode call's
 # few-kB buffers lie moves its time by up to 2% (benchmarks/probes/placement_probe.py), so one set per process
 # made a ratio of two implementations read a different placement in every run.
@@ -114,7 +114,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, peers: Peers, env: 
         for row in mode_rows:
             if row["impl"] in times and base:
                 row["ratio_vs_copy"] = f"{times[row['impl']] / base:.4f}"
-            if device.type != "cuda" and mode in ("decode", "kv-decode"):
+            if device.type != "cuda" and mode in GRAPH_MODES:
                 row["note"] = "; ".join(x for x in ("eager (no CUDA graph on CPU)", row["note"]) if x)
         rows += mode_rows
         log(f"  {mode:7s} " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()) + " (us)")
@@ -142,7 +142,7 @@ def _impl_version(name: str, peers: Peers, env: dict[str, Any]) -> str:
         return f"torch {env['torch']}, cuDNN {torch.backends.cudnn.version()}"
     if name.startswith("unfused"):  # the prologue's PyTorch code (around ropekit.apply_rope for unfused-kv)
         return f"torch {env['torch']}"
-    if name == "copy-kv":
+    if name in ("copy-kv", "copy-mla"):
         return f"triton {env['triton']}"
     if name in ("hf", "hf-compile"):
         return f"transformers {peers.versions.get('transformers', '')}".strip()

@@ -35,7 +35,8 @@ _CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
 PLOT_DPI = 60  # the kept plots: small files, still legible
-MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd")
+MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
+              "mla-decode", "mla-prefill")
 
 
 def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
