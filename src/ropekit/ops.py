@@ -386,6 +386,7 @@ def _rope_attention_fake(q, k, v, angles, cu_seqlens, layout, *args):
 def _rope_attention_backward_fake(do, dlse, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
+
 # --- MLA: ropekit::mla_rope (differentiable) and ropekit::mla_rope_kv_write (writes the latent cache) ----------
 
 def _mla_outputs(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, rotary_dim: int,
