@@ -17,9 +17,10 @@ and every mode it asks for, one run times:
   unfused chain (``unfused-kv``: torch ``rms_norm``, ``apply_rope``, the cache scatter by indexing), and
   ``qk_norm_rope`` fwd+bwd (``ropekit-qk-norm``, mode ``norm-fwdbwd``) against ``copy-5pass`` and the unfused
   PyTorch code eager and compiled (``unfused-eager``, ``unfused-compile``);
-* the MLA prologue: ``mla_rope_kv_write`` (``ropekit-mla-kv-write``; modes ``mla-decode`` under graph replay and
-  ``mla-prefill`` with a cold L2, a paged latent cache) against ``copy-mla`` (one Triton kernel moving its bytes)
-  and the unfused chain (``unfused-mla``: ``apply_rope``, ``torch.cat``, the cache scatter by indexing);
+* the MLA prologue: ``mla_rope_kv_write`` (``ropekit-mla-kv-write``, with a float8 q ``-fp8q``; modes
+  ``mla-decode`` under graph replay and ``mla-prefill`` with a cold L2, a paged latent cache) against ``copy-mla``
+  (one Triton kernel moving its bytes) and the unfused chain (``unfused-mla``: ``apply_rope``, ``torch.cat``, the
+  cache scatter by indexing);
 * RoPE fused into attention: ``rope_attention`` (``ropekit`` in modes ``attn-fwd`` and ``attn-fwdbwd``) against
   ``ropekit.apply_rope`` followed by torch's SDPA on its cuDNN backend (``rope+sdpa-cudnn``, these modes' baseline)
   or flash backend (``rope+sdpa-flash``) or by ``torch.compile(flex_attention)`` (``rope+flex``), and the same

@@ -1,7 +1,7 @@
 """The MLA prologue's implementations (modes ``mla-decode``, ``mla-prefill``): ``mla_rope_kv_write`` (q's rope
 columns and the shared ``k_pe`` rotated, each token's latent cache row ``[kv_c | R(k_pe)]`` written to a paged
-cache, one launch), its baseline ``copy-mla`` (one Triton kernel moving the bytes it must move) and the unfused
-code (``ropekit.apply_rope`` and a scatter by indexing).
+cache, one launch; ``-fp8q``: q as float8_e4m3fn for FP8 attention), its baseline ``copy-mla`` (one Triton kernel
+moving the bytes it must move) and the unfused code (``ropekit.apply_rope`` and a scatter by indexing).
 
 Every implementation writes into the case's paged cache; the check against ``ropekit-mla-kv-write`` compares the
 returned q and the cache rows of the tokens' slots (the cache is filled with NaN first, so a row left unwritten
@@ -22,7 +22,7 @@ from .inputs import Inputs
 # fp8 cache rows agree within one e4m3 step (a value rounded from bf16 and from fp32 may land on neighbouring steps).
 FP8_MISMATCH = 0.13
 FP8_MAX = 448.0
-MLA_IMPLS = ("ropekit-mla-kv-write", "unfused-mla")
+MLA_IMPLS = ("ropekit-mla-kv-write", "ropekit-mla-kv-write-fp8q", "unfused-mla")
 Q_BLOCK = 2048  # copy-mla: q elements per program (a program per token and block of q's row)
 
 
@@ -64,6 +64,30 @@ def _bench(inp: Inputs, call: Callable[[], Tensor], note: str) -> Bench:
                  tolerances=(None, FP8_MISMATCH) if fp8 else None)
 
 
+def _fp8_q_bench(inp: Inputs) -> Bench:
+    """mla_rope_kv_write with a float8_e4m3fn q (FP8 MLA attention) at a static 0-d scale, calibrated once from the
+    bf16 call's q (its amax over 448). The check dequantises q (times the scale) and holds it to one e4m3 step."""
+    import ropekit
+
+    c = inp.case
+    q, k_pe, kv_c, kw = _calls(inp)
+    calibration = ropekit.mla_rope_kv_write(q, k_pe, kv_c, **kw)[0]
+    scale = (calibration.float().abs().amax() / FP8_MAX).clamp_min(1e-12).reshape(())
+
+    def call() -> Tensor:
+        return ropekit.mla_rope_kv_write(q, k_pe, kv_c, out_dtype=torch.float8_e4m3fn, q_out_scale=scale, **kw)[0]
+
+    def result() -> tuple[Tensor, Tensor]:
+        inp.mla_cache.fill_(float("nan"))
+        return (call().float() * scale).reshape(c.tokens, c.hq, c.head_dim), cache_rows(inp)
+
+    bench = _bench(inp, call, f"one launch, float8_e4m3fn q with a static 0-d tensor scale (q within one e4m3 step: "
+                              f"max_rel_diff <= {FP8_MISMATCH})")
+    bench.result = result
+    bench.tolerances = (FP8_MISMATCH, FP8_MISMATCH if inp.cache_scale is not None else None)
+    return bench
+
+
 def _unfused(inp: Inputs) -> Callable[[], Tensor]:
     """``ropekit.apply_rope`` of q's rope columns and k_pe, q's other columns copied beside them, then the cache
     rows ``[kv_c | R(k_pe)]`` scattered by indexing (fp8: ``(x.float() / scale).clamp(-448, 448)`` to e4m3)."""
@@ -94,6 +118,8 @@ def build_mla(name: str, inp: Inputs) -> Bench:
     if name == "ropekit-mla-kv-write":
         q, k_pe, kv_c, kw = _calls(inp)
         return _bench(inp, lambda: ropekit.mla_rope_kv_write(q, k_pe, kv_c, **kw)[0], "one launch")
+    if name == "ropekit-mla-kv-write-fp8q":
+        return _fp8_q_bench(inp)
     if name == "unfused-mla":
         return _bench(inp, _unfused(inp), "ropekit.apply_rope + torch.cat + cache scatter by indexing")
     raise ValueError(name)

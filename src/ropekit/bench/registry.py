@@ -58,8 +58,9 @@ Values:
                Their rows carry ``flops`` (2 B Hq S^2 (D + Dv), half of it causal; fwd+bwd 3.5x) and ``tflops``.
                the MLA prologue (ropekit.mla_rope_kv_write: q [.., Hq, D_nope + D_rope], k_pe and kv_c views of
                one packed [.., latent_dim + D_rope] buffer, a paged latent cache [blocks, 64, latent_dim + D_rope]
-               whose pages are shuffled over the sequences), against "copy-mla" (one Triton kernel moving its
-               bytes) and "unfused-mla" (apply_rope + torch.cat + scatter):
+               whose pages are shuffled over the sequences; "ropekit-mla-kv-write-fp8q": q as float8_e4m3fn),
+               against "copy-mla" (one Triton kernel moving its bytes) and "unfused-mla" (apply_rope + torch.cat
+               + scatter):
                "mla-decode"  one token per sequence (positions "batch"), replayed from a CUDA graph
                "mla-prefill" [B, S] tokens (e.g. positions "offset"), cold L2, one call
     caches     "bf16", "fp16", "fp32" (the inputs' dtype), "fp8" (float8_e4m3fn with a 0-d fp32 tensor scale)
@@ -268,10 +269,12 @@ TARGETS = [
     {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
      "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
     # The MLA prologue (mla_rope_kv_write) against copy-mla, the one-kernel copy of its bytes.
-    {"key": "mla-decode", "what": "mla_rope_kv_write decode 1-256 tokens, DeepSeek-V3 16/128 heads, paged cache, "
-     "graph replay, vs copy-mla", "limit": 1.10, "mode": "mla-decode", "impl": "ropekit-mla-kv-write"},
-    {"key": "mla-prefill", "what": "mla_rope_kv_write prefill 2k-32k tokens, cold L2, vs copy-mla", "limit": 1.05,
-     "mode": "mla-prefill", "impl": "ropekit-mla-kv-write", "where": {"tokens": [2048, 32768]}},
+    # Both q dtypes (the inputs' and float8): each must stay within the copy of the bf16 op's bytes.
+    {"key": "mla-decode", "what": "mla_rope_kv_write (bf16 or float8 q) decode 1-256 tokens, DeepSeek-V3 16/128 "
+     "heads, paged cache, graph replay, vs copy-mla", "limit": 1.10, "mode": "mla-decode",
+     "impl": "ropekit-mla-kv-write*"},
+    {"key": "mla-prefill", "what": "mla_rope_kv_write (bf16 or float8 q) prefill 2k-32k tokens, cold L2, vs copy-mla",
+     "limit": 1.05, "mode": "mla-prefill", "impl": "ropekit-mla-kv-write*", "where": {"tokens": [2048, 32768]}},
     # RoPE fused into attention (rope_attention). Tiers in the text: required (ahead of the unfused chains a user
     # can write with flash or flex), goal (ahead of the unfused chain with cuDNN, the baseline), moonshot (RoPE for
     # free: as fast as cuDNN's attention without any rotation).
