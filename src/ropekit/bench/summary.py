@@ -170,6 +170,14 @@ def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ..
     return "\n".join(lines)
 
 
+def read_e2e(path: Path) -> list[dict[str, Any]]:
+    """The end-to-end rows kept at ``path`` (``python -m ropekit.bench.e2e --csv``), none where it is absent."""
+    if not path.is_file():
+        return []
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
 def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
     """Per (card, model), the newest run's rows (smoke runs left out): time and ratio to unpatched sdpa."""
     rows = [r for r in rows if r.get("tiny") not in ("True", True) and r["device"] != "cpu"
@@ -232,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summary: {exc}", file=sys.stderr)
         return 2
     by_card = newest_runs(read_history(results / "all_runs.csv.gz"))
-    e2e_path = results / "e2e.csv"
-    e2e = list(csv.DictReader(e2e_path.open(newline="", encoding="utf-8"))) if e2e_path.is_file() else []
+    e2e = read_e2e(results / "e2e.csv")
     written = write_latest(by_card, results / "latest", plot=args.plot)
     out = Path(args.out)
     latest_rel = Path(results / "latest").as_posix()
