@@ -397,3 +397,45 @@ def tiny_vl_model(model_type: str):
     config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
     torch.manual_seed(1234)
     return transformers.AutoModelForImageTextToText.from_config(config).float()
+
+
+# --- compiling a captured launch for a GPU target on a machine without one --------------------------------------
+
+# target -> (Triton's target, what torch.version.hip reads on such a machine)
+GPU_TARGETS = {"sm90": (("cuda", 90, 32), None), "gfx942": (("hip", "gfx942", 64), "6.2")}
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+                torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+def compile_for_target(target: str, fn, args, consts: dict, num_warps: int):
+    """Compile ``fn`` for ``target`` (a key of :data:`GPU_TARGETS`) with these runtime arguments (CPU tensors stand
+    for device pointers: 16-byte aligned, as the GPU's JIT marks them; ints equal to 1 made constants and ints
+    divisible by 16 marked so, as the JIT specialises them unless ``do_not_specialize`` names them) and
+    constexprs. With the 1s specialised the SASS of a decode launch is the GPU's own, instruction for instruction
+    (checked on an H100 with Triton 3.6)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    gpu_target, _ = GPU_TARGETS[target]
+    consts = dict(consts)
+    signature, attrs, values = {}, {}, iter(args)
+    for index, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        value = next(values)
+        dynamic = name in fn.do_not_specialize or index in fn.do_not_specialize
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif type(value) is int and value == 1 and not dynamic:
+            signature[name], consts[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0 and not dynamic:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, consts, attrs)
+    return triton.compile(source, target=GPUTarget(*gpu_target), options={"num_warps": num_warps})

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from helpers import GPU_TARGETS, compile_for_target
 from ropekit._spec import BACKWARD, FORWARD
 from ropekit._validation import validate
 from ropekit.triton import heuristics as H
@@ -26,18 +27,11 @@ from ropekit.triton import runtime as R
 
 triton = pytest.importorskip("triton")
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-          torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}
-
-
-# target -> (Triton's target, what torch.version.hip reads on such a machine, warp size)
-TARGETS = {"sm90": (("cuda", 90, 32), None), "gfx942": (("hip", "gfx942", 64), "6.2")}
-
 
 def _compile_for(target: str, q, k, config, **api_kwargs):
     """Compile the specialisation the launcher would launch for these (CPU) tensors on ``target``, as the GPU's
     JIT would: 16-byte aligned pointers and ints divisible by 16 marked so, FAST_TRIG as the launcher picks it."""
-    _, hip_version = TARGETS[target]
+    _, hip_version = GPU_TARGETS[target]
 
     conjugate = api_kwargs.pop("conjugate", False)
     angles_method = api_kwargs.pop("exact_angles", "float64")  # the integer-turn path of GPUs with slow float64
@@ -51,39 +45,7 @@ def _compile_for(target: str, q, k, config, **api_kwargs):
     finally:
         _config.exact_angles = previous
     consts = dict(zip(L.ROPE.constexprs, constexprs), FAST_TRIG=H.fast_trig("cuda", hip_version))
-    return _compile_kernel(target, K.rope_kernel, args, consts, num_warps)
-
-
-def _compile_kernel(target: str, fn, args, consts: dict, num_warps: int):
-    """Compile ``fn`` for ``target`` with these runtime arguments (CPU tensors stand for device pointers: 16-byte
-    aligned, as the GPU's JIT marks them; ints equal to 1 made constants and ints divisible by 16 marked so, as the
-    JIT specialises them unless ``do_not_specialize`` names them) and constexprs. With the 1s specialised the SASS
-    of a decode launch is the GPU's own, instruction for instruction (checked on an H100 with Triton 3.6)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    gpu_target, _ = TARGETS[target]
-    consts = dict(consts)
-    signature, attrs, values = {}, {}, iter(args)
-    for index, name in enumerate(fn.arg_names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        value = next(values)
-        dynamic = name in fn.do_not_specialize or index in fn.do_not_specialize
-        if isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif type(value) is int and value == 1 and not dynamic:
-            signature[name], consts[name] = "constexpr", 1
-        else:
-            signature[name] = "i32"
-            if value % 16 == 0 and not dynamic:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn, signature, consts, attrs)
-    return triton.compile(source, target=GPUTarget(*gpu_target), options={"num_warps": num_warps})
+    return compile_for_target(target, K.rope_kernel, args, consts, num_warps)
 
 
 def _compile_prologue(target: str, case: str):
@@ -134,10 +96,10 @@ def _compile_prologue(target: str, case: str):
             P.launch_prologue(q4, k4, torch.empty_like(q4), None, spec, v=v4, cache=cache, q_weight=w, k_weight=w)
     finally:
         R.run = original
-    consts = dict(seen["consts"], FAST_TRIG=H.fast_trig("cuda", TARGETS[target][1]))
+    consts = dict(seen["consts"], FAST_TRIG=H.fast_trig("cuda", GPU_TARGETS[target][1]))
     if "ROUND_FP8" in consts:
         consts["ROUND_FP8"] = False  # the GPU's own conversion (the software rounding is the interpreter's)
-    return _compile_kernel(target, seen["fn"], seen["args"], consts, seen["num_warps"])
+    return compile_for_target(target, seen["fn"], seen["args"], consts, seen["num_warps"])
 
 
 SPECIALISATIONS = [
@@ -230,13 +192,13 @@ def compile_results():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", sorted(GPU_TARGETS))
 @pytest.mark.parametrize("case", SPECIALISATIONS, ids=[c[0] for c in SPECIALISATIONS])
 def test_kernel_compiles_for_each_target(case, target, compile_results):
     assert compile_results[f"{target}/{case[0]}"] == "ok"
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", sorted(GPU_TARGETS))
 @pytest.mark.parametrize("case", PROLOGUE_CASES)
 def test_prologue_kernels_compile_for_each_target(case, target, compile_results):
     assert compile_results[f"{target}/prologue-{case}"] == "ok"
@@ -249,7 +211,7 @@ def test_hardware_sin_cos_only_on_nvidia():
 
 
 if __name__ == "__main__":
-    results = {f"{target}/{case[0]}": _compile_case(target, case) for target in TARGETS for case in SPECIALISATIONS}
-    results.update({f"{target}/prologue-{case}": _compile_case(target, case) for target in TARGETS
+    results = {f"{target}/{case[0]}": _compile_case(target, case) for target in GPU_TARGETS for case in SPECIALISATIONS}
+    results.update({f"{target}/prologue-{case}": _compile_case(target, case) for target in GPU_TARGETS
                     for case in PROLOGUE_CASES})
     print(json.dumps(results))

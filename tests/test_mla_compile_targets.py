@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from helpers import GPU_TARGETS, compile_for_target
+
 pytest.importorskip("triton")
 
 # (case id, cache dtype or None, split caches, split q and broadcast k, exact-angle method, output dtype or None)
@@ -26,9 +28,6 @@ CASES = [
     ("e4m3-outputs-tensor-scales-e4m3-cache", torch.float8_e4m3fn, False, True, "float64", torch.float8_e4m3fn),
     ("e5m2-outputs", None, False, False, "float64", torch.float8_e5m2),
 ]
-TARGETS = {"sm90": (("cuda", 90, 32), None), "gfx942": (("hip", "gfx942", 64), "6.2")}
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-          torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 def _captured_launch(cache_dtype, split_caches: bool, split_q: bool, method: str, out_dtype):
@@ -67,37 +66,12 @@ def _captured_launch(cache_dtype, split_caches: bool, split_q: bool, method: str
 
 
 def _compile(target: str, seen: dict):
-    """Compile the captured launch for ``target`` as the GPU's JIT would: 16-byte aligned pointers, ints equal to 1
-    made constants and ints divisible by 16 marked so (unless ``do_not_specialize`` names them)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Compile the captured launch for ``target`` as the GPU's JIT would (``helpers.compile_for_target``), with the
+    target's trigonometry and the GPU's own float8 conversion."""
     from ropekit.triton import heuristics
 
-    gpu_target, hip_version = TARGETS[target]
-    fn = seen["fn"]
-    consts = dict(seen["consts"], FAST_TRIG=heuristics.fast_trig("cuda", hip_version), ROUND_FP8=False)
-    signature, attrs, values = {}, {}, iter(seen["args"])
-    for index, name in enumerate(fn.arg_names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        value = next(values)
-        dynamic = name in fn.do_not_specialize or index in fn.do_not_specialize
-        if isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif type(value) is int and value == 1 and not dynamic:
-            signature[name], consts[name] = "constexpr", 1
-        else:
-            signature[name] = "i32"
-            if value % 16 == 0 and not dynamic:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget(*gpu_target),
-                          options={"num_warps": seen["num_warps"]})
+    consts = dict(seen["consts"], FAST_TRIG=heuristics.fast_trig("cuda", GPU_TARGETS[target][1]), ROUND_FP8=False)
+    return compile_for_target(target, seen["fn"], seen["args"], consts, seen["num_warps"])
 
 
 def _result(target: str, case) -> str:
@@ -122,11 +96,11 @@ def compile_results():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", sorted(GPU_TARGETS))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_mla_kernel_compiles_for_each_target(case, target, compile_results):
     assert compile_results[f"{target}/{case[0]}"] == "ok"
 
 
 if __name__ == "__main__":
-    print(json.dumps({f"{target}/{case[0]}": _result(target, case) for target in TARGETS for case in CASES}))
+    print(json.dumps({f"{target}/{case[0]}": _result(target, case) for target in GPU_TARGETS for case in CASES}))
