@@ -44,7 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from decode_probe import _rope_path_copy_kernel
 
-from test_compile_targets import _compile_for, _compile_kernel
+from helpers import compile_for_target
+from test_compile_targets import _compile_for
 
 
 def _branch(compiled) -> tuple[list[str], list[int]]:
@@ -91,7 +92,7 @@ def main(args: argparse.Namespace) -> None:
         rows = {name: _branch(_compile_for("sm90", q, k, config, **kw)) for name, kw in calls.items()}
         bt, bhq, bhk, warps = config
         copy_args = (q, q, k, k, *q.stride()[:3], *k.stride()[:3], 32, 8, 1, T)
-        rows["rope path, no rotation"] = _branch(_compile_kernel(
+        rows["rope path, no rotation"] = _branch(compile_for_target(
             "sm90", _rope_path_copy_kernel, copy_args, dict(D=128, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk), warps))
         print(f"block shape {config}")
         for name, (ops, cycles) in rows.items():
