@@ -52,8 +52,9 @@ def _compile_prologue(target: str, case: str):
     """Compile the attention prologue's forward (norm + RoPE + paged fp8 cache write, or bshd bf16) or its
     backward for ``target``, with the launch its launcher builds for small CPU tensors; ``*-large``: qk_norm_rope's
     forward and backward at the block shapes their launchers pick for large grids on a GPU."""
+    from ropekit._cache_validation import validate_kv_write
     from ropekit._spec import CacheArgs, RopeArgs
-    from ropekit._validation import validate_args, validate_kv_write
+    from ropekit._validation import validate_args
     from ropekit.triton import prologue_launcher as P
 
     seen = {}

@@ -10,8 +10,9 @@ from torch.library import opcheck
 import ropekit
 from helpers import KERNEL_ROUTES, ROUTES, route_context, route_device
 from ropekit import autograd, ops
+from ropekit._cache_validation import validate_kv_write
 from ropekit._spec import CacheArgs, RopeArgs
-from ropekit._validation import validate, validate_args, validate_kv_write
+from ropekit._validation import validate, validate_args
 
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 DEVICES = ROUTES

@@ -325,8 +325,9 @@ def _host_us(fn, calls: int = 200, wait: bool = True) -> float:
 
 def sweep(batch: int) -> None:
     """Device time per kernel, host time per call, and block shapes of the raw launchers."""
+    from ropekit._cache_validation import validate_kv_write
     from ropekit._spec import CacheArgs, RopeArgs
-    from ropekit._validation import validate_args, validate_kv_write
+    from ropekit._validation import validate_args
     from ropekit.triton.prologue_launcher import launch_prologue
 
     decode_shapes = [(1, bh, min(bh, 8), nw) for bh in (2, 4, 8) for nw in (1, 2, 4)]
@@ -440,8 +441,9 @@ def decode_gap(tokens: list[int]) -> None:
     kernel's argument count; the copy on the prologue's decode grid (``copy-grid``: 4 heads per program, as many
     programs, none of the arithmetic). Plain RoPE of q and k: the default, cos/sin tables, and Liger (where
     installed), each also with per-token tables as Liger is given them (no position load in the call)."""
+    from ropekit._cache_validation import validate_kv_write
     from ropekit._spec import CacheArgs, RopeArgs
-    from ropekit._validation import validate, validate_args, validate_kv_write
+    from ropekit._validation import validate, validate_args
     from ropekit.triton.launcher import launch_rope
     from ropekit.triton.prologue_launcher import launch_prologue
 
@@ -507,8 +509,9 @@ def decode_gap(tokens: list[int]) -> None:
 
 def prefill_sweep(T: int = 8192) -> None:
     """rope_kv_write prefill (one sequence of T tokens at offset 1000) by block shape, raw launcher, cold L2."""
+    from ropekit._cache_validation import validate_kv_write
     from ropekit._spec import CacheArgs, RopeArgs
-    from ropekit._validation import validate_args, validate_kv_write
+    from ropekit._validation import validate_args
     from ropekit.triton.prologue_launcher import launch_prologue
 
     shapes = [None, (1, 8, 8, 1), (1, 8, 8, 4), (2, 8, 8, 2), (1, 16, 8, 2), (2, 16, 8, 4), (4, 8, 8, 4)]

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ropekit._cache_validation import validate_kv_write
 from ropekit._fastpath.plans import (
     _KV_PLANS,
     _KV_SEEN,
@@ -38,7 +39,7 @@ from ropekit._spec import (
     RopeSpec,
     to_canonical,
 )
-from ropekit._validation import validate_args, validate_kv_write, validate_norm, validate_out_quant
+from ropekit._validation import validate_args, validate_norm, validate_out_quant
 from ropekit.autograd import norm_rotate as norm_rotate_spec
 from ropekit.autograd import write_kv as write_kv_spec
 
