@@ -155,21 +155,33 @@ def test_benchmarks_md_is_generated_from_the_kept_history():
 
 
 def test_end_to_end_rows_render_the_newest_run_per_card_and_model():
-    """The page's end-to-end section: per (card, model) the newest run's rows only, failures shown with their
-    error, CPU smoke rows left out."""
+    """The page's end-to-end section: per (card, model) the newest run's rows only, each with its spread, host time,
+    ratio and verdict, failures shown with their error, a "never slower" line per run naming the SLOWER rows, CPU
+    smoke rows left out, and older rows (no spread measured) shown without a verdict."""
     def row(date, variant, kind, ms, **extra):
         return dict(date=date, commit="abc1234", torch="2.11", model="qwen3", device="NVIDIA H200", variant=variant,
                     kind=kind, batch="4", seq="2048", ms=str(ms), tokens_per_s="1000", vs_sdpa=str(ms / 10),
                     same_tokens="", tiny="False", error="", **extra)
 
-    rows = [row("2026-11-01T00:00:00", "sdpa", "train", 99.0), row("2026-11-02T00:00:00", "sdpa", "train", 10.0),
-            row("2026-11-02T00:00:00", "ropekit", "train", 9.0),
+    def judged(date, variant, kind, ms, verdict, **extra):
+        return row(date, variant, kind, ms, spread="0.02", host_ms="3.5", vs_sdpa_spread="0.015", verdict=verdict,
+                   **extra)
+
+    rows = [row("2026-11-01T00:00:00", "sdpa", "train", 99.0),
+            judged("2026-11-02T00:00:00", "sdpa", "train", 10.0, "-"),
+            judged("2026-11-02T00:00:00", "ropekit", "train", 9.0, "faster"),
+            judged("2026-11-02T00:00:00", "ropekit", "decode", 13.5, "SLOWER"),
             dict(row("2026-11-02T00:00:00", "liger", "train", float("nan")), error="ImportError: x"),
-            dict(row("2026-11-03T00:00:00", "sdpa", "train", 1.0), device="none (CPU x86_64)", tiny="True")]
+            dict(row("2026-11-03T00:00:00", "sdpa", "train", 1.0), device="none (CPU x86_64)", tiny="True"),
+            dict(row("2026-11-01T00:00:00", "ropekit", "train", 9.0), model="llama")]
     page = summary.markdown({}, (), "benchmarks/results/latest", rows)
     section = page.split("## End to end")[1]
     assert "### NVIDIA H200, qwen3 (2026-11-02, abc1234" in section
-    assert "| train | 4 | ropekit | 9.000 | 1000 | 0.900 |" in section
+    assert "| train | 4 | ropekit | 9.000 ± 2.0 % | 3.500 | 1000 | 0.900 ± 0.015 | faster |  |" in section
+    assert "Never slower than sdpa: no: ropekit decode batch 4 (1.350)" in section
     assert "failed: ImportError: x" in section
-    assert "99.000" not in section and "CPU" not in section
+    assert "99.000" not in section and "none (CPU" not in section
+    llama = section.split("### NVIDIA H200, llama")[1].split("###")[0]
+    assert "| train | 4 | ropekit | 9.000 | - | 1000 | 0.900 | - |  |" in llama
+    assert "Never slower than sdpa: not judged (this run measured no spread)" in llama
     assert "End to end" not in summary.markdown({}, (), "benchmarks/results/latest")

@@ -179,7 +179,8 @@ def read_e2e(path: Path) -> list[dict[str, Any]]:
 
 
 def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
-    """Per (card, model), the newest run's rows (smoke runs left out): time and ratio to unpatched sdpa."""
+    """Per (card, model), the newest run's rows (smoke runs left out): time (with its spread over the interleaved
+    rounds), host time per step, ratio to unpatched sdpa with its verdict, and a "never slower" line for the run."""
     rows = [r for r in rows if r.get("tiny") not in ("True", True) and r["device"] != "cpu"
             and not r["device"].startswith("none")]
     if not rows:
@@ -187,22 +188,44 @@ def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## End to end: patched transformers models", "",
              "`python -m ropekit.bench.e2e` (method: [benchmarks/README.md](benchmarks/README.md)): a training step "
              "(forward, backward, AdamW) and greedy static-cache decoding per token, eager and in a CUDA graph; "
-             "random-weight ~0.5 B models, bf16; each ratio is to unpatched sdpa in the same run.", ""]
+             "random-weight ~0.5 B models, bf16; each ratio is to unpatched sdpa in the same run. The variants take "
+             "turns over rounds: ms is the median of the rounds (± half their range), the ratio the median of the "
+             "per-round ratios (± half their range), and the verdict calls a ratio faster or SLOWER only outside "
+             "that range (and outside 1 %). host ms: the CPU time of issuing one step; near ms, the step is bound "
+             "by the host.", ""]
     for device, model in sorted({(r["device"], r["model"]) for r in rows}):
         mine = [r for r in rows if (r["device"], r["model"]) == (device, model)]
         newest = max(r["date"] for r in mine)
         run = [r for r in mine if r["date"] == newest]
         lines += [f"### {device}, {model} ({newest[:10]}, {run[0]['commit']}, torch {run[0]['torch']})", "",
-                  "| step | batch | variant | ms | tokens/s | vs sdpa | greedy tokens as sdpa |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| step | batch | variant | ms | host ms | tokens/s | vs sdpa | verdict | greedy tokens as sdpa |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in run:
             if r.get("error"):
-                lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | failed: {r['error']} | | | |")
+                lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | failed: {r['error']} | | | | | |")
                 continue
-            lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | {float(r['ms']):.3f} | "
-                         f"{float(r['tokens_per_s']):.0f} | {float(r['vs_sdpa']):.3f} | {r['same_tokens']} |")
-        lines.append("")
+            lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | {float(r['ms']):.3f}"
+                         f"{_plus_minus(r.get('spread'), percent=True)} | {_number(r.get('host_ms'))} | "
+                         f"{float(r['tokens_per_s']):.0f} | {float(r['vs_sdpa']):.3f}"
+                         f"{_plus_minus(r.get('vs_sdpa_spread'))} | {r.get('verdict') or '-'} | {r['same_tokens']} |")
+        judged = [r for r in run if r.get("verdict") and not r.get("error")]
+        slower = [f"{r['variant']} {r['kind']} batch {r['batch']} ({float(r['vs_sdpa']):.3f})" for r in judged
+                  if r["verdict"] == "SLOWER"]
+        lines += ["", "Never slower than sdpa: " + ("not judged (this run measured no spread)" if not judged
+                                                  else "no: " + ", ".join(slower) if slower else "yes"), ""]
     return lines
+
+
+def _number(value) -> str:
+    return f"{float(value):.3f}" if value not in (None, "") else "-"
+
+
+def _plus_minus(value, percent: bool = False) -> str:
+    """`` ± x`` of a spread kept in the CSV (a fraction: as a percentage with ``percent``); nothing for an older row
+    without one."""
+    if value in (None, ""):
+        return ""
+    return f" ± {float(value) * 100:.1f} %" if percent else f" ± {float(value):.3f}"
 
 
 def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
