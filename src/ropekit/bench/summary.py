@@ -34,7 +34,7 @@ _CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 # history and in BENCHMARKS.md's header for the card).
 LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
-PLOT_DPI = 60  # the kept plots: small files, still legible
+PLOT_DPI = 80  # the kept plots, drawn without antialiasing: small files, the text still legible
 MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
               "mla-decode", "mla-prefill")
 
@@ -95,7 +95,7 @@ def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plo
             except ImportError:
                 continue
             rows = [dict(r, series=r["case"].rsplit("/", 1)[0]) for r in rows]
-            plots = plot_results(folder / "results", rows, _meta(rows), dpi=PLOT_DPI)
+            plots = plot_results(folder / "results", rows, _meta(rows), dpi=PLOT_DPI, antialiased=False)
             for path in plots:
                 _to_palette(path)
             written += plots
