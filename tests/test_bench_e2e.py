@@ -139,6 +139,7 @@ def test_every_variant_runs_a_short_step_of_both_models(monkeypatch, tmp_path, c
         assert int(r["rounds"]) == 3 and r["verdict"] in ("-", "faster", "within noise", "SLOWER")
         if r["kind"] == "decode":
             assert r["same_tokens"] == "10/10", r  # prefill, 2 warm-up, 1 probe and 3 x 2 timed tokens
+            assert float(r["py_calls"]) > 0 and float(r["aten_ops"]) > 0 and float(r["kernels"]) == 0
     assert set(calls) == set(e2e.CONFIGS)
     assert {m: mod.apply_rotary_pos_emb for m, mod in modelings.items()} == before
     assert {k: n for k, n in patching._GLOBAL_REFS.items() if n} == refs

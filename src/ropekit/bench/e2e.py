@@ -319,7 +319,7 @@ def interleave(label: str, steps: dict[str, Callable[[], Any]], variants: dict[s
 
 
 def _rows(kind: str, batch: int, seq: int, times: dict[str, list[list[tuple[float, float]]]], errors: dict[str, str],
-          tokens: dict[str, list[int]] | None = None) -> list[dict]:
+          tokens: dict[str, list[int]] | None = None, profiles: dict[str, dict] | None = None) -> list[dict]:
     stats = summarise({name: [statistics.median(ms for ms, _ in r) for r in rounds] for name, rounds in times.items()})
     rows = []
     for name, s in stats.items():
@@ -332,7 +332,8 @@ def _rows(kind: str, batch: int, seq: int, times: dict[str, list[list[tuple[floa
         rows.append(dict(variant=name, kind=kind, batch=batch, seq=seq, ms=s["ms"], spread=s["spread"],
                          host_ms=statistics.median(h for r in rounds for _, h in r), tokens_per_s=per_s,
                          rounds=len(rounds), steps=len(rounds[0]), vs_sdpa=s["ratio"],
-                         vs_sdpa_spread=s["ratio_spread"], verdict=s["verdict"], same_tokens=same, error=""))
+                         vs_sdpa_spread=s["ratio_spread"], verdict=s["verdict"], same_tokens=same,
+                         **(profiles or {}).get(name, {}), error=""))
     for name, error in errors.items():
         rows.append(dict(variant=name, kind=kind, batch=batch, seq=seq, error=error))
     return rows
@@ -430,7 +431,7 @@ def measure_decoding(variants: dict[str, Variant], args, batch: int, graph: bool
                      clock: _Clock, log: Callable[[str], None]) -> list[dict]:
     """The ``decode`` (or ``decode-graph``) rows at one batch size: a generated token per step, in turns."""
     kind = "decode-graph" if graph else "decode"
-    capacity = args.prompt + 2 + 1 + args.rounds * args.decode_steps + 8
+    capacity = args.prompt + 2 + 1 + args.rounds * args.decode_steps + 2 * PROFILED_STEPS + 8
     decoders, errors = {}, {}
     for name, v in variants.items():
         try:
@@ -441,10 +442,51 @@ def measure_decoding(variants: dict[str, Variant], args, batch: int, graph: bool
     times = interleave(f"{kind} batch {batch}", {n: d.advance for n, d in decoders.items()}, variants, clock, args,
                        args.decode_steps, log, errors, after={n: d.record for n, d in decoders.items()})
     tokens = {name: d.tokens for name, d in decoders.items()}
+    profiles = {}
+    if not graph and args.host_profile:
+        for name in times:
+            with variants[name].active():
+                profiles[name] = host_profile(decoders[name].advance, device)
     decoders.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return _rows(kind, batch, args.prompt, times, errors, tokens)
+    return _rows(kind, batch, args.prompt, times, errors, tokens, profiles)
+
+
+PROFILED_STEPS = 2
+
+
+def host_profile(step: Callable[[], Any], device: torch.device) -> dict[str, float]:
+    """What one step asks of the host, averaged over :data:`PROFILED_STEPS` steps after the timed ones: Python
+    function calls (cProfile), top-level aten ops and, on a GPU, kernels run (torch.profiler). Empty where the
+    profiler fails (the timings stand without it)."""
+    import cProfile
+    import pstats
+
+    try:
+        calls = cProfile.Profile()
+        calls.enable()
+        for _ in range(PROFILED_STEPS):
+            step()
+        calls.disable()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(PROFILED_STEPS):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        events = prof.events()
+    except Exception:  # noqa: BLE001 -- a profiler that cannot run here costs the counts only
+        return {}
+
+    def top_level_aten(e) -> bool:
+        return e.name.startswith("aten::") and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+
+    return dict(py_calls=sum(c[1] for c in pstats.Stats(calls).stats.values()) / PROFILED_STEPS,
+                aten_ops=sum(map(top_level_aten, events)) / PROFILED_STEPS,
+                kernels=sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events) / PROFILED_STEPS)
 
 
 def run_model(name: str, args, emit: Callable[[dict], None]) -> None:
@@ -525,7 +567,7 @@ def _table(model: str, rows: list[dict], env: dict, args) -> list[dict]:
     print(f"\n{model} ({'tiny' if args.tiny else '~0.5B'}), {env['gpu']}; train {args.batch}x{args.seq} tokens, "
           f"decode prompt {args.prompt}; median of rounds (+- half their range)")
     print(f"{'kind':<13}{'batch':>6} {'variant':<18}{'ms':>10}{'+-%':>6}{'host ms':>9}{'tok/s':>10}{'vs sdpa':>9}"
-          f"{'+-':>7}  {'verdict':<13}same tokens")
+          f"{'+-':>7}  {'verdict':<13}{'same tokens':<12}per step: Python calls / aten ops / kernels")
     out = []
     for r in rows:
         if r.get("error"):
@@ -533,7 +575,7 @@ def _table(model: str, rows: list[dict], env: dict, args) -> list[dict]:
         else:
             print(f"{r['kind']:<13}{r['batch']:>6} {r['variant']:<18}{r['ms']:>10.3f}{r['spread'] * 100:>6.1f}"
                   f"{r['host_ms']:>9.3f}{r['tokens_per_s']:>10.0f}{r['vs_sdpa']:>9.3f}{r['vs_sdpa_spread']:>7.3f}  "
-                  f"{r['verdict']:<13}{r['same_tokens']}")
+                  f"{r['verdict']:<13}{r['same_tokens']:<12}{_counts(r)}")
         out.append({**dict(date=env["date"], commit=env["commit"], torch=env["torch"], model=model, device=env["gpu"]),
                     **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, "tiny": args.tiny})
     slower = [r for r in rows if r.get("verdict") == "SLOWER"]
@@ -542,10 +584,16 @@ def _table(model: str, rows: list[dict], env: dict, args) -> list[dict]:
     return out
 
 
+def _counts(row: dict) -> str:
+    if "py_calls" not in row:
+        return ""
+    return f"{row['py_calls']:.0f} / {row['aten_ops']:.0f} / {row['kernels']:.0f}"
+
+
 #: the CSV's columns (older files, written before the spread and verdict columns, are rewritten with them blank)
 CSV_FIELDS = ("date", "commit", "torch", "model", "device", "variant", "kind", "batch", "seq", "ms", "spread",
-              "host_ms", "tokens_per_s", "rounds", "steps", "vs_sdpa", "vs_sdpa_spread", "verdict", "same_tokens",
-              "tiny", "error")
+              "host_ms", "py_calls", "aten_ops", "kernels", "tokens_per_s", "rounds", "steps", "vs_sdpa",
+              "vs_sdpa_spread", "verdict", "same_tokens", "tiny", "error")
 
 
 def append_csv(path: Path, rows: list[dict]) -> None:
@@ -583,6 +631,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=200.0, help="seconds per model before its process is killed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny configs: a smoke test of the harness (CPU)")
+    p.add_argument("--no-host-profile", dest="host_profile", action="store_false",
+                   help="skip counting each eager decode step's Python calls, aten ops and kernels")
     p.add_argument("--in-process", action="store_true", help="no child process per model (no --timeout)")
     p.add_argument("--csv", type=Path, help="append the rows to this CSV (benchmarks/results/e2e.csv feeds "
                                              "BENCHMARKS.md)")

@@ -192,7 +192,7 @@ def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
              "turns over rounds: ms is the median of the rounds (± half their range), the ratio the median of the "
              "per-round ratios (± half their range), and the verdict calls a ratio faster or SLOWER only outside "
              "that range (and outside 1 %). host ms: the CPU time of issuing one step; near ms, the step is bound "
-             "by the host.", ""]
+             "by the host (for eager decoding, with what one step asks of the host).", ""]
     for device, model in sorted({(r["device"], r["model"]) for r in rows}):
         mine = [r for r in rows if (r["device"], r["model"]) == (device, model)]
         newest = max(r["date"] for r in mine)
@@ -205,7 +205,8 @@ def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | failed: {r['error']} | | | | | |")
                 continue
             lines.append(f"| {r['kind']} | {r['batch']} | {r['variant']} | {float(r['ms']):.3f}"
-                         f"{_plus_minus(r.get('spread'), percent=True)} | {_number(r.get('host_ms'))} | "
+                         f"{_plus_minus(r.get('spread'), percent=True)} | "
+                         f"{_number(r.get('host_ms'))}{_host_counts(r)} | "
                          f"{float(r['tokens_per_s']):.0f} | {float(r['vs_sdpa']):.3f}"
                          f"{_plus_minus(r.get('vs_sdpa_spread'))} | {r.get('verdict') or '-'} | {r['same_tokens']} |")
         judged = [r for r in run if r.get("verdict") and not r.get("error")]
@@ -214,6 +215,14 @@ def _e2e_tables(rows: list[dict[str, Any]]) -> list[str]:
         lines += ["", "Never slower than sdpa: " + ("not judged (this run measured no spread)" if not judged
                                                   else "no: " + ", ".join(slower) if slower else "yes"), ""]
     return lines
+
+
+def _host_counts(row: dict[str, Any]) -> str:
+    """An eager decode step's Python calls, aten ops and kernels, where the run counted them."""
+    if row.get("py_calls") in (None, ""):
+        return ""
+    return (f" ({float(row['py_calls']):.0f} Python calls, {float(row['aten_ops']):.0f} aten ops, "
+            f"{float(row['kernels']):.0f} kernels)")
 
 
 def _number(value) -> str:
