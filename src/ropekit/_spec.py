@@ -201,6 +201,10 @@ class CacheArgs(NamedTuple):
     cache_layout: str = "bshd"
     k_cache_scale: float | Tensor | None = None
     v_cache_scale: float | Tensor | None = None
+    kv_indices: Tensor | None = None
+    kv_indptr: Tensor | None = None
+    kv_last_page_len: Tensor | None = None
+    batch_indices: Tensor | None = None
 
 
 SECTION_LAYOUTS = ("contiguous", "interleaved")
@@ -239,7 +243,11 @@ def needs_grad(q: Tensor, k: Tensor | None) -> bool:
 
 
 
-CACHE_LAYOUTS = ("bshd", "bhsd", "paged")
+CACHE_LAYOUTS = ("bshd", "bhsd", "paged", "paged_hnd", "paged_x")
+PAGED_LAYOUTS = ("paged", "paged_hnd", "paged_x")
+"""The paged caches, addressed by ``slot_mapping`` or by FlashInfer's page table (``kv_indptr``...): "paged"
+[num_blocks, block_size, H, D] (NHD), "paged_hnd" [num_blocks, H, block_size, D] and "paged_x" (vLLM's
+paged-attention layout: keys [num_blocks, H, D/x, block_size, x], values [num_blocks, H, D, block_size])."""
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_CACHE_DTYPES = FP8_DTYPES
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -276,12 +284,19 @@ class CacheSpec(NamedTuple):
     """Where :func:`ropekit.rope_kv_write` puts k and v, validated.
 
     * ``k_cache``/``v_cache`` as given, in ``layout``: "bshd" [B, rows, H, D], "bhsd" [B, H, rows, D] (token
-      (b, pos) goes to row pos of batch entry b), "paged" [num_blocks, block_size, H, D] (token t goes to slot
-      ``slots[b, s]``; -1, or any slot outside, skips it).
+      (b, pos) goes to row pos of batch entry b), "paged" [num_blocks, block_size, H, D], "paged_hnd" [num_blocks,
+      H, block_size, D] or "paged_x" (keys [num_blocks, H, D/x, block_size, x], values [num_blocks, H, D,
+      block_size]): token t goes to slot ``slots[b, s]`` (-1, or any slot outside, skips it), or, with the page
+      table, to the page and row its request and position name (below).
     * ``cache_batch``: packed tokens' batch entries ([T] int64, from ``cu_seqlens``), else None (the token's own).
     * ``slots``: [B, S] view of ``slot_mapping`` (paged only).
     * ``k_scale``/``v_scale``: float8 caches' scales (stored = value / scale): Python floats, one-element float32
       device tensors (read by the kernel: graph capture), or per-head [Hkv] float32 tensors; 1.0 for other caches.
+    * the page table (paged caches, instead of ``slots``): ``kv_indptr`` [R + 1], ``kv_indices`` and
+      ``kv_last_page_len`` [R] (dense int tensors), ``batch_indices`` [B, S] (or None: each token's own sequence,
+      ``cache_batch`` or b): token (b, s) of request r at position p goes to page ``kv_indices[kv_indptr[r] + p //
+      block_size]``, row ``p % block_size``, where that page is one of r's and p is below r's length ``(pages - 1)
+      * block_size + kv_last_page_len[r]``; any other token writes nothing.
     """
 
     k_cache: Tensor
@@ -291,15 +306,27 @@ class CacheSpec(NamedTuple):
     slots: Tensor | None
     k_scale: float | Tensor
     v_scale: float | Tensor
+    kv_indices: Tensor | None = None
+    kv_indptr: Tensor | None = None
+    kv_last_page_len: Tensor | None = None
+    batch_indices: Tensor | None = None
 
     @property
     def paged(self) -> bool:
-        return self.layout == "paged"
+        return self.layout in PAGED_LAYOUTS
+
+    @property
+    def page_table(self) -> bool:
+        """Addressed by FlashInfer's page table rather than by slots."""
+        return self.kv_indptr is not None
 
     def views(self) -> tuple[Tensor, Tensor]:
-        """The caches as [B | num_blocks, rows | block_size, H, D] views (no copy)."""
-        if self.layout == "bhsd":
+        """The caches as [B | num_blocks, rows | block_size, H, D] views (no copy); "paged_x" keys as [num_blocks,
+        block_size, H, D/x, x] (a column d is at (d // x, d % x)) and values with strided columns."""
+        if self.layout in ("bhsd", "paged_hnd"):
             return self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)
+        if self.layout == "paged_x":
+            return self.k_cache.permute(0, 3, 1, 2, 4), self.v_cache.permute(0, 3, 1, 2)
         return self.k_cache, self.v_cache
 
     @property
@@ -310,4 +337,4 @@ class CacheSpec(NamedTuple):
 
     @property
     def block_size(self) -> int:
-        return self.k_cache.shape[1] if self.paged else 1
+        return self.views()[0].shape[1] if self.paged else 1

@@ -235,7 +235,8 @@ def rope_kv_write(
     layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front", q_scale: float = 1.0,
     k_scale: float = 1.0, rotary_scale: float = 1.0, sections: Sequence[int] | None = None,
     section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
-    q_out_scale: float | Tensor | str | None = None, return_k: bool = False,
+    q_out_scale: float | Tensor | str | None = None, return_k: bool = False, kv_indices: Tensor | None = None,
+    kv_indptr: Tensor | None = None, kv_last_page_len: Tensor | None = None, batch_indices: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """The attention prologue of a decode or prefill step in one kernel: rotate q and k (after a per-head RMSNorm
     with ``q_weight``/``k_weight``), write the rotated k and the unchanged v into the KV caches, return the rotated
@@ -247,17 +248,30 @@ def rope_kv_write(
         buffer are read in place).
     k_cache, v_cache : Tensor
         ``cache_layout="bshd"``: [B, max_seq, Hkv, D], token (b, p) goes to row [b, p], p its position;
-        ``"bhsd"``: [B, Hkv, max_seq, D] (transformers' StaticCache), the same rows; ``"paged"``:
-        [num_blocks, block_size, Hkv, D], token t goes to slot ``slot_mapping[t]`` (= block * block_size +
-        offset; -1 skips the token). 3-D tokens are one per sequence (b = t), or with ``cu_seqlens`` the tokens
-        of sequence b. Cache dtype: the inputs' dtype (v is copied bit for bit), ``torch.float8_e4m3fn`` or
+        ``"bhsd"``: [B, Hkv, max_seq, D] (transformers' StaticCache), the same rows. Paged caches, whose rows
+        are (block, offset) and whose tokens go to slot ``slot_mapping[t]`` (= block * block_size + offset; -1
+        skips the token) or where a page table says (below): ``"paged"`` [num_blocks, block_size, Hkv, D] (NHD:
+        vLLM's flash layout, FlashInfer's NHD); ``"paged_hnd"`` [num_blocks, Hkv, block_size, D] (FlashInfer's
+        HND); ``"paged_x"``, vLLM's paged-attention layout (``reshape_and_cache``'s): k_cache [num_blocks, Hkv,
+        D/x, block_size, x] (column d at [.., d // x, offset, d % x]; vLLM's x is 16 bytes / the cache element
+        size: 8 for bf16/fp16, 16 for float8) and v_cache [num_blocks, Hkv, D, block_size]. Each cache is
+        written through its own strides. 3-D tokens are one per sequence (b = t), or with ``cu_seqlens`` the
+        tokens of sequence b. Cache dtype: the inputs' dtype (v is copied bit for bit), ``torch.float8_e4m3fn`` or
         ``torch.float8_e5m2`` (stored = value / scale, rounded to nearest even, saturated to +-448 / +-57344).
     positions : int or Tensor
         Each token's position (int32/int64 [T] or [B, S]; an int: offset of 0..S-1): the rotation's position and,
         for "bshd"/"bhsd", its cache row.
     slot_mapping : Tensor, optional
-        int32/int64 [T] or [B, S]; required for "paged". For [T, H, D] tokens it may be shorter, [T'] (vLLM's
+        int32/int64 [T] or [B, S]; a paged cache's slots. For [T, H, D] tokens it may be shorter, [T'] (vLLM's
         CUDA-graph padding): the tokens from T' on are rotated but not written.
+    kv_indices, kv_indptr, kv_last_page_len, batch_indices : Tensor, optional
+        A paged cache's page table instead of ``slot_mapping``, as FlashInfer's ``append_paged_kv_cache`` takes
+        it (int32/int64): request r owns pages ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]`` (kv_indptr [R + 1])
+        and ``(pages - 1) * block_size + kv_last_page_len[r]`` rows (kv_last_page_len [R], the length after this
+        write). Token t of request ``batch_indices[t]`` ([T], or [B, S] for 4-D inputs; default: the token's own
+        sequence; -1 skips the token) at position p (``positions``: the rotation's position is its cache
+        position) goes to row ``p % block_size`` of page ``kv_indices[kv_indptr[r] + p // block_size]``. The
+        page and row are found in the kernel (no host sync; capturable in a CUDA graph).
     k_cache_scale, v_cache_scale : float or float tensor, optional
         float8 caches' scales (default 1.0): a float, a device tensor of shape [] or [1] (vLLM's), or [Hkv] (one
         per cache head); a device tensor keeps the call capturable in a CUDA graph.
@@ -271,10 +285,11 @@ def rope_kv_write(
     q_weight, k_weight, eps, weight_offset :
         Per-head RMSNorm before the rotation, as :func:`qk_norm_rope` (both weights or neither).
 
-    Every other keyword is :func:`apply_rope`'s. Positions and slots outside the caches raise ``IndexError``
-    where their values are on the host (CPU tensors, ints, or ``check_positions=True``: one sync); on the GPU such
-    tokens write nothing (never an out-of-bounds write). Tokens that share a cache row write it in no set order.
-    Raises ``TypeError``/``ValueError``/``IndexError`` naming the argument; nothing is written when it raises.
+    Every other keyword is :func:`apply_rope`'s. Positions, slots, requests and pages outside the caches (or
+    past a request's rows) raise ``IndexError`` where their values are on the host (CPU tensors, ints, or
+    ``check_positions=True``: one sync); on the GPU such tokens write nothing (never an out-of-bounds write).
+    Tokens that share a cache row write it in no set order. Raises ``TypeError``/``ValueError``/``IndexError``
+    naming the argument; nothing is written when it raises.
 
     >>> # decode: one token per sequence from a packed QKV projection, into a StaticCache-layout cache
     >>> q, k, v = qkv.view(B, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=1)
@@ -282,7 +297,8 @@ def rope_kv_write(
     ...                               q_weight=q_norm.weight, k_weight=k_norm.weight, base=1000000.0)
     """
     cache = CacheArgs(v, k_cache, v_cache, slot_mapping=slot_mapping, cache_layout=cache_layout,
-                      k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
+                      k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, kv_indices=kv_indices,
+                      kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len, batch_indices=batch_indices)
     norm = NormSpec(q_weight, k_weight, weight_offset=weight_offset, eps=eps)
     args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,

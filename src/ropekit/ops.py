@@ -280,14 +280,17 @@ def cache_op_args(cache: CacheSpec) -> tuple:
         return (scale, 1.0) if isinstance(scale, Tensor) else (None, scale)
 
     (kt, kf), (vt, vf) = split(cache.k_scale), split(cache.v_scale)
-    return cache.layout, cache.cache_batch, cache.slots, kt, vt, kf, vf
+    return (cache.layout, cache.cache_batch, cache.slots, kt, vt, kf, vf, cache.kv_indices, cache.kv_indptr,
+            cache.kv_last_page_len, cache.batch_indices)
 
 
 def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset, eps, cache_layout, cache_batch,
-                   slots, k_cache_scale_t, v_cache_scale_t, k_cache_scale, v_cache_scale, *spec) -> Tensor:
+                   slots, k_cache_scale_t, v_cache_scale_t, k_cache_scale, v_cache_scale, kv_indices, kv_indptr,
+                   kv_last_page_len, batch_indices, *spec) -> Tensor:
     cache = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slots,
                       k_cache_scale if k_cache_scale_t is None else k_cache_scale_t,
-                      v_cache_scale if v_cache_scale_t is None else v_cache_scale_t)
+                      v_cache_scale if v_cache_scale_t is None else v_cache_scale_t, kv_indices, kv_indptr,
+                      kv_last_page_len, batch_indices)
     return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
 
 
@@ -296,7 +299,8 @@ rope_kv_write = torch.library.custom_op(
     schema=op_schema(False, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
                             "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
                             "Tensor? slots, Tensor? k_cache_scale_t, Tensor? v_cache_scale_t, float k_cache_scale, "
-                            "float v_cache_scale",
+                            "float v_cache_scale, Tensor? kv_indices, Tensor? kv_indptr, Tensor? kv_last_page_len, "
+                            "Tensor? batch_indices",
                      returns="Tensor"))
 
 

@@ -83,7 +83,10 @@ def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeA
     """:func:`ropekit.rope_kv_write` (its arguments bundled): replay the plan of the call's signature, or validate,
     run and note the signature; ``scales``: the float8 q output's scale and ``return_k``."""
     call = KvCall(q, k, cache, norm, args, scales)
-    if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None):
+    # a page table (FlashInfer's addressing) takes the full path: its four tensors are not part of a plan's key
+    table = cache.kv_indices is not None or cache.kv_indptr is not None or cache.kv_last_page_len is not None \
+        or cache.batch_indices is not None
+    if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None) or table:
         return _write_kv_full(call, None, None)
     return _prologue_call(_KV_PLANS, _kv_signature(call), call, _write_kv_full)
 

@@ -11,9 +11,13 @@ for packed varlen tokens, ``cache_batch[t]``; ``CACHE_PAGED`` writes token t at 
 [num_blocks, block_size, H, D] cache. The k and v caches share that grid of rows, not their strides: each turns a
 row into an address with its own (a padded view, a head-major view, two halves of one buffer). A token whose row
 or slot lies outside the cache (slot -1 included), or whose position is invalid, writes nothing: never an
-out-of-bounds write. float8 caches and outputs (float8_e4m3fn, float8_e5m2) store ``value / scale`` rounded to
-nearest even and saturated to the format's largest finite value (+-448, +-57344; NaN stays NaN); the scale is per
-tensor, per cache head, or (outputs) each row's own.
+out-of-bounds write. ``CACHE_TABLE`` writes token t of request r at position p to row ``p % page_size`` of page
+``kv_indices[kv_indptr[r] + p // page_size]`` (FlashInfer's page table); every index it reads is bounded first, so a
+bad request, position or page writes nothing. A cache's columns are at ``d`` (unit stride), or with ``*_PACK`` at
+``(d // PACK) * col_sa + (d % PACK) * col_sb``: vLLM's x-packed keys [.., D/x, block, x] and its values [.., D,
+block], whose columns are strided. float8 caches and outputs (float8_e4m3fn, float8_e5m2) store ``value /
+scale`` rounded to nearest even and saturated to the format's largest finite value (+-448, +-57344; NaN stays
+NaN); the scale is per tensor, per cache head, or (outputs) each row's own.
 """
 
 from __future__ import annotations
@@ -47,6 +51,40 @@ from ropekit.triton.kernel import (
 CACHE_NONE = tl.constexpr(0)  # k goes to k_out like q (qk_norm_rope)
 CACHE_ROWS = tl.constexpr(1)  # k and v go to cache[batch, position] ("bshd", "bhsd")
 CACHE_PAGED = tl.constexpr(2)  # k and v go to cache[slot // block_size, slot % block_size] ("paged")
+CACHE_TABLE = tl.constexpr(3)  # k and v go to the page and row a page table gives a token's request and position
+
+
+@triton.jit
+def _cols(c, PACK: tl.constexpr, col_sa, col_sb):
+    """Element offsets of head columns ``c`` in a cache row: ``c`` itself (``PACK`` 0: unit stride), else
+    ``(c // PACK) * col_sa + (c % PACK) * col_sb``."""
+    if PACK:
+        c = (c // PACK) * col_sa + (c % PACK) * col_sb
+    return c
+
+
+@triton.jit
+def _store_pairs_at(o_ptr, base, m, y_lo, y_hi, y_p, PACK: tl.constexpr, col_sa, col_sb,
+                    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
+                    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FP8: tl.constexpr):
+    """``_store_pairs`` (rotated pairs and the pass-through columns) into a row whose columns are at
+    :func:`_cols` (a packed or strided cache row)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    if NEOX:
+        i = tl.arange(0, HALF_BLOCK)[None, None, :]
+        mi = _within(m, i, HALF, HALF_BLOCK)
+        tl.store(o_ptr + base + _cols(ROT_START + i, PACK, col_sa, col_sb), _to_store(y_lo, o_ptr, FP8, False),
+                 mask=mi)
+        tl.store(o_ptr + base + _cols(ROT_START + HALF + i, PACK, col_sa, col_sb),
+                 _to_store(y_hi, o_ptr, FP8, False), mask=mi)
+    else:
+        j = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
+        y = tl.reshape(tl.join(y_lo, y_hi), [y_lo.shape[0], y_lo.shape[1], 2 * HALF_BLOCK])
+        tl.store(o_ptr + base + _cols(ROT_START + j, PACK, col_sa, col_sb), _to_store(y, o_ptr, FP8, False),
+                 mask=_within(m, j, ROT_DIM, 2 * HALF_BLOCK))
+    if HEAD_DIM != ROT_DIM:
+        p, mp = _pass_columns(m, HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        tl.store(o_ptr + base + _cols(p, PACK, col_sa, col_sb), _to_store(y_p, o_ptr, FP8, False), mask=mp)
 
 
 @triton.jit
@@ -101,12 +139,16 @@ def _inv_rms(x_lo, x_hi, x_p, eps, HEAD_DIM: tl.constexpr, HAS_PASS: tl.constexp
 
 @triton.jit
 def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, n_slots,
-                CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr, SLOTS_SHORT: tl.constexpr):
+                pages_ptr, indptr_ptr, last_ptr, n_requests, n_page_ids,
+                CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr, SLOTS_SHORT: tl.constexpr,
+                TABLE_BATCH: tl.constexpr):
     """(first index, second index, tokens that write) [BLOCK_T] of each token's row in the [B | num_blocks,
     rows | block_size] grid the two caches share -- each cache turns them into an offset with its own strides:
     ``CACHE_ROWS`` at (batch, position) with ``cache_rows`` rows per batch entry, ``CACHE_PAGED`` at its slot of
     ``cache_rows`` slots. ``SLOTS_SHORT``: only the first ``n_slots`` tokens have a slot (the rest are padding and
-    write nothing)."""
+    write nothing). ``CACHE_TABLE``: the page table ``pages_ptr`` (kv_indices, ``n_page_ids`` entries),
+    ``indptr_ptr`` and ``last_ptr`` (kv_last_page_len) of ``n_requests`` requests, over ``cache_rows`` pages; a
+    token's request is ``slot_ptr[b, s]`` (``TABLE_BATCH``: batch_indices), its packed sequence or b."""
     if CACHE_MODE == CACHE_ROWS:
         if CACHE_BATCH_PER_TOKEN:
             r0 = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
@@ -114,6 +156,26 @@ def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss,
             r0 = b
         ok = valid & (pos < cache_rows)
         r1 = tl.where(ok, pos, 0)
+    elif CACHE_MODE == CACHE_TABLE:
+        if TABLE_BATCH:
+            req = tl.load(slot_ptr + b * slot_sb + s * slot_ss, mask=mask_t, other=-1).to(tl.int64)
+        elif CACHE_BATCH_PER_TOKEN:
+            req = tl.load(cb_ptr + s, mask=mask_t, other=0).to(tl.int64)
+        else:
+            req = b
+        ok = valid & (req >= 0) & (req < n_requests)
+        req = tl.where(ok, req, 0)  # every index is bounded before it is read
+        first = tl.load(indptr_ptr + req, mask=ok, other=0).to(tl.int64)
+        end = tl.load(indptr_ptr + req + 1, mask=ok, other=0).to(tl.int64)
+        last = tl.load(last_ptr + req, mask=ok, other=0).to(tl.int64)
+        p = tl.where(ok, pos, 0)
+        page_i = p // block_size
+        pages = end - first
+        ok = ok & (first >= 0) & (end <= n_page_ids) & (page_i < pages) & (p < (pages - 1) * block_size + last)
+        page = tl.load(pages_ptr + tl.where(ok, first + page_i, 0), mask=ok, other=-1).to(tl.int64)
+        ok = ok & (page >= 0) & (page < cache_rows)
+        r0 = tl.where(ok, page, 0)
+        r1 = tl.where(ok, p - page_i * block_size, 0)
     else:  # CACHE_PAGED
         has_slot = mask_t
         if SLOTS_SHORT:
@@ -150,12 +212,13 @@ def _norm_rope_block(
     NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
     AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    HEAD_SCALES: tl.constexpr, DYNAMIC: tl.constexpr,
+    HEAD_SCALES: tl.constexpr, DYNAMIC: tl.constexpr, COL_PACK: tl.constexpr = 0, col_sa=0, col_sb=0,
 ):
     """Normalise (``NORM``) and rotate one [BLOCK_T, BLOCK_H] block of head rows of ``x``; store row (t, h) at
     ``o_ptr + o_row[t] + h * o_sh`` for the tokens in ``o_ok``. A float8 target (``FP8``: its kind) stores the
     values divided by ``hs_ptr[h]`` (``HEAD_SCALES``: per-head cache scales), or (``DYNAMIC``) by each row's own
-    scale ``max |row| / fp8 max``, stored as float32 at ``so_ptr + so_row[t] + h * so_sh``."""
+    scale ``max |row| / fp8 max``, stored as float32 at ``so_ptr + so_row[t] + h * so_sh``. ``COL_PACK``: the
+    target's columns are at :func:`_cols` (a packed or strided cache row)."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
@@ -192,17 +255,24 @@ def _norm_rope_block(
     om = (o_ok[:, None] & (h < H)[None, :])[:, :, None]
     # compiled kernels saturate float8_e4m3fn in the store; the interpreter's values, and e5m2, come ready
     STORE_FP8: tl.constexpr = FP8 == FP8_E4M3 and not ROUND_FP8
-    _store_pairs(o_ptr, o_base, om, _fp8_for_interpreter(y_lo, FP8, ROUND_FP8),
-                 _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(y_p, FP8, ROUND_FP8),
-                 HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, STORE_FP8, False)
+    if COL_PACK:
+        _store_pairs_at(o_ptr, o_base, om, _fp8_for_interpreter(y_lo, FP8, ROUND_FP8),
+                        _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(y_p, FP8, ROUND_FP8),
+                        COL_PACK, col_sa, col_sb, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
+                        STORE_FP8)
+    else:
+        _store_pairs(o_ptr, o_base, om, _fp8_for_interpreter(y_lo, FP8, ROUND_FP8),
+                     _fp8_for_interpreter(y_hi, FP8, ROUND_FP8), _fp8_for_interpreter(y_p, FP8, ROUND_FP8),
+                     HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK, HAS_PASS, STORE_FP8, False)
 
 
 @triton.jit
 def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t, h0, H, scale,
                 HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
-                ROUND_FP8: tl.constexpr):
-    """Copy one block of head rows of ``x`` to rows ``o_row`` of ``o``: bit for bit in the same dtype, else
-    ``x * scale`` (a scalar, or per head [1, BLOCK_H, 1]) converted to the float8 kind ``FP8`` (saturated)."""
+                ROUND_FP8: tl.constexpr, COL_PACK: tl.constexpr = 0, col_sa=0, col_sb=0):
+    """Copy one block of head rows of ``x`` to rows ``o_row`` of ``o`` (columns at :func:`_cols`): bit for bit in
+    the same dtype, else ``x * scale`` (a scalar, or per head [1, BLOCK_H, 1]) converted to the float8 kind ``FP8``
+    (saturated)."""
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     d = tl.arange(0, D_BLOCK)[None, None, :]
     x = tl.load(x_ptr + x_base + d, mask=_within(m, d, HEAD_DIM, D_BLOCK))
@@ -214,7 +284,7 @@ def _copy_block(x_ptr, x_sb, x_ss, x_sh, o_ptr, o_row, o_ok, o_sh, b, s, mask_t,
         y = _to_store(_fp8_for_interpreter(x.to(tl.float32) * scale, FP8, ROUND_FP8), o_ptr, STORE_FP8, False)
     else:
         y = x.to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + o_base + d, y, mask=om)
+    tl.store(o_ptr + o_base + _cols(d, COL_PACK, col_sa, col_sb), y, mask=om)
 
 
 # pos_offset changes on every decode step: not specialised on (see rope_kernel).
@@ -230,6 +300,7 @@ def prologue_kernel(
     qw_ptr, kw_ptr, w_offset, eps,
     cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows, block_size, kc_sb, kc_ss, vc_sb, vc_ss, ks_ptr, vs_ptr, v_scale,
     qs_ptr, qd_ptr, qd_sb, qd_ss, qd_sh, kd_ptr, kd_sb, kd_ss, kd_sh, n_slots, kr_ptr, kr_sb, kr_ss, kr_sh, kr_scale,
+    pages_ptr, indptr_ptr, last_ptr, n_requests, n_page_ids, kc_sa, kc_sx, vc_sa, vc_sx,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
@@ -237,7 +308,8 @@ def prologue_kernel(
     AXIS_BOUND_3: tl.constexpr, NORM: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_BATCH_PER_TOKEN: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, Q_DYNAMIC: tl.constexpr,
-    K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr, K_RETURN: tl.constexpr,
+    K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr, K_RETURN: tl.constexpr, TABLE_BATCH: tl.constexpr,
+    K_PACK: tl.constexpr, V_PACK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
@@ -252,7 +324,10 @@ def prologue_kernel(
     stored as float32 [B, S, H] at ``qd_ptr``/``kd_ptr`` (strides ``*d_sb``, ``*d_ss``, ``*d_sh``).
     ``SLOTS_SHORT``: a paged write's ``slot_mapping`` covers the first ``n_slots`` tokens only (the rest: padding,
     rotated but not written). ``K_RETURN`` (with a cache): k's rows are also rotated into ``kr_ptr`` (strides
-    ``kr_sb``, ``kr_ss``, ``kr_sh``; scale ``kr_scale``, no cache scale), recomputed from the loaded rows."""
+    ``kr_sb``, ``kr_ss``, ``kr_sh``; scale ``kr_scale``, no cache scale), recomputed from the loaded rows.
+    ``CACHE_TABLE``: rows from the page table (:func:`_cache_rows`; ``TABLE_BATCH``: ``slot_ptr`` holds
+    batch_indices). ``K_PACK``/``V_PACK``: the k/v cache's columns are at ``(d // PACK) * c_sa + (d % PACK) *
+    c_sx`` (``kc_sa``, ``kc_sx``, ``vc_sa``, ``vc_sx``), else at d."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -275,7 +350,8 @@ def prologue_kernel(
         for a in tl.static_range(1, NUM_AXES):
             row_valid = row_valid & _axis_valid(a, b, s, mask_t, pos_ptr, pos_sa, pos_sb, pos_ss)
         r0, r1, k_ok = _cache_rows(t, b, s, pos, row_valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss, cache_rows,
-                                   block_size, n_slots, CACHE_MODE, CACHE_BATCH_PER_TOKEN, SLOTS_SHORT)
+                                   block_size, n_slots, pages_ptr, indptr_ptr, last_ptr, n_requests, n_page_ids,
+                                   CACHE_MODE, CACHE_BATCH_PER_TOKEN, SLOTS_SHORT, TABLE_BATCH)
     if hb < n_qb:
         scale = q_scale
         if Q_SCALE_PTR:
@@ -303,7 +379,7 @@ def prologue_kernel(
             pos_sa, ks_ptr, kd_ptr, b * kd_sb + s * kd_ss, kd_sh,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
-            HALF_BLOCK, PASS_BLOCK, K_SCALE_PTR == 2, K_DYNAMIC)
+            HALF_BLOCK, PASS_BLOCK, K_SCALE_PTR == 2, K_DYNAMIC, K_PACK, kc_sa, kc_sx)
         if K_RETURN:  # the rotated k itself too, in k's dtype (the same values qk_norm_rope returns)
             _norm_rope_block(
                 k_ptr, k_sb, k_ss, k_sh, kr_ptr, b * kr_sb + s * kr_ss, mask_t, kr_sh, kw_ptr, w_offset, eps,
@@ -321,7 +397,8 @@ def prologue_kernel(
             h = (hb - n_qb - n_kb) * BLOCK_HK + tl.arange(0, BLOCK_HK)
             scale = (1.0 / tl.load(vs_ptr + h, mask=h < HK, other=1.0).to(tl.float32))[None, :, None]
         _copy_block(v_ptr, v_sb, v_ss, v_sh, vo_ptr, r0 * vc_sb + r1 * vc_ss, k_ok, vo_sh, b, s, mask_t,
-                    (hb - n_qb - n_kb) * BLOCK_HK, HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8)
+                    (hb - n_qb - n_kb) * BLOCK_HK, HK, scale, HEAD_DIM, D_BLOCK, BLOCK_HK, V_FP8, ROUND_FP8, V_PACK,
+                    vc_sa, vc_sx)
 
 
 @triton.jit

@@ -17,6 +17,7 @@ from ropekit.triton.prologue_kernels import (
     CACHE_NONE,
     CACHE_PAGED,
     CACHE_ROWS,
+    CACHE_TABLE,
     FP8_E4M3,
     FP8_E5M2,
     norm_rope_bwd_kernel,
@@ -24,7 +25,7 @@ from ropekit.triton.prologue_kernels import (
 )
 
 _FLOATS = ("q_scale", "k_scale", "rotary_scale", "w_offset", "eps", "v_scale", "kr_scale")
-PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",))
+PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",), unfused_when="NORM")
 NORM_ROPE_BWD = runtime.KernelRoles(norm_rope_bwd_kernel, _FLOATS, ("pos_offset",))
 
 # rope_kernel's runtime arguments that both prologue kernels take as they are (positions, frequencies, scales).
@@ -62,6 +63,16 @@ def _scale_mode(scale) -> int:
     if not isinstance(scale, torch.Tensor):
         return 0
     return 2 if scale.dim() == 1 and scale.numel() > 1 else 1
+
+
+def _columns(target) -> tuple[int, int, int]:
+    """(PACK, col_sa, col_sb) of a cache view's columns for the kernel: (0, 0, 0) for unit-stride columns; a 5-D
+    view [.., D/x, x] (x-packed keys) gives (x, its two strides), a 4-D view with strided columns (1, stride, 0)."""
+    if target.dim() == 5:
+        return target.shape[4], target.stride(3), target.stride(4)
+    if target.stride(3) != 1:
+        return 1, target.stride(3), 0
+    return 0, 0, 0
 
 
 def _grid_dims(q, k, spec: RopeSpec) -> tuple[int, int, int, int, int]:
@@ -110,8 +121,9 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     q_scale_mode = 0
     dynamic = quant is not None and quant.dynamic
     args.update(qs_ptr=dummy, qd_ptr=dummy, qd_sb=0, qd_ss=0, qd_sh=0, kd_ptr=dummy, kd_sb=0, kd_ss=0, kd_sh=0,
-                n_slots=0, kr_ptr=dummy, kr_sb=0, kr_ss=0, kr_sh=0, kr_scale=rope["k_scale"])
-    constexprs.update(SLOTS_SHORT=False, K_RETURN=k_rotated is not None)
+                n_slots=0, kr_ptr=dummy, kr_sb=0, kr_ss=0, kr_sh=0, kr_scale=rope["k_scale"], pages_ptr=dummy,
+                indptr_ptr=dummy, last_ptr=dummy, n_requests=0, n_page_ids=0, kc_sa=0, kc_sx=0, vc_sa=0, vc_sx=0)
+    constexprs.update(SLOTS_SHORT=False, K_RETURN=k_rotated is not None, TABLE_BATCH=False, K_PACK=0, V_PACK=0)
     if k_rotated is not None:
         kr_sb, kr_ss, kr_sh = to_canonical(k_rotated, spec.layout).stride()[:3]
         args.update(kr_ptr=k_rotated, kr_sb=kr_sb, kr_ss=kr_ss, kr_sh=kr_sh)
@@ -137,8 +149,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     else:  # k and v go to the caches' rows; each cache keeps its own strides
         k_target, v_target = cache.views()
         v_sb, v_ss, v_sh = to_canonical(v, spec.layout).stride()[:3]
-        slots = cache.slots
-        if slots is not None and slots.numel() < rope["num_tokens"]:  # the tokens past slot_mapping are padding
+        slots = cache.slots if not cache.page_table else cache.batch_indices  # the kernel reads either by slot_ptr
+        if cache.slots is not None and slots.numel() < rope["num_tokens"]:  # the tokens past slot_mapping: padding
             args["n_slots"] = slots.numel()
             constexprs["SLOTS_SHORT"] = True
         # A scale held in a device tensor is read by the kernel (graph capture); a float is divided in here.
@@ -154,7 +166,16 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
             kc_ss=k_target.stride(1), vc_sb=v_target.stride(0), vc_ss=v_target.stride(1),
             ks_ptr=cache.k_scale if k_ptr_scale else dummy, vs_ptr=cache.v_scale if v_ptr_scale else dummy,
             v_scale=1.0 if v_ptr_scale else 1.0 / cache.v_scale)
-        constexprs.update(CACHE_MODE=(CACHE_PAGED if cache.paged else CACHE_ROWS).value,
+        if cache.page_table:  # pages of the table, not slots: cache_rows counts pages
+            args.update(pages_ptr=cache.kv_indices, indptr_ptr=cache.kv_indptr, last_ptr=cache.kv_last_page_len,
+                        n_requests=cache.kv_indptr.numel() - 1, n_page_ids=cache.kv_indices.numel(),
+                        cache_rows=k_target.shape[0])
+            constexprs["TABLE_BATCH"] = slots is not None
+        (k_pack, kc_sa, kc_sx), (v_pack, vc_sa, vc_sx) = _columns(k_target), _columns(v_target)
+        args.update(kc_sa=kc_sa, kc_sx=kc_sx, vc_sa=vc_sa, vc_sx=vc_sx)
+        constexprs.update(K_PACK=k_pack, V_PACK=v_pack)
+        mode = CACHE_TABLE if cache.page_table else CACHE_PAGED if cache.paged else CACHE_ROWS
+        constexprs.update(CACHE_MODE=mode.value,
                           CACHE_BATCH_PER_TOKEN=cache.cache_batch is not None, K_SCALE_PTR=k_ptr_scale,
                           V_SCALE_PTR=v_ptr_scale, K_FP8=_fp8_kind(k_target.dtype),
                           V_FP8=_fp8_kind(v_target.dtype), K_DYNAMIC=False)
