@@ -403,7 +403,9 @@ def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: f
     vc = to_canonical(v, spec.layout)
     B, S = kc.shape[:2]
     k_view, v_view = cache.views()
-    if cache.paged:
+    if cache.page_table:
+        first, second, ok = _page_table_rows(cache, spec, B, S, q.device)
+    elif cache.paged:
         slot = cache.slots.to(torch.int64).reshape(-1)
         # a slot_mapping shorter than the tokens: the rest are padding (slot -1)
         slot = torch.cat([slot, slot.new_full((B * S - slot.numel(),), -1)]).view(B, S)
@@ -417,11 +419,39 @@ def kv_write_reference(q, k, v, q_weight, k_weight, weight_offset: float, eps: f
         first = cache.cache_batch[None, :].expand(B, S) if cache.cache_batch is not None else batch
         second = pos
     first, second = first[ok], second[ok]
-    k_view[first, second] = to_cache(kc[ok], k_view.dtype, cache.k_scale)
+    k_rows = to_cache(kc[ok], k_view.dtype, cache.k_scale)
+    k_view[first, second] = k_rows.reshape(k_rows.shape[0], *k_view.shape[2:])  # "paged_x": [H, D/x, x] per row
     v_rows = vc[ok]
     v_view[first, second] = v_rows if v_view.dtype == v.dtype else to_cache(v_rows.to(math_dtype), v_view.dtype,
                                                                             cache.v_scale)
     return q_rot.to(q_dtype)
+
+
+def _page_table_rows(cache: CacheSpec, spec: RopeSpec, B: int, S: int, device) -> tuple:
+    """(page, row, writes) [B, S] of each token under a page table: token (b, s) of request r at position p goes
+    to row p % page_size of page ``kv_indices[kv_indptr[r] + p // page_size]`` if that page is one of r's and p is
+    below r's length ``(pages - 1) * page_size + kv_last_page_len[r]``."""
+    pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets, pos_offset=spec.pos_offset,
+                          cu_seqlens=spec.cu_seqlens, device=device).to(torch.int64)
+    if cache.batch_indices is not None:
+        req = cache.batch_indices.to(torch.int64).expand(B, S)
+    elif cache.cache_batch is not None:
+        req = cache.cache_batch[None, :].expand(B, S)
+    else:
+        req = torch.arange(B, device=device)[:, None].expand(B, S)
+    indptr, last = cache.kv_indptr.to(torch.int64), cache.kv_last_page_len.to(torch.int64)
+    indices = torch.cat([cache.kv_indices.to(torch.int64), indptr.new_full((1,), -1)])  # index -1: no page
+    requests, page_size = indptr.numel() - 1, cache.block_size
+    ok = (req >= 0) & (req < requests) & (pos >= 0)
+    r = torch.where(ok, req, 0)
+    start, end = indptr[r] if requests else pos, indptr[r + 1] if requests else pos
+    pages = end - start
+    page_i = torch.where(ok, pos, 0) // page_size
+    ok &= (start >= 0) & (end <= indices.numel() - 1) & (page_i < pages)
+    ok &= pos < (pages - 1) * page_size + (last[r] if requests else 0)
+    page = indices[torch.where(ok, start + page_i, -1)]
+    ok &= (page >= 0) & (page < cache.views()[0].shape[0])
+    return page, pos % page_size, ok
 
 
 def _attention_rotation(angles: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool):
