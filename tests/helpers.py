@@ -54,10 +54,11 @@ def reference_rope(q, k, conjugate=False, **kwargs):
     return rope_reference(q, k, spec._replace(out_dtype=torch.float64))
 
 
-def rope64(x, positions, base=10000.0):
-    """Independent float64 RoPE on [B, S, H, D] (rotate_half form) for gradient oracles."""
+def rope64(x, positions, base=10000.0, *, as_apply_rope=False):
+    """Independent float64 RoPE on [B, S, H, D] (rotate_half form) for gradient oracles. ``as_apply_rope``: with
+    apply_rope's frequencies (rounded once to float32, :func:`inv_freq64`), for checks at its own tolerance."""
     D = x.shape[-1]
-    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    inv = inv_freq64(D, base) if as_apply_rope else base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
     ang = positions.to(torch.float64)[..., None] * inv  # [B, S, D/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1)[:, :, None], torch.cat([ang.sin()] * 2, -1)[:, :, None]
     half = D // 2
