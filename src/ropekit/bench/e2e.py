@@ -22,9 +22,11 @@ its spread half their range; its ratio to ``sdpa`` is the median of the per-roun
 back to back), and the verdict says ``faster`` / ``within noise`` / ``SLOWER`` against half the range of those
 ratios (at least :data:`MIN_NOISE`). ``host_ms`` is the CPU time spent issuing one step (the Python call returns
 before the GPU finishes unless something in it synchronises): where it is as long as ``ms`` the step is bound by the
-host, and a patched model that is slower there loses on the host, not on the GPU.
+host, and a patched model that is slower there loses on the host, not on the GPU. After the timed steps, two more
+eager decode steps per variant are counted (``--no-host-profile`` skips it): Python function calls (cProfile),
+top-level aten ops and kernels run (torch.profiler), which say where a host-side loss comes from.
 
-No measurement can hang the run: each is planned from one probe step of every variant to fit ``--budget`` seconds
+No run outlasts its limits: each is planned from one probe step of every variant to fit ``--budget`` seconds
 (steps per round reduced first, then rounds, to at least :data:`MIN_ROUNDS`), and the parent kills a model's child
 that passes ``--timeout`` seconds, keeping the rows it had reported. The plan and elapsed times are printed. The
 parent prints one table per model and, with ``--csv``, appends the rows to a CSV. ``--tiny`` shrinks the configs to
@@ -513,8 +515,9 @@ def run_model(name: str, args, emit: Callable[[dict], None]) -> None:
     clock = _Clock(device)
     try:
         emit({"rows": measure_training(variants, args, device, clock, log)})
-        for batch in args.decode_batches:
-            for graph in (False, True) if device.type == "cuda" else (False,):
+        # the graphs first: the eager measurements end with the profiler, which captures had better not follow
+        for graph in (True, False) if device.type == "cuda" else (False,):
+            for batch in args.decode_batches:
                 emit({"rows": measure_decoding(variants, args, batch, graph, device, clock, log)})
     finally:
         release(built)
