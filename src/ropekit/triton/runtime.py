@@ -69,9 +69,12 @@ class KernelRoles:
     """A kernel's parameters by role, found from its signature (so that a new parameter cannot shift a hard-coded
     index): the runtime arguments (``runtime``) and the constexprs (``constexprs``, annotated ``tl.constexpr``; a
     compiled handle takes them positionally after the runtime arguments), positions of the pointers (names ending
-    in ``_ptr``) and of the ints Triton specialises on (all but the ``floats`` and the ``dynamic`` ones)."""
+    in ``_ptr``) and of the ints Triton specialises on (all but the ``floats`` and the ``dynamic`` ones).
+    ``unfused_when``: a constexpr whose truth compiles the kernel without fused multiply-adds -- the compiler
+    contracts ``a * b + c`` where the tile's layout lets it, so a result would otherwise depend on the block
+    shape (the prologue's normalised rows must have the same bits whatever batch they come in)."""
 
-    def __init__(self, fn, floats: tuple[str, ...], dynamic: tuple[str, ...]):
+    def __init__(self, fn, floats: tuple[str, ...], dynamic: tuple[str, ...], unfused_when: str | None = None):
         names = tuple(fn.arg_names)
         annotations = fn.fn.__annotations__
         constexprs = tuple(n for n in names if _is_constexpr(annotations.get(n, "")))
@@ -81,6 +84,7 @@ class KernelRoles:
         self.runtime = names[:len(names) - len(constexprs)]
         self._runtime_values, self._constexpr_values = _getter(self.runtime), _getter(constexprs)
         self.index = {name: i for i, name in enumerate(names)}
+        self.unfused_at = None if unfused_when is None else constexprs.index(unfused_when)
         self.pointers = tuple(i for i, n in enumerate(names) if n.endswith("_ptr"))
         self.ints = tuple(i for i, n in enumerate(self.runtime)
                           if i not in self.pointers and n not in floats and n not in dynamic)
@@ -143,6 +147,8 @@ def run(call: Launch) -> None:
         with torch.cuda.device(device.index):
             run(call)
         return
+    if roles.unfused_at is not None and constexprs[roles.unfused_at]:
+        options["enable_fp_fusion"] = False  # part of the key through the constexpr
     key = roles.key(args, constexprs, num_warps, device.index, num_stages)
     compiled = _COMPILED.get(key)
     if compiled is not None:
