@@ -154,34 +154,56 @@ def _compile_case(target: str, case) -> str:
         return "spills to local memory"
     if not isinstance(case, str) and case[0].endswith("-vectorised") and ".U16" in compiled.asm["sass"]:
         return "2-byte scalar loads or stores (LDG/STG .U16)"
-    spilled = _ptxas_spill_bytes(compiled.asm["ptx"])
+    ptxas = find_ptxas()
+    if ptxas is None:
+        return NO_PTXAS
+    try:
+        spilled = _ptxas_spill_bytes(ptxas, compiled.asm["ptx"])
+    except RuntimeError as exc:
+        return f"{ptxas}: {exc}"
     if spilled:  # register spills appear only in ptxas's allocation, not in the PTX
         return f"ptxas spills {spilled} bytes to local memory"
     return "ok"
 
 
-def _ptxas_spill_bytes(ptx: str) -> int | None:
-    """Bytes of register spill stores ptxas reports for ``ptx`` (sm_90a), or None where Triton's ptxas is not
-    found."""
+NO_PTXAS = ("compiled, but no ptxas to count register spills: set TRITON_PTXAS_PATH, or install a triton that "
+            "ships one (triton/backends/nvidia/bin), or put one on PATH")
+
+
+def find_ptxas() -> str | None:
+    """The ptxas Triton compiles with, found by public means only: ``TRITON_PTXAS_PATH``, else the one the triton
+    package ships (a file in its directory), else ``ptxas`` on PATH; None where there is none."""
+    import shutil
+
+    name = "ptxas.exe" if sys.platform == "win32" else "ptxas"
+    shipped = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    for path in (os.environ.get("TRITON_PTXAS_PATH"), shipped, shutil.which("ptxas")):
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def _ptxas_spill_bytes(ptxas: str, ptx: str) -> int:
+    """Bytes of register spill stores ``ptxas`` reports for ``ptx`` (sm_90a); RuntimeError where it fails."""
     import re
     import tempfile
 
-    try:
-        from triton import knobs
-        ptxas = knobs.nvidia.ptxas.path
-    except (ImportError, AttributeError):
-        try:
-            from triton.backends.nvidia.compiler import _path_to_binary
-            ptxas = _path_to_binary("ptxas")[0]
-        except (ImportError, AttributeError, RuntimeError):
-            return None
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
         done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "kernel.cubin")],
                               capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:  # a count of nothing would read as no spills
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr[-500:]}")
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr))
+
+
+def _assert_compiled(result: str) -> None:
+    """A case's result from the compile subprocess: 'ok', a skip where only the spill count could not be taken."""
+    if result == NO_PTXAS:
+        pytest.skip(result)
+    assert result == "ok"
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +218,13 @@ def compile_results():
 @pytest.mark.parametrize("target", sorted(GPU_TARGETS))
 @pytest.mark.parametrize("case", SPECIALISATIONS, ids=[c[0] for c in SPECIALISATIONS])
 def test_kernel_compiles_for_each_target(case, target, compile_results):
-    assert compile_results[f"{target}/{case[0]}"] == "ok"
+    _assert_compiled(compile_results[f"{target}/{case[0]}"])
 
 
 @pytest.mark.parametrize("target", sorted(GPU_TARGETS))
 @pytest.mark.parametrize("case", PROLOGUE_CASES)
 def test_prologue_kernels_compile_for_each_target(case, target, compile_results):
-    assert compile_results[f"{target}/prologue-{case}"] == "ok"
+    _assert_compiled(compile_results[f"{target}/prologue-{case}"])
 
 
 def test_hardware_sin_cos_only_on_nvidia():
