@@ -291,6 +291,53 @@ def test_page_table_equals_flashinfers_append(route, name):
         _check_caches(route, layout, k_cache, v_cache, k_before, v_before, dests, _rotated_k64(k, pos, {}), v, 4)
 
 
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("layout", ["paged_hnd", "paged_x"])
+def test_prefill_4d_at_an_int_offset_by_page_table(route, layout):
+    """4-D [B, S, H, D] inputs continuing each sequence at one int offset, requests defaulting to the batch entry
+    b, bf16 with GQA: token (b, s) at position offset + s of request b."""
+    B, S, Hq, Hkv, D, ps, num_pages, offset = 2, 3, 4, 2, 16, 2, 8, 3
+    lengths = [offset + S, offset + S + 1]  # request 1 holds one more row (written by an earlier step)
+    k_shape, v_shape = _cache_shapes(layout, num_pages, ps, Hkv, D, 8)
+    with on_route(route) as dev:
+        kv_indices, kv_indptr, last = (t.to(dev) for t in _page_table(lengths, ps, num_pages))
+        k_cache, v_cache = _poisoned(k_shape, torch.bfloat16, dev), _poisoned(v_shape, torch.bfloat16, dev)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        q, k, v = (torch.randn(B, S, h, D, dtype=torch.bfloat16, device=dev) for h in (Hq, Hkv, Hkv))
+        with torch.no_grad():
+            q_out = ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=offset, cache_layout=layout,
+                                          kv_indices=kv_indices, kv_indptr=kv_indptr, kv_last_page_len=last)
+        pos = (offset + torch.arange(S)).expand(B, S).reshape(-1)
+        assert_close_to_ref(q_out.reshape(B * S, Hq, D), _rotated_k64(q.reshape(B * S, Hq, D), pos, {}),
+                            torch.bfloat16, ROUTE_BACKENDS[route])
+        requests = torch.arange(B).repeat_interleave(S).tolist()
+        dests = _table_destinations(requests, pos.tolist(), kv_indices, kv_indptr, last, ps, num_pages)
+        assert None not in dests
+        _check_caches(route, layout, k_cache, v_cache, k_before, v_before, dests,
+                      _rotated_k64(k.reshape(B * S, Hkv, D), pos, {}), v.reshape(B * S, Hkv, D), 8)
+        with pytest.raises(IndexError, match="positions"), torch.no_grad():  # past request 0's rows
+            ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=offset + 1, cache_layout=layout,
+                                  kv_indices=kv_indices, kv_indptr=kv_indptr, kv_last_page_len=last,
+                                  check_positions=True)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_paged_hnd_by_slot_mapping(route):
+    """FlashInfer's HND pages [num_blocks, Hkv, block_size, D] addressed by slot_mapping (-1 skips)."""
+    T, Hq, Hkv, D, nb, bs = 4, 2, 2, 16, 3, 4
+    shape = (nb, Hkv, bs, D)
+    with on_route(route) as dev:
+        k_cache, v_cache = _poisoned(shape, torch.float32, dev), _poisoned(shape, torch.float32, dev)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        q, k, v = (torch.randn(T, h, D, device=dev) for h in (Hq, Hkv, Hkv))
+        positions, slots = torch.tensor([2, 9, 4, 0], device=dev), torch.tensor([11, 0, -1, 5], device=dev)
+        with torch.no_grad():
+            ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=positions, slot_mapping=slots,
+                                  cache_layout="paged_hnd")
+        _check_caches(route, "paged_hnd", k_cache, v_cache, k_before, v_before, _slot_destinations(slots, T, bs),
+                      _rotated_k64(k, positions, {}), v)
+
+
 def test_page_table_bad_device_values_write_nothing_and_never_out_of_bounds():
     """Values the host does not read (tensors standing in for device ones, under the interpreter): a request past
     the table, a position past its request's rows, a page past the cache and a kv_indptr past kv_indices each
