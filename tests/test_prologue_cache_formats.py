@@ -349,20 +349,20 @@ def test_page_table_bad_device_values_write_nothing_and_never_out_of_bounds():
         buffers = [torch.full((num_pages + 2, ps, Hkv, D), float("nan"), device=dev) for _ in range(2)]
         k_cache, v_cache = (b[1:-1] for b in buffers)  # a page of margin each side
         before = [b.clone() for b in buffers]
-        # requests: 0 owns pages [2, 0] (4 rows), 1 owns [7] (page past the cache), 2 owns kv_indices[3:9]
+        # requests: 0 owns pages [2, 0] (3 rows), 1 owns [7] (page past the cache), 2 owns kv_indices[3:9]
         # (past kv_indices' 4 entries)
         kv_indices, kv_indptr = torch.tensor([2, 0, 7, 1]), torch.tensor([0, 2, 3, 9])
-        last = torch.tensor([2, 2, 2])
-        #        good, past rows, bad page, past kv_indices, request past the table, good
+        last = torch.tensor([1, 2, 2])  # request 0: 3 rows
+        #        good, on its page but past kv_last_page_len, bad page, past kv_indices, request past the table, good
         batch = torch.tensor([0, 0, 1, 2, 5, 0])
-        positions = torch.tensor([3, 4, 0, 0, 0, 0])
+        positions = torch.tensor([2, 3, 0, 0, 0, 0])
         q, k, v = (torch.randn(6, h, D, device=dev) for h in (2, Hkv, Hkv))
         with torch.no_grad():
             ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=positions, cache_layout="paged",
                                   kv_indices=kv_indices, kv_indptr=kv_indptr, kv_last_page_len=last,
                                   batch_indices=batch)
     dests = _table_destinations(batch.tolist(), positions.tolist(), kv_indices, kv_indptr, last, ps, num_pages)
-    assert dests == [(0, 1), None, None, None, None, (2, 0)]  # position 3 of request 0: page kv_indices[1] = 0
+    assert dests == [(0, 0), None, None, None, None, (2, 0)]  # position 2 of request 0: page kv_indices[1] = 0
     for b, bb in zip(buffers, before):  # the margins untouched
         assert same_bits(b[0], bb[0]) and same_bits(b[-1], bb[-1])
     _check_caches("cpu-kernels", "paged", k_cache, v_cache, before[0][1:-1], before[1][1:-1], dests,
