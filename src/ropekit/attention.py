@@ -2,10 +2,19 @@
 RoPE -> SDPA graph), forward and backward, with the attention scale (and the softmax's 1/ln 2) foldable into the
 rotation's output scales.
 
-The rotation's angles are formed once per token by the core rotation kernel (a unit vector rotated with the call's
-position and frequency options, so every option of :func:`ropekit.apply_rope` gives its exact angles), then
-``ropekit::rope_attention`` rotates q and k tile by tile as its attention kernel loads them: no rotated copy of q
-or k is written (unless ``return_rotated``), no S x S matrix is stored.
+The rotation's angles are formed once per token by the core rotation (a unit vector rotated with the call's
+position and frequency options, so every option of :func:`ropekit.apply_rope` gives its exact angles). Then
+``ropekit::rope_attention`` attends:
+
+- on CUDA (and on the CPU under :func:`ropekit.testing.kernels_on_cpu`) its Triton kernels rotate q and k tile by
+  tile as they load them: no rotated copy of q or k is written, no S x S matrix is stored;
+- elsewhere (CPU tensors, float64 anywhere) it computes the float64 definition
+  (:func:`ropekit.reference.rope_attention_reference`, scores materialised) and rounds o to the input dtype.
+
+``return_rotated`` adds the rotated, scaled q and k from one more rotation call. Packed sequences
+(``layout="thd"`` with ``cu_seqlens``) attend within their own sequence, positions restarting at each; the
+boundaries are checked with the rotation's arguments, and ``max_seqlen`` sizes the kernels' grid without a host
+read.
 """
 
 from __future__ import annotations
