@@ -89,6 +89,16 @@ def _host_readable(t: Tensor) -> bool:
     return t.device.type == "cpu" and not _config.kernels_on_cpu
 
 
+def check_cu_seqlens_bounds(cu_seqlens: Tensor, tokens: int) -> Tensor:
+    """``cu_seqlens`` read on the host (one sync for a device tensor) and checked: from 0 to ``tokens``, never
+    decreasing. The one check of the boundaries' values (:func:`ropekit.rope_attention` reads them too)."""
+    cu = cu_seqlens.cpu()
+    if cu[0] != 0 or cu[-1] != tokens or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {tokens}; "
+                         f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+    return cu
+
+
 def _check_tensor(name: str, x, ref: Tensor, dtypes: tuple, what: str, ref_name: str = "q") -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -247,10 +257,7 @@ def validate_args(q: Tensor, k: Tensor | None, args: RopeArgs, mode: Mode = FORW
             raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1] with at least 2 entries, got shape "
                              f"{tuple(cu_seqlens.shape)}")
         if (_host_readable(cu_seqlens) or check_positions) and not torch.compiler.is_compiling():
-            cu = cu_seqlens.cpu()
-            if cu[0] != 0 or cu[-1] != S or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {S}; "
-                                 f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+            check_cu_seqlens_bounds(cu_seqlens, S)
         cu_seqlens = _dense(cu_seqlens)
     num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     if sections is not None:

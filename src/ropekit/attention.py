@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ropekit._device_cache import device_cache
 from ropekit._spec import FORWARD, LAYOUTS, Positions, RopeArgs, to_canonical
-from ropekit._validation import validate_args
+from ropekit._validation import check_cu_seqlens_bounds, validate_args
 from ropekit.autograd import attend
 
 __all__ = ["rope_attention", "FOLDS"]
@@ -85,35 +85,25 @@ def _check_inputs(q, k, v, layout: str) -> None:
         raise ValueError("head_dim must be positive")
 
 
-def _sequences(q: Tensor, layout: str, cu_seqlens, max_seqlen, check: bool) -> tuple[Tensor | None, int]:
+def _sequences(q: Tensor, cu_seqlens, max_seqlen, check: bool) -> tuple[Tensor | None, int]:
     """(the packed sequences' boundaries as the kernels take them -- int32 on q's device -- and the longest
-    sequence's length), or (None, 0) without ``cu_seqlens``. Boundary values are checked on the host (one sync for
-    device tensors) unless they live on the device and ``max_seqlen`` is given without ``check``."""
+    sequence's length), or (None, 0) without ``cu_seqlens``. ``cu_seqlens`` itself (layout, type, shape, device,
+    and its values where they are on the host or ``check``) is checked by ``validate_args`` before this runs; here
+    ``max_seqlen``, and the values wherever they are read for the longest length (one sync for device tensors)
+    unless they live on the device and ``max_seqlen`` is given without ``check``."""
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("max_seqlen is the longest packed sequence's length: it needs cu_seqlens")
         return None, 0
-    if layout != "thd":
-        raise ValueError(f"cu_seqlens marks packed sequences: it needs layout='thd', got layout={layout!r}")
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError("cu_seqlens must be a 1-D tensor [num_seqs + 1] of sequence boundaries")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens must be on the CPU or q's device ({q.device}), got {cu_seqlens.device}")
     if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool)
                                    or max_seqlen < 0):
         raise ValueError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
-    T = q.shape[0]
     if torch.compiler.is_compiling():  # no host reads in a graph: the kernels clamp the boundaries
         if max_seqlen is None:
             raise ValueError("under torch.compile, give max_seqlen with cu_seqlens (it sizes the kernels' grid)")
     elif check or max_seqlen is None or cu_seqlens.device.type == "cpu":
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != T or any(b > c for b, c in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to the number of tokens ({T}) without falling, got "
-                             f"{bounds if len(bounds) <= 8 else bounds[:4] + ['...'] + bounds[-2:]}")
-        longest = max(c - b for b, c in zip(bounds, bounds[1:]))
+        bounds = check_cu_seqlens_bounds(cu_seqlens, q.shape[0])
+        longest = int((bounds[1:] - bounds[:-1]).max())
         if max_seqlen is not None and max_seqlen < longest:
             raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest packed sequence ({longest})")
         max_seqlen = longest if max_seqlen is None else max_seqlen
@@ -166,9 +156,18 @@ def _per_batch(args: RopeArgs) -> bool:
     return any(t is not None and t.dim() == 3 and t.shape[0] > 1 for t in (args.cos, args.sin, args.angles))
 
 
-def _unit_rows(q: Tensor, args: RopeArgs) -> tuple[Tensor, tuple[int, int, bool]]:
-    """Per-token angles [B or 1, S, D] (float32; float64 for float64 q): the rotation of a unit vector, whose pair
-    (c1, c2) comes out as (cos, sin) -- and (rotary_start, rotary_dim, neox)."""
+class _UnitRows(NamedTuple):
+    """The angle rows' shape and dtype, the rotation arguments for them, and (rotary_start, rotary_dim, neox)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    args: RopeArgs
+    rotation: tuple[int, int, bool]
+
+
+def _unit_plan(q: Tensor, args: RopeArgs) -> _UnitRows:
+    """Every rotation argument checked -- ``validate_args`` on zero rows with q's tokens, so positions,
+    frequencies and ``cu_seqlens`` are checked there, once -- and the angle rows to compute."""
     layout = args.layout
     B, S, _, D = to_canonical(q, layout).shape
     rows = B if _per_batch(args) else 1
@@ -176,11 +175,18 @@ def _unit_rows(q: Tensor, args: RopeArgs) -> tuple[Tensor, tuple[int, int, bool]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     unit_args = args._replace(q_scale=1.0, k_scale=1.0, out_dtype=None)
     spec = validate_args(_zeros(shape, dtype, q.device), None, unit_args, FORWARD)
-    rotation = (spec.rotary_start, spec.rotary_dim, spec.style == "neox")
+    return _UnitRows(shape, dtype, unit_args, (spec.rotary_start, spec.rotary_dim, spec.style == "neox"))
+
+
+def _unit_rows(q: Tensor, args: RopeArgs, plan: _UnitRows | None = None) -> tuple[Tensor, tuple[int, int, bool]]:
+    """Per-token angles [B or 1, S, D] (float32; float64 for float64 q): the rotation of a unit vector, whose pair
+    (c1, c2) comes out as (cos, sin) -- and (rotary_start, rotary_dim, neox). ``plan``: :func:`_unit_plan`'s, where
+    the caller checked the arguments already."""
+    plan = _unit_plan(q, args) if plan is None else plan
     from ropekit.api import _rope
 
-    table = _rope(_unit(shape, dtype, q.device, *rotation), None, FORWARD, unit_args)
-    return to_canonical(table, layout)[:, :, 0], rotation
+    table = _rope(_unit(plan.shape, plan.dtype, q.device, *plan.rotation), None, FORWARD, plan.args)
+    return to_canonical(table, args.layout)[:, :, 0], plan.rotation
 
 
 def rope_attention(
@@ -252,12 +258,13 @@ def rope_attention(
     _check_inputs(q, k, v, layout)
     D = to_canonical(q, layout).shape[3]
     q_eff, k_eff, a, log2 = _scales(fold, scale, log2_softmax, q_scale, k_scale, D)
-    sequences, longest = _sequences(q, layout, cu_seqlens, max_seqlen, check_positions)
     args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_eff, k_scale=k_eff,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
                     section_layout=section_layout, check_positions=check_positions)
-    table, (rotary_start, rot_dim, neox) = _unit_rows(q, args)
+    plan = _unit_plan(q, args)  # checks cu_seqlens with the other rotation arguments
+    sequences, longest = _sequences(q, cu_seqlens, max_seqlen, check_positions)
+    table, (rotary_start, rot_dim, neox) = _unit_rows(q, args, plan)
     qk_mult = a * (1.0 if log2 else _LOG2E)
     q_in, k_in, v_in = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o, lse = attend(q_in, k_in, v_in, table, sequences, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
