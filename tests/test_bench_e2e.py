@@ -220,3 +220,27 @@ def test_a_child_past_its_timeout_is_killed_and_reported(tmp_path, monkeypatch):
                      str(out)]) == 1
     rows = list(csv.DictReader(out.open()))
     assert [(r["variant"], r["kind"], r["error"]) for r in rows] == [("-", "run", "timed out after 0.5 s")]
+
+
+@pytest.mark.gpu
+def test_every_variant_runs_on_the_gpu_with_graphs_and_the_host_profile(tmp_path, monkeypatch):
+    """The GPU-only parts with tiny models: bf16, decoding captured in CUDA graphs, CUDA events and the profiler's
+    kernel counts; Liger's variants run where it imports and are skipped otherwise. Every row has a time and
+    decodes the same greedy tokens as sdpa on the first sequence, but for bf16 rounding (at most two). (Liger's rows
+    may carry an error of Liger's: they are reported, not checked here.)"""
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "e2e.csv"
+    argv = [a if a != "cpu" else "cuda" for a in TINY_RUN]
+    assert e2e.main([*argv, "--in-process", "--decode-batches", "1,4", "--csv", str(out)]) == 0
+    rows = [r for r in csv.DictReader(out.open()) if not r["variant"].startswith("liger")]
+    kinds = {(r["model"], r["kind"], r["batch"]) for r in rows}
+    assert kinds == {(m, k, b) for m in e2e.CONFIGS for k, b in (("train", "2"), ("decode", "1"), ("decode", "4"),
+                                                                  ("decode-graph", "1"), ("decode-graph", "4"))}
+    for r in rows:
+        assert not r["error"] and float(r["ms"]) > 0, r
+        if r["kind"].startswith("decode"):
+            same, total = map(int, r["same_tokens"].split("/"))
+            assert same >= total - 2, r
+        if r["kind"] == "decode":
+            assert float(r["kernels"]) > 0 and float(r["host_ms"]) > 0, r
