@@ -483,3 +483,48 @@ def test_page_table_and_paged_x_compile_to_the_eager_bytes():
     for a, b in zip((*compiled, *caches_c), (*eager, *caches)):
         assert same_bits(a, b)
     assert all(c.abs().sum() > 0 for c in caches)
+
+
+@pytest.mark.gpu
+def test_page_table_into_x_packed_caches_replays_in_a_cuda_graph():
+    """The page and row are found on the device: captured once in a CUDA graph, each replay writes where the page
+    table, requests and positions then in the static tensors say (no host sync in the call)."""
+    Hq, Hkv, D, ps, num_pages, x, dtype = 4, 2, 64, 4, 16, 8, torch.bfloat16
+    lengths, appended = [5, 9, 2], [1, 3, 2]
+    T = sum(appended)
+    k_shape, v_shape = _x_packed_shapes(num_pages, ps, Hkv, D, x)
+    k_cache, v_cache = _poisoned(k_shape, dtype, "cuda"), _poisoned(v_shape, dtype, "cuda")
+    q, k, v = (torch.randn(T, h, D, dtype=dtype, device="cuda") for h in (Hq, Hkv, Hkv))
+    kv_indices, kv_indptr, last = (t.cuda() for t in _page_table(lengths, ps, num_pages))
+    batch = torch.zeros(T, dtype=torch.int32, device="cuda")
+    positions = torch.zeros(T, dtype=torch.int64, device="cuda")
+
+    def step():
+        return ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=positions, cache_layout="paged_x",
+                                     kv_indices=kv_indices, kv_indptr=kv_indptr, kv_last_page_len=last,
+                                     batch_indices=batch)
+
+    with torch.inference_mode():
+        step()  # compiles the kernel outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q_out = step()
+        for _ in range(3):
+            table = _page_table(lengths, ps, num_pages)  # the same shapes, pages shuffled anew
+            for static, fresh in zip((kv_indices, kv_indptr, last), table):
+                static.copy_(fresh)
+            requests = [r for r, n in enumerate(appended) for _ in range(n)]
+            pos = [lengths[r] - appended[r] + i for r, n in enumerate(appended) for i in range(n)]
+            batch.copy_(torch.tensor(requests))
+            positions.copy_(torch.tensor(pos))
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            k_cache.fill_(float("nan"))
+            v_cache.fill_(float("nan"))
+            k_before, v_before = k_cache.clone(), v_cache.clone()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_close_to_ref(q_out, _rotated_k64(q, positions, {}), dtype, "kernels")
+            dests = _table_destinations(requests, pos, kv_indices, kv_indptr, last, ps, num_pages)
+            _check_caches("cuda", "paged_x", k_cache, v_cache, k_before, v_before, dests,
+                          _rotated_k64(k, positions, {}), v, x)
