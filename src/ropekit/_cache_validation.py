@@ -131,14 +131,12 @@ def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
         layout = "thd"
     elif cu_seqlens is not None:
         raise ValueError("cu_seqlens applies to 3-D [T, H, D] tokens only")
-    page_table = cache_args[len(CacheArgs._fields) - 4:]  # kv_indices, kv_indptr, kv_last_page_len, batch_indices
-    for name, t in (("slot_mapping", slot_mapping), ("batch_indices", page_table[3])):
-        if tokens and isinstance(t, Tensor) and t.dim() == 1:
-            t = t.view(-1, 1) if cu_seqlens is None else t.view(1, -1)
-        if name == "slot_mapping":
-            slot_mapping = t
-        else:
-            page_table = (*page_table[:3], t)
+    if tokens:  # per-token [T] tensors in the tokens' [B, S] shape
+        slot_mapping, batch_indices = (_as_token_grid(t, cu_seqlens is not None)
+                                       for t in (slot_mapping, cache_args.batch_indices))
+    else:
+        batch_indices = cache_args.batch_indices
+    page_table = (cache_args.kv_indices, cache_args.kv_indptr, cache_args.kv_last_page_len, batch_indices)
     kc4 = to_canonical(k, layout)
     B, S, HK, D = kc4.shape
     if not isinstance(cache_layout, str) or cache_layout not in CACHE_LAYOUTS:
@@ -239,6 +237,13 @@ def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
                      k_scale, v_scale, *(page_table if table else (None,) * 4))
     rope_args = args._replace(positions=positions, layout=layout, cu_seqlens=cu_seqlens if layout == "thd" else None)
     return q, k, v, rope_args, spec
+
+
+def _as_token_grid(t, packed: bool):
+    """A 1-D per-token tensor [T] as the tokens' [B, S]: [T, 1] (one token per sequence) or [1, T] (packed)."""
+    if isinstance(t, Tensor) and t.dim() == 1:
+        return t.view(1, -1) if packed else t.view(-1, 1)
+    return t
 
 
 def _packed_batch(cu_seqlens, q: Tensor, S: int) -> Tensor:
