@@ -144,7 +144,7 @@ def test_every_variant_runs_a_short_step_of_both_models(monkeypatch, tmp_path, c
     assert {m: mod.apply_rotary_pos_emb for m, mod in modelings.items()} == before
     assert {k: n for k, n in patching._GLOBAL_REFS.items() if n} == refs
     printed = capsys.readouterr().out
-    assert "planned" in printed and "never slower than sdpa:" in printed
+    assert "planned" in printed and "ropekit never slower than sdpa:" in printed
 
 
 def test_a_variant_changes_the_modeling_module_only_while_it_runs(monkeypatch):

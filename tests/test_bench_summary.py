@@ -170,6 +170,7 @@ def test_end_to_end_rows_render_the_newest_run_per_card_and_model():
     rows = [row("2026-11-01T00:00:00", "sdpa", "train", 99.0),
             judged("2026-11-02T00:00:00", "sdpa", "train", 10.0, "-"),
             judged("2026-11-02T00:00:00", "ropekit", "train", 9.0, "faster"),
+            judged("2026-11-02T00:00:00", "liger-rope", "train", 12.0, "SLOWER"),  # not ropekit's: not named
             judged("2026-11-02T00:00:00", "ropekit", "decode", 13.5, "SLOWER", py_calls="1500.0", aten_ops="300",
                    kernels="250.0"),
             dict(row("2026-11-02T00:00:00", "liger", "train", float("nan")), error="ImportError: x"),
@@ -179,11 +180,11 @@ def test_end_to_end_rows_render_the_newest_run_per_card_and_model():
     section = page.split("## End to end")[1]
     assert "### NVIDIA H200, qwen3 (2026-11-02, abc1234" in section
     assert "| train | 4 | ropekit | 9.000 ± 2.0 % | 3.500 | 1000 | 0.900 ± 0.015 | faster |  |" in section
-    assert "Never slower than sdpa: no: ropekit decode batch 4 (1.350)" in section
+    assert "ropekit never slower than sdpa: no: ropekit decode batch 4 (1.350)" in section
     assert "| 3.500 (1500 Python calls, 300 aten ops, 250 kernels) |" in section
     assert "failed: ImportError: x" in section
     assert "99.000" not in section and "none (CPU" not in section
     llama = section.split("### NVIDIA H200, llama")[1].split("###")[0]
     assert "| train | 4 | ropekit | 9.000 | - | 1000 | 0.900 | - |  |" in llama
-    assert "Never slower than sdpa: not judged (this run measured no spread)" in llama
+    assert "ropekit never slower than sdpa: not judged (this run measured no spread)" in llama
     assert "End to end" not in summary.markdown({}, (), "benchmarks/results/latest")
