@@ -205,34 +205,40 @@ def test_paged_x_float8_caches_pack_sixteen(route):
                       _slot_destinations(slot_mapping, T, bs), _rotated_k64(k, positions, {}), v, x, 0.5, 2.0)
 
 
-def test_paged_x_replays_a_launch_plan_with_the_full_paths_bytes():
-    """The fast path's replay of a "paged_x" call (third call of one signature) writes the bytes the full path
-    writes; a page-table call takes the full path every time (no plan)."""
+def test_paged_x_and_page_table_calls_replay_launch_plans_with_the_full_paths_bytes():
+    """The fast path's replays (from the third call of one signature) write the bytes the full path writes
+    (check_positions=True always takes it): "paged_x" by slots, and page-table calls into NHD pages, each call with
+    fresh inputs, positions and page tables of the same shapes."""
     if not INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1")
     from ropekit import _fastpath
 
-    with on_route("cpu-kernels", clear_plans=True) as dev:
-        q, k, v = (torch.randn(3, h, 16, device=dev) for h in (2, 1, 1))
-        positions, slots = torch.tensor([7, 1, 4], device=dev), torch.tensor([1, 6, 3], device=dev)
-        results = []
-        for _ in range(3):
-            k_cache, v_cache = (torch.full(s, float("nan"), device=dev) for s in _x_packed_shapes(2, 4, 1, 16, 4))
-            with torch.no_grad():
-                q_out = ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=positions, slot_mapping=slots,
-                                              cache_layout="paged_x")
-            results.append((q_out, k_cache, v_cache))
-        assert len(_fastpath._KV_PLANS) == 1  # recorded on the second call, replayed on the third
-        for got in results[1:]:
-            assert all(same_bits(a, b) for a, b in zip(got, results[0]))
-        _fastpath.clear()
-        table = dict(kv_indices=torch.tensor([1, 0]), kv_indptr=torch.tensor([0, 1, 2, 2]),
-                     kv_last_page_len=torch.tensor([4, 4, 0]))
-        for _ in range(3):
-            with torch.no_grad():
-                ropekit.rope_kv_write(q, k, v, *(torch.zeros(2, 4, 1, 16) for _ in range(2)),
-                                      positions=torch.tensor([3, 2, 0]), cache_layout="paged", **table)
-        assert len(_fastpath._KV_PLANS) == 0
+    def paged_x(dev):
+        caches = [torch.full(s, float("nan"), device=dev) for s in _x_packed_shapes(2, 4, 1, 16, 4)]
+        kw = dict(positions=torch.randint(0, 50, (3,), device=dev), slot_mapping=torch.randperm(8)[:3].to(dev),
+                  cache_layout="paged_x")
+        return caches, kw
+
+    def page_table(dev):
+        caches = [torch.full((6, 2, 1, 16), float("nan"), device=dev) for _ in range(2)]
+        kv_indices, kv_indptr, last = (t.to(dev) for t in _page_table([3, 4], 2, 6))
+        kw = dict(positions=torch.tensor([1, 2, 3], device=dev), cache_layout="paged", kv_indices=kv_indices,
+                  kv_indptr=kv_indptr, kv_last_page_len=last, batch_indices=torch.tensor([0, 0, 1], device=dev))
+        kw["positions"][2] = int(torch.randint(0, 4, ()))  # request 1 holds 4 rows
+        return caches, kw
+
+    for make in (paged_x, page_table):
+        with on_route("cpu-kernels", clear_plans=True) as dev:
+            for _ in range(4):
+                q, k, v = (torch.randn(3, h, 16, device=dev) for h in (2, 1, 1))
+                caches, kw = make(dev)
+                full = [c.clone() for c in caches]
+                with torch.no_grad():
+                    q_out = ropekit.rope_kv_write(q, k, v, *caches, **kw)
+                    q_full = ropekit.rope_kv_write(q, k, v, *full, **kw, check_positions=True)
+                assert same_bits(q_out, q_full) and same_bits(caches[0], full[0]) and same_bits(caches[1], full[1])
+                assert not torch.isnan(caches[0]).all()
+            assert len(_fastpath._KV_PLANS) == 1, make.__name__  # recorded on the second call, then replayed
 
 
 # ------------------------------------------------------------------------------- FlashInfer's page table

@@ -52,7 +52,8 @@ _NO_SCALES = OutScales()  # no float8 output scales
 # rope_kv_write's arguments that may be tensors, in the order a plan's sources index them (its fresh outputs come
 # last: q_out, then q's dynamic scales and the rotated k where asked).
 _KV_TENSORS = ("q", "k", "v", "k_cache", "v_cache", "positions", "slot_mapping", "q_weight", "k_weight",
-               "k_cache_scale", "v_cache_scale", "inv_freq", "cos", "sin", "angles", "q_out_scale")
+               "k_cache_scale", "v_cache_scale", "inv_freq", "cos", "sin", "angles", "q_out_scale", "kv_indices",
+               "kv_indptr", "kv_last_page_len", "batch_indices")
 
 
 class KvCall(NamedTuple):
@@ -69,7 +70,8 @@ class KvCall(NamedTuple):
         """The call's possible tensors in ``_KV_TENSORS`` order, and its other arguments."""
         c, n, a = self.cache, self.norm, self.args
         tensors = (self.q, self.k, c.v, c.k_cache, c.v_cache, a.positions, c.slot_mapping, n.q_weight, n.k_weight,
-                   c.k_cache_scale, c.v_cache_scale, a.inv_freq, a.cos, a.sin, a.angles, self.scales.q_out_scale)
+                   c.k_cache_scale, c.v_cache_scale, a.inv_freq, a.cos, a.sin, a.angles, self.scales.q_out_scale,
+                   c.kv_indices, c.kv_indptr, c.kv_last_page_len, c.batch_indices)
         return tensors, (c.cache_layout, n.weight_offset, n.eps, self.scales.return_k, *_rope_scalars(a))
 
     @property
@@ -83,10 +85,7 @@ def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeA
     """:func:`ropekit.rope_kv_write` (its arguments bundled): replay the plan of the call's signature, or validate,
     run and note the signature; ``scales``: the float8 q output's scale and ``return_k``."""
     call = KvCall(q, k, cache, norm, args, scales)
-    # a page table (FlashInfer's addressing) takes the full path: its four tensors are not part of a plan's key
-    table = cache.kv_indices is not None or cache.kv_indptr is not None or cache.kv_last_page_len is not None \
-        or cache.batch_indices is not None
-    if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None) or table:
+    if not (_plans_apply() and not args.check_positions and args.cu_seqlens is None):
         return _write_kv_full(call, None, None)
     return _prologue_call(_KV_PLANS, _kv_signature(call), call, _write_kv_full)
 
