@@ -218,6 +218,19 @@ def test_bad_packed_input_raises_naming_the_argument(case):
         ropekit.rope_attention(*args, **kwargs)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+@pytest.mark.parametrize("bounds", [[0, 3, 7], [1, 3, 8], [0, 6, 3, 8]], ids=["wrong-end", "not-from-0", "falling"])
+@pytest.mark.parametrize("max_seqlen, check", [(None, False), (8, True)], ids=["read-for-longest", "checked"])
+def test_bad_device_boundaries_raise_where_they_are_read(bounds, max_seqlen, check):
+    """Under kernels_on_cpu a CPU cu_seqlens stands for a device one, which validation reads only when asked
+    (check_positions); rope_attention also reads it for the longest sequence when max_seqlen is not given. Either
+    read checks the values."""
+    q, k, v, _ = (t.detach() if t.is_floating_point() else t for t in packed([3, 5], 2, 1, 16))
+    with kernels_on_cpu(), pytest.raises(ValueError, match="cu_seqlens"):
+        ropekit.rope_attention(q, k, v, layout="thd", cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+                               max_seqlen=max_seqlen, check_positions=check)
+
+
 def test_compile_fullgraph_with_packed_sequences():
     """``torch.compile(fullgraph=True)`` with ``cu_seqlens`` and ``max_seqlen`` given (no host read of the
     boundaries in the graph): equal to eager, forward and gradients."""
