@@ -163,6 +163,38 @@ def test_blocks_of_tokens_cover_every_token(monkeypatch, inplace):
         assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")
 
 
+# (kwargs factory, tokens per sequence) for calls cut into blocks of a few whole sequences (decode sizes too large
+# for one block): one token, or a few, per sequence; tables per sequence make the blocks narrow them too
+BLOCKED = {
+    "decode-ids-neox": (lambda b, s: dict(positions=_ids(b, s)), 1),
+    "decode-offset-interleaved-partial": (lambda b, s: dict(positions=70_000, style="interleaved", rotary_dim=16,
+                                                            q_scale=0.5), 1),
+    "tables-per-sequence-back": (lambda b, s: dict(cos=torch.rand(b, s, 8), sin=torch.rand(b, s, 8),
+                                                   rotary_at="back", k_scale=2.0), 2),
+    "conjugate-offsets": (lambda b, s: dict(positions=torch.tensor([3, 90_000, 5, 1 << 20, 7])), 2),
+}
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(BLOCKED))
+def test_blocks_of_sequences_cover_every_sequence(monkeypatch, case, dtype, inplace):
+    """A call whose single token per sequence already exceeds a block over all sequences is cut into blocks of
+    whole sequences (two, two, then one; k's: four, then one), each within the float32 path's tolerance."""
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * HQ * D)
+    factory, tokens = BLOCKED[case]
+    q, k = make_qk(5, tokens, HQ, HK, D, dtype=dtype)
+    kwargs = factory(5, tokens)
+    rotate = ropekit.rope_backward if case.startswith("conjugate") else ropekit.apply_rope
+    want = rotate(q.double(), k.double(), **kwargs)
+    if inplace and rotate is ropekit.apply_rope:
+        got = ropekit.apply_rope_(q, k, **kwargs)
+    else:
+        got = rotate(q, k, **kwargs)
+    for g, w in zip(got, want):
+        assert_close_to_ref(g, w, dtype, backend="float32-path")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invalid_positions_make_whole_tokens_nan(dtype):
     """A per-token id past a table, with the tensors' values not read on the host: the token's rotated and

@@ -19,6 +19,7 @@ Conventions (shared with the kernels):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -192,25 +193,20 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
     outputs of the inputs' shapes, any floating dtype (``spec.out_dtype`` is not read: the outputs' dtypes are
     the rotation's). Tokens without a valid position come out NaN, as on the kernels."""
     layout = spec.layout
-    qc = to_canonical(q, layout)
-    B, S = qc.shape[:2]
-    half = spec.rotary_dim // 2
+    B, S = to_canonical(q, layout).shape[:2]
     neox = spec.style == "neox"
-    pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets, pos_offset=spec.pos_offset,
-                          cu_seqlens=spec.cu_seqlens, device=torch.device("cpu"))
-    tables_by_sequence = spec.freq_mode != "inv_freq" and spec.cos.shape[0] != 1
-    if pos.dim() == 2 and pos.shape[0] > 1 and pos.stride(0) == 0 and not tables_by_sequence:
-        pos = pos[:1]  # every sequence has the same positions and frequencies: one row of angles serves all
-    valid = (pos >= 0) & (pos <= MAX_POSITION)
-    if pos.dim() == 3:  # multi-axis: a token is valid when every axis is
-        valid = valid.all(0)
-    if spec.freq_mode != "inv_freq" and not spec.table_by_token:
-        valid &= pos < spec.cos.shape[1]
-    tables = rotation_tables(pos, half=half, neox=neox, freq_mode=spec.freq_mode, inv_freq=spec.inv_freq,
-                             cos=spec.cos, sin=spec.sin, table_by_token=spec.table_by_token, sections=spec.sections,
-                             section_layout=spec.section_layout)
-    all_valid = bool(valid.all())
-    if not all_valid:  # NaN cos/sin make the token's rotated columns NaN; its other columns by ``passed`` below
+    pos, valid = _float32_path_positions(spec, B, S)
+    if spec.freq_mode == "inv_freq" and pos.dim() == 2:  # rotation_tables' angles, with fewer host round trips
+        angle = torch.mul(pos.unsqueeze(-1), spec.inv_freq.to(device=pos.device, dtype=torch.float64))
+        angle.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)  # reduced_angle, in place
+        cosine, sine = torch.cos(angle), torch.sin(angle)
+        tables = (cosine, cosine, sine, sine)
+    else:
+        tables = rotation_tables(pos, half=spec.rotary_dim // 2, neox=neox, freq_mode=spec.freq_mode,
+                                 inv_freq=spec.inv_freq, cos=spec.cos, sin=spec.sin,
+                                 table_by_token=spec.table_by_token, sections=spec.sections,
+                                 section_layout=spec.section_layout)
+    if valid is not None:  # NaN cos/sin make the token's rotated columns NaN; its other columns by ``passed`` below
         tables = tuple(torch.where(valid[..., None], t, math.nan) for t in tables)
     device, D = q.device, q.shape[-1]
     made: dict[float, tuple] = {}  # q and k share their tables when their scales agree
@@ -218,76 +214,163 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
         if x is None:
             continue
         if scale not in made:
-            passed = scale if all_valid else torch.where(valid, scale, math.nan)[:, :, None, None]
-            made[scale] = _float32_tables(tables, scale, spec.rotary_scale, spec.conjugate, passed, D,
+            passed = scale if valid is None else torch.where(valid, scale, math.nan)[:, :, None, None]
+            made[scale] = _float32_tables(tables, scale * spec.rotary_scale, spec.conjugate, passed, D,
                                           spec.rotary_start, spec.rotary_dim, neox, device)
         _rotate_float32(to_canonical(x, layout), to_canonical(out, layout), made[scale], spec.rotary_start,
                         spec.rotary_dim, neox, inplace=out is x)
 
 
-def _float32_tables(tables: tuple, scale: float, rotary_scale: float, conjugate: bool, passed, D: int,
-                    rotary_start: int, rotary_dim: int, neox: bool, device: torch.device) -> tuple:
-    """The float32 tables of :func:`_rotate_float32` from the float64 ``(cos_lo, cos_hi, sin_lo, sin_hi)``
-    [Bt, S, R/2], each rounded once: ``(C, sin_a, sign_a, sin_b, sign_b)``. ``C`` [Bt, S, 1, D] holds
-    ``cos * rotary_scale * scale`` at the rotary columns and ``passed`` (``scale``, or [Bt, S, 1, 1] with NaN for
-    invalid tokens) at the others; then ``lo' = lo*C_lo + sign_a * hi*sin_a`` and ``hi' = hi*C_hi + sign_b *
-    lo*sin_b``, the sines [Bt, S, 1, R/2] times ``rotary_scale * scale``: ``(sin_lo, -1, sin_hi, +1)`` forward,
-    ``(sin_hi, +1, sin_lo, -1)`` for the conjugate (the transpose)."""
+def _float32_path_positions(spec: RopeSpec, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(int64 CPU positions of the canonical grid -- one row for all sequences when they share their positions
+    and frequencies -- and None when every token's position is usable, else the per-token validity mask). An
+    offset's range is known without a tensor op; position tensors are checked by one min/max, and the mask is
+    built only when some position is out of range (negative, past ``MAX_POSITION`` or a position-indexed
+    table)."""
+    rows = None if spec.freq_mode == "inv_freq" or spec.table_by_token else spec.cos.shape[1]
+    tables_by_sequence = spec.freq_mode != "inv_freq" and spec.cos.shape[0] != 1
+    if spec.positions is None and spec.seq_offsets is None and spec.cu_seqlens is None:  # 0.. S-1 plus an offset
+        first = spec.pos_offset
+        pos = torch.arange(first, first + S, dtype=torch.int64)[None]
+        pos = pos.expand(B, S) if tables_by_sequence else pos
+        last = first + S - 1
+        if S == 0 or (first >= 0 and last <= MAX_POSITION and (rows is None or last < rows)):
+            return pos, None
+    else:
+        pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets,
+                              pos_offset=spec.pos_offset, cu_seqlens=spec.cu_seqlens, device=torch.device("cpu"))
+        if pos.dim() == 2 and pos.shape[0] > 1 and pos.stride(0) == 0 and not tables_by_sequence:
+            pos = pos[:1]  # every sequence has the same positions and frequencies: one row of angles serves all
+        if pos.numel() == 0:
+            return pos, None
+        lo, hi = (int(v) for v in torch.aminmax(pos))
+        if lo >= 0 and hi <= MAX_POSITION and (rows is None or hi < rows):
+            return pos, None
+    valid = (pos >= 0) & (pos <= MAX_POSITION)
+    if pos.dim() == 3:  # multi-axis: a token is valid when every axis is
+        valid = valid.all(0)
+    if rows is not None:
+        valid &= pos < rows
+    return pos, valid
+
+
+@functools.lru_cache(maxsize=64)
+def _sine_signs(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
+    """float64 ``(sign_lo, sign_hi) * factor`` shaped to broadcast over a pair axis (-2 for ``neox``, else -1):
+    (-1, +1) forward, (+1, -1) for the conjugate. A constant of its arguments, never written."""
+    signs = torch.tensor([factor, -factor] if conjugate else [-factor, factor], dtype=torch.float64)
+    return signs[:, None] if neox else signs
+
+
+def _paired(y: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``y``'s last dim [R] as pairs: [..., 2, R/2] (``neox``: lo half, hi half) or [..., R/2, 2] (interleaved)."""
+    half = y.shape[-1] // 2
+    return y.unflatten(-1, (2, half) if neox else (half, 2))
+
+
+def _float32_tables(tables: tuple, factor: float, conjugate: bool, passed, D: int, rotary_start: int,
+                    rotary_dim: int, neox: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 tables ``(C, T)`` of :func:`_rotate_float32` from the float64 ``(cos_lo, cos_hi, sin_lo,
+    sin_hi)`` [Bt, S, R/2], each value rounded once with ``factor`` (the tensor's scale times ``rotary_scale``)
+    folded in. ``C`` [Bt, S, 1, D] holds ``cos * factor`` at the rotary columns and ``passed`` (the scale, or
+    [Bt, S, 1, 1] with NaN for invalid tokens) at the others. ``T`` [Bt, S, 1, R] holds each rotary column's
+    signed sine: with ``swap(x)`` exchanging the lo and hi column of every pair, the rotation is
+    ``x * C + swap(x) * T`` on the rotary columns: ``T = (-sin_lo, +sin_hi) * factor`` forward,
+    ``(+sin_hi, -sin_lo) * factor`` for the conjugate (the transpose)."""
     c_lo, c_hi, s_lo, s_hi = tables
-    factor = scale * rotary_scale
     Bt, S = c_lo.shape[:2]
     C = torch.empty(Bt, S, 1, D, dtype=torch.float32, device=device)
-    lo, hi = _pairs(C, rotary_start, rotary_dim, neox)
-    for dst, src in ((lo, c_lo), (hi, c_hi)):
-        dst.copy_((src if factor == 1.0 else src * factor)[:, :, None, :])  # one rounding, float64 -> float32
+    T = torch.empty(Bt, S, 1, rotary_dim, dtype=torch.float32, device=device)
+    axis = -2 if neox else -1  # the pair axis of _paired's views
+    cp = _paired(C if rotary_dim == D else C.narrow(-1, rotary_start, rotary_dim), neox)
+    tp = _paired(T, neox)
+
+    def spread(t: torch.Tensor) -> torch.Tensor:  # [Bt, S, R/2] -> broadcastable over the paired [Bt, S, 1, ..]
+        return t.unsqueeze(2).unsqueeze(axis)
+
+    # Each copy or product computes in float64 and rounds once into the float32 table.
+    cosines = ((cp, spread(c_lo)),) if c_lo is c_hi else ((cp.select(axis, 0), c_lo[:, :, None, :]),
+                                                         (cp.select(axis, 1), c_hi[:, :, None, :]))
+    for dst, src in cosines:
+        if factor == 1.0:
+            dst.copy_(src)
+        else:
+            torch.mul(src.expand(dst.shape), factor, out=dst)
+    if s_lo is s_hi:  # one product with the pair's two signs
+        torch.mul(spread(s_lo), _sine_signs(float(factor), conjugate, neox).to(device), out=tp)
+    else:  # T's lo column takes the pair's hi sine for the conjugate, its lo sine forward
+        sines = ((s_hi, factor), (s_lo, -factor)) if conjugate else ((s_lo, -factor), (s_hi, factor))
+        for i, (src, signed) in enumerate(sines):
+            dst = tp.select(axis, i)
+            torch.mul(src[:, :, None, :].expand(dst.shape), signed, out=dst)
     for cols in (slice(0, rotary_start), slice(rotary_start + rotary_dim, D)):
         if cols.start < cols.stop:
             if isinstance(passed, torch.Tensor):
                 C[..., cols].copy_(passed.to(device))
             else:
                 C[..., cols].fill_(passed)
-    done: dict[int, torch.Tensor] = {}
+    return C, T
 
-    def sines(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in done:
-            done[id(t)] = (t if factor == 1.0 else t * factor).to(device=device, dtype=torch.float32)[:, :, None, :]
-        return done[id(t)]
 
-    if conjugate:
-        return C, sines(s_hi), 1.0, sines(s_lo), -1.0
-    return C, sines(s_lo), -1.0, sines(s_hi), 1.0
+def _swapped(x: torch.Tensor, neox: bool) -> torch.Tensor:
+    """A new tensor of ``x``'s rotary columns [..., R] with the lo and hi column of every pair exchanged."""
+    if neox:
+        return torch.roll(x, x.shape[-1] // 2, -1)
+    return _paired(x, False).flip(-1).flatten(-2)
 
 
 def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_start: int, rotary_dim: int,
                     neox: bool, *, inplace: bool) -> None:
     """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32 with the
-    ``tables`` of :func:`_float32_tables`, a block of tokens at a time through two reused float32 buffers (the
-    working copy and the result) that stay in the cache: ``out = x * C``, then the sines' terms added on the lo
-    and hi columns, then one rounding to ``out``'s dtype. float32 out of place writes straight into ``out``."""
-    C, sin_a, sign_a, sin_b, sign_b = tables
+    tables ``(C, T)`` of :func:`_float32_tables`: ``x * C``, plus ``swap(x) * T`` on the rotary columns, then one
+    rounding to ``out``'s dtype. A call that fits one block (decode sizes) takes three to five torch ops, so that
+    per-call host time stays low; larger calls go a block of tokens at a time through two reused float32 buffers
+    (the working copy and the result) that stay in the cache, and float32 out of place writes straight into
+    ``out``."""
+    C, T = tables
     B, S, H, D = x.shape
-    step = max(1, min(S, _CHUNK_ELEMENTS // max(1, B * H * D)))  # at least 1: S may be 0
+    if B * S * H * D <= _CHUNK_ELEMENTS:  # one block: few ops on float32 operands (mixed-dtype ops are slow)
+        if S == 0:
+            return
+        x32 = x if x.dtype == torch.float32 else x.to(torch.float32)
+        product = torch.mul(x32, C)
+        if rotary_dim == D:
+            swapped, rotary = _swapped(x32, neox), product
+        else:
+            swapped = _swapped(x32.narrow(-1, rotary_start, rotary_dim), neox)
+            rotary = product.narrow(-1, rotary_start, rotary_dim)
+        if out.dtype == torch.float32 and rotary is product:  # straight into out (in place: x32 was read)
+            torch.addcmul(product, swapped, T, out=out)
+        else:
+            rotary.addcmul_(swapped, T)
+            out.copy_(product)  # the one rounding to the output's dtype
+        return
+    # Blocks of s_step tokens of b_step sequences: all sequences at once unless one token of each is too much.
+    s_step = max(1, min(S, _CHUNK_ELEMENTS // (B * H * D)))
+    b_step = B if s_step > 1 else max(1, min(B, _CHUNK_ELEMENTS // (H * D)))
     direct = x.dtype == torch.float32 and out.dtype == torch.float32 and not inplace
     copy_in = x.dtype != torch.float32
-    work = None if direct else torch.empty(B, step, H, D, dtype=torch.float32, device=x.device)
-    copy = torch.empty(B, step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
-    for s0 in range(0, S, step):
-        n = min(step, S - s0)
-        if n == S:  # one block (decode sizes): no slicing, whose host time is a good part of a small call's
-            xs, os_, c, sa, sb = x, out, C, sin_a, sin_b
-        else:
-            xs, os_ = x.narrow(1, s0, n), out.narrow(1, s0, n)
-            c, sa, sb = C.narrow(1, s0, n), sin_a.narrow(1, s0, n), sin_b.narrow(1, s0, n)
-        if copy_in:
-            xs = (copy if n == step else copy.narrow(1, 0, n)).copy_(xs)
-        res = os_ if direct else work if n == step else work.narrow(1, 0, n)
-        lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
-        rlo, rhi = _pairs(res, rotary_start, rotary_dim, neox)
-        torch.mul(xs, c, out=res)
-        rlo.addcmul_(hi, sa, value=sign_a)
-        rhi.addcmul_(lo, sb, value=sign_b)
-        if not direct:
-            os_.copy_(res)  # the one rounding to the output's dtype (in place: after the block is read)
+    work = None if direct else torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device)
+    copy = torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
+    t_lo, t_hi = _pairs(T, 0, rotary_dim, neox)
+    by_sequence = C.shape[0] > 1  # tables per sequence, else one row for all
+    for b0 in range(0, B, b_step):
+        nb = min(b_step, B - b0)
+        for s0 in range(0, S, s_step):
+            n = min(s_step, S - s0)
+            xs, os_ = (t.narrow(0, b0, nb).narrow(1, s0, n) for t in (x, out))
+            c, ta, tb = (t.narrow(0, b0, nb) if by_sequence else t for t in (C, t_lo, t_hi))
+            c, ta, tb = (t.narrow(1, s0, n) for t in (c, ta, tb))
+            if copy_in:
+                xs = copy.narrow(0, 0, nb).narrow(1, 0, n).copy_(xs)
+            res = os_ if direct else work.narrow(0, 0, nb).narrow(1, 0, n)
+            lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
+            rlo, rhi = _pairs(res, rotary_start, rotary_dim, neox)
+            torch.mul(xs, c, out=res)
+            rlo.addcmul_(hi, ta)
+            rhi.addcmul_(lo, tb)
+            if not direct:
+                os_.copy_(res)  # the one rounding to the output's dtype (in place: after the block is read)
 
 
 def _pairs(y: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
