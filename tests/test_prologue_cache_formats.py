@@ -205,6 +205,33 @@ def test_paged_x_float8_caches_pack_sixteen(route):
                       _slot_destinations(slot_mapping, T, bs), _rotated_k64(k, positions, {}), v, x, 0.5, 2.0)
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_paged_x_views_with_their_own_odd_strides(route):
+    """x-packed caches that are views with strides of their own: the key cache's head stride not a multiple of x
+    (its columns then addressed element by element), the value cache's blocks padded: each is written through
+    its own strides, nothing between their elements touched."""
+    T, Hq, Hkv, D, nb, bs, x = 3, 2, 2, 16, 2, 4, 4
+    with on_route(route) as dev:
+        k_buffer = torch.full((nb * (Hkv * (D * bs + 3)),), float("nan"), device=dev)
+        k_cache = k_buffer.as_strided((nb, Hkv, D // x, bs, x), (Hkv * (D * bs + 3), D * bs + 3, bs * x, x, 1))
+        v_buffer = torch.full((nb, Hkv, D, bs + 2), float("nan"), device=dev)
+        v_cache = v_buffer[..., 1:bs + 1]
+        buffers_before = k_buffer.clone(), v_buffer.clone()
+        q, k, v = (torch.randn(T, h, D, device=dev) for h in (Hq, Hkv, Hkv))
+        positions, slots = torch.tensor([4, 0, 9], device=dev), torch.tensor([7, 2, 4], device=dev)
+        with torch.no_grad():
+            ropekit.rope_kv_write(q, k, v, k_cache, v_cache, positions=positions, slot_mapping=slots,
+                                  cache_layout="paged_x")
+        k_seen = torch.zeros_like(k_buffer, dtype=torch.bool)  # the elements the view reaches
+        k_seen.as_strided(k_cache.shape, k_cache.stride()).fill_(True)
+        assert same_bits(k_buffer[~k_seen], buffers_before[0][~k_seen]), "k written outside its view"
+        assert same_bits(v_buffer[..., 0], buffers_before[1][..., 0]) and same_bits(v_buffer[..., -1],
+                                                                                   buffers_before[1][..., -1])
+        k_view_before = buffers_before[0].as_strided(k_cache.shape, k_cache.stride())
+        _check_caches(route, "paged_x", k_cache, v_cache, k_view_before, buffers_before[1][..., 1:bs + 1],
+                      _slot_destinations(slots, T, bs), _rotated_k64(k, positions, {}), v, x)
+
+
 def test_paged_x_and_page_table_calls_replay_launch_plans_with_the_full_paths_bytes():
     """The fast path's replays (from the third call of one signature) write the bytes the full path writes
     (check_positions=True always takes it): "paged_x" by slots, and page-table calls into NHD pages, each call with

@@ -309,7 +309,7 @@ def prologue_kernel(
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
     ROUND_FP8: tl.constexpr, Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, Q_DYNAMIC: tl.constexpr,
     K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr, K_RETURN: tl.constexpr, TABLE_BATCH: tl.constexpr,
-    K_PACK: tl.constexpr, V_PACK: tl.constexpr,
+    K_PACK: tl.constexpr, V_PACK: tl.constexpr, K_UNIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
 ):
@@ -327,7 +327,9 @@ def prologue_kernel(
     ``kr_sb``, ``kr_ss``, ``kr_sh``; scale ``kr_scale``, no cache scale), recomputed from the loaded rows.
     ``CACHE_TABLE``: rows from the page table (:func:`_cache_rows`; ``TABLE_BATCH``: ``slot_ptr`` holds
     batch_indices). ``K_PACK``/``V_PACK``: the k/v cache's columns are at ``(d // PACK) * c_sa + (d % PACK) *
-    c_sx`` (``kc_sa``, ``kc_sx``, ``vc_sa``, ``vc_sx``), else at d."""
+    c_sx`` (``kc_sa``, ``kc_sx``, ``vc_sa``, ``vc_sx``), else at d. ``K_UNIT``: the k cache's strides other than
+    ``kc_sx`` arrive divided by it (x-packed keys: x), so that the compiler sees each run of x columns aligned and
+    stores it as one vector."""
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
@@ -371,15 +373,15 @@ def prologue_kernel(
         if CACHE_MODE == CACHE_NONE:
             k_row = r0 * ko_sb + r1 * ko_ss
         else:
-            k_row = r0 * kc_sb + r1 * kc_ss
+            k_row = r0 * kc_sb * K_UNIT + r1 * kc_ss * K_UNIT
         _norm_rope_block(
-            k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh, kw_ptr, w_offset, eps, scale,
+            k_ptr, k_sb, k_ss, k_sh, ko_ptr, k_row, k_ok, ko_sh * K_UNIT, kw_ptr, w_offset, eps, scale,
             b, s, pos, valid, mask_t, (hb - n_qb) * BLOCK_HK, HK,
             pos_ptr, pos_sb, pos_ss, freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale,
             pos_sa, ks_ptr, kd_ptr, b * kd_sb + s * kd_ss, kd_sh,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL, FAST_TRIG,
             NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, NORM, K_FP8, ROUND_FP8, BLOCK_HK,
-            HALF_BLOCK, PASS_BLOCK, K_SCALE_PTR == 2, K_DYNAMIC, K_PACK, kc_sa, kc_sx)
+            HALF_BLOCK, PASS_BLOCK, K_SCALE_PTR == 2, K_DYNAMIC, K_PACK, kc_sa * K_UNIT, kc_sx)
         if K_RETURN:  # the rotated k itself too, in k's dtype (the same values qk_norm_rope returns)
             _norm_rope_block(
                 k_ptr, k_sb, k_ss, k_sh, kr_ptr, b * kr_sb + s * kr_ss, mask_t, kr_sh, kw_ptr, w_offset, eps,

@@ -123,7 +123,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     args.update(qs_ptr=dummy, qd_ptr=dummy, qd_sb=0, qd_ss=0, qd_sh=0, kd_ptr=dummy, kd_sb=0, kd_ss=0, kd_sh=0,
                 n_slots=0, kr_ptr=dummy, kr_sb=0, kr_ss=0, kr_sh=0, kr_scale=rope["k_scale"], pages_ptr=dummy,
                 indptr_ptr=dummy, last_ptr=dummy, n_requests=0, n_page_ids=0, kc_sa=0, kc_sx=0, vc_sa=0, vc_sx=0)
-    constexprs.update(SLOTS_SHORT=False, K_RETURN=k_rotated is not None, TABLE_BATCH=False, K_PACK=0, V_PACK=0)
+    constexprs.update(SLOTS_SHORT=False, K_RETURN=k_rotated is not None, TABLE_BATCH=False, K_PACK=0, V_PACK=0,
+                      K_UNIT=1)
     if k_rotated is not None:
         kr_sb, kr_ss, kr_sh = to_canonical(k_rotated, spec.layout).stride()[:3]
         args.update(kr_ptr=k_rotated, kr_sb=kr_sb, kr_ss=kr_ss, kr_sh=kr_sh)
@@ -173,7 +174,11 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
             constexprs["TABLE_BATCH"] = slots is not None
         (k_pack, kc_sa, kc_sx), (v_pack, vc_sa, vc_sx) = _columns(k_target), _columns(v_target)
         args.update(kc_sa=kc_sa, kc_sx=kc_sx, vc_sa=vc_sa, vc_sx=vc_sx)
-        constexprs.update(K_PACK=k_pack, V_PACK=v_pack)
+        k_strides = ("kc_sb", "kc_ss", "ko_sh", "kc_sa")
+        unit = k_pack if k_pack > 1 and kc_sx == 1 and all(args[n] % k_pack == 0 for n in k_strides) else 1
+        for name in k_strides:  # in units of x: the kernel multiplies them back by the constexpr K_UNIT
+            args[name] //= unit
+        constexprs.update(K_PACK=k_pack, V_PACK=v_pack, K_UNIT=unit)
         mode = CACHE_TABLE if cache.page_table else CACHE_PAGED if cache.paged else CACHE_ROWS
         constexprs.update(CACHE_MODE=mode.value,
                           CACHE_BATCH_PER_TOKEN=cache.cache_batch is not None, K_SCALE_PTR=k_ptr_scale,
