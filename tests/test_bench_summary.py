@@ -140,6 +140,18 @@ def test_latest_csv_carries_flops_where_a_card_has_attention_rows(tmp_path):
     assert ",gbps,flops,tflops,ratio_vs_copy," in h100[0] and len(h100) == len(by_card["NVIDIA H100 80GB HBM3"]) + 1
 
 
+def test_latest_without_plotting_keeps_the_cards_plots(tmp_path):
+    """``--no-plot`` rewrites a card's CSV and leaves its plots (it once deleted them with the stale files)."""
+    rows = [_row(gpu="NVIDIA H200", source="h.csv")]
+    folder = tmp_path / "h200"
+    folder.mkdir()
+    (folder / "results-fwd.png").write_bytes(b"png")
+    (folder / "old.csv").write_text("stale")
+    summary.write_latest(summary.newest_runs(rows), tmp_path, plot=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["results-fwd.png", "results.csv.gz"]
+    assert (folder / "results-fwd.png").read_bytes() == b"png"
+
+
 def test_benchmarks_md_is_generated_from_the_kept_history():
     """BENCHMARKS.md is what ``python -m ropekit.bench.summary`` writes from the history (never edited by hand),
     and each card's kept rows are those of the history's newest runs."""

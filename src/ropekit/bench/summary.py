@@ -80,7 +80,8 @@ def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plo
         folder = latest_dir / card_slug(gpu)
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob("*"):
-            stale.unlink()
+            if plot or stale.suffix != ".png":  # without plotting, the card's plots stay as they were
+                stale.unlink()
         path = folder / "results.csv.gz"
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=latest_fields(rows), extrasaction="ignore", lineterminator="\n")
