@@ -5,6 +5,8 @@ tolerance of the float64 reference over position modes, strides, in and out of p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -233,3 +235,21 @@ def test_no_tokens(inplace):
     q, k = make_qk(2, 0, HQ, HK, D, dtype=torch.bfloat16)
     outs = ropekit.apply_rope_(q, k) if inplace else ropekit.apply_rope(q, k)
     assert [o.shape for o in outs] == [q.shape, k.shape]
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_cos_and_sin_are_rounded_once_from_the_float64_angle_at_any_position(style):
+    """A unit q picks one pair's cos and sin out of the float32 tables: each is the float64 angle's cos/sin (the C
+    library's, exact to an ulp at any argument) rounded once to float32, up to the largest position, where an
+    angle reduced by fmod with the float64 2*pi would be off by up to 2e-7 (about 3 float32 ulps)."""
+    positions = torch.tensor([[(1 << 31) - 1, (1 << 30) + 12345, 987_654_321, 7]])
+    inv_freq = torch.tensor([1.0, 0.7312, 0.0123, 1e-4], dtype=torch.float64)
+    pair = 1  # q is 1 at this pair's lo column and 0 elsewhere
+    lo, hi = (pair, pair + 4) if style == "neox" else (2 * pair, 2 * pair + 1)
+    q = torch.zeros(1, 4, 1, 8)
+    q[..., lo] = 1.0
+    out = ropekit.apply_rope(q, positions=positions, inv_freq=inv_freq, style=style)
+    angles = [float(p) * float(inv_freq[pair]) for p in positions[0].tolist()]
+    want_cos = torch.tensor([math.cos(a) for a in angles], dtype=torch.float64).float()
+    want_sin = torch.tensor([math.sin(a) for a in angles], dtype=torch.float64).float()
+    assert torch.equal(out[0, :, 0, lo], want_cos) and torch.equal(out[0, :, 0, hi], want_sin)

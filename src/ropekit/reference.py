@@ -185,9 +185,9 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
     themselves (in place) -- with float32 math: the CPU path for float16/bfloat16/float32 tensors, and the path of
     devices without Triton kernels or float64 (MPS, XPU, ...).
 
-    Positions and angles are formed and reduced in float64 on the CPU, once per call at the size of positions x
-    frequencies (one row for all sequences when they share their positions; exact at any position; reading
-    device positions is a host sync), and rounded to float32 cos/sin tables with the rotation's scales folded in.
+    Positions and angles are formed in float64 on the CPU, once per call at the size of positions x frequencies
+    (one row for all sequences when they share their positions; exact at any position; reading device positions
+    is a host sync), and their cos/sin rounded to float32 tables with the rotation's scales folded in.
     The rotation then runs on the tensors' device in float32 torch ops, a block of tokens at a time, with one
     rounding to the output's dtype: the kernels' precision. ``q``/``k`` [in ``spec.layout``] of any strides;
     outputs of the inputs' shapes, any floating dtype (``spec.out_dtype`` is not read: the outputs' dtypes are
@@ -196,9 +196,11 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
     B, S = to_canonical(q, layout).shape[:2]
     neox = spec.style == "neox"
     pos, valid = _float32_path_positions(spec, B, S)
-    if spec.freq_mode == "inv_freq" and pos.dim() == 2:  # rotation_tables' angles, with fewer host round trips
+    if spec.freq_mode == "inv_freq" and pos.dim() == 2:
+        # rotation_tables' float64 angles, with cos/sin taken of them directly: torch's float64 cos/sin are
+        # accurate at any angle of a position below 2**31, while reduced_angle's fmod by the float64 2*pi is off
+        # by up to 2e-7 there (and is the slowest op of a decode call)
         angle = torch.mul(pos.unsqueeze(-1), spec.inv_freq.to(device=pos.device, dtype=torch.float64))
-        angle.add_(math.pi).remainder_(2 * math.pi).sub_(math.pi)  # reduced_angle, in place
         cosine, sine = torch.cos(angle), torch.sin(angle)
         tables = (cosine, cosine, sine, sine)
     else:
