@@ -334,18 +334,15 @@ def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_st
     if B * S * H * D <= _CHUNK_ELEMENTS:  # one block: few ops on float32 operands (mixed-dtype ops are slow)
         if S == 0:
             return
-        x32 = x if x.dtype == torch.float32 else x.to(torch.float32)
-        product = torch.mul(x32, C)
-        if rotary_dim == D:
-            swapped, rotary = _swapped(x32, neox), product
-        else:
-            swapped = _swapped(x32.narrow(-1, rotary_start, rotary_dim), neox)
-            rotary = product.narrow(-1, rotary_start, rotary_dim)
-        if out.dtype == torch.float32 and rotary is product:  # straight into out (in place: x32 was read)
-            torch.addcmul(product, swapped, T, out=out)
-        else:
-            rotary.addcmul_(swapped, T)
-            out.copy_(product)  # the one rounding to the output's dtype
+        src = x if x.dtype == torch.float32 else x.to(torch.float32)
+        swapped = _swapped(src if rotary_dim == D else src.narrow(-1, rotary_start, rotary_dim), neox)
+        # the products land in a float32 tensor already at hand (out, or src when it is a copy), so that the call
+        # allocates at most two float32 temporaries: fresh memory costs page faults at these sizes
+        dst = out if out.dtype == torch.float32 else src if src is not x else torch.empty_like(src)
+        torch.mul(src, C, out=dst)  # in place (dst is src, or out is x) is fine: swapped was read already
+        (dst if rotary_dim == D else dst.narrow(-1, rotary_start, rotary_dim)).addcmul_(swapped, T)
+        if dst is not out:
+            out.copy_(dst)  # the one rounding to the output's dtype
         return
     # Blocks of s_step tokens of b_step sequences: all sequences at once unless one token of each is too much.
     s_step = max(1, min(S, _CHUNK_ELEMENTS // (B * H * D)))
