@@ -394,7 +394,7 @@ def _check_position_values(S, pos_offset, seq_offsets, pos_tensor, table_rows, t
     if pos_tensor is not None:
         if not readable(pos_tensor) or pos_tensor.numel() == 0:
             return
-        name, lo, hi = "positions", int(pos_tensor.min()), int(pos_tensor.max())
+        name, (lo, hi) = "positions", (int(v) for v in torch.aminmax(pos_tensor))  # one pass, one op
     elif seq_offsets is not None:
         if not readable(seq_offsets) or (cu_seqlens is not None and lengths is None):
             return
