@@ -264,6 +264,16 @@ def _sine_signs(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
     return signs[:, None] if neox else signs
 
 
+@functools.lru_cache(maxsize=64)
+def _table_factors(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
+    """float64 factors of ``(cos, sin)`` into ``(C, T)`` per pair column (lo, hi): C ``(factor, factor)``, T
+    ``(-factor, +factor)`` forward, ``(+factor, -factor)`` for the conjugate; [2, 2, 1] for ``neox`` (columns in
+    halves), else [2, 1, 2]. A constant of its arguments, never written."""
+    sines = [factor, -factor] if conjugate else [-factor, factor]
+    factors = torch.tensor([[factor, factor], sines], dtype=torch.float64)
+    return factors[:, :, None] if neox else factors[:, None, :]
+
+
 def _paired(y: torch.Tensor, neox: bool) -> torch.Tensor:
     """``y``'s last dim [R] as pairs: [..., 2, R/2] (``neox``: lo half, hi half) or [..., R/2, 2] (interleaved)."""
     half = y.shape[-1] // 2
@@ -280,7 +290,16 @@ def _float32_tables(tables: tuple, factor: float, conjugate: bool, passed, D: in
     ``x * C + swap(x) * T`` on the rotary columns: ``T = (-sin_lo, +sin_hi) * factor`` forward,
     ``(+sin_hi, -sin_lo) * factor`` for the conjugate (the transpose)."""
     c_lo, c_hi, s_lo, s_hi = tables
-    Bt, S = c_lo.shape[:2]
+    Bt, S, half = c_lo.shape
+    if c_lo is c_hi and s_lo is s_hi and rotary_dim == D:  # one product rounds both tables (decode's host time)
+        both = torch.empty(Bt, S, 1, 2, D, dtype=torch.float32, device=device)  # [.., (C, T), D]
+        cos_sin = torch.stack((c_lo, s_lo), 2)  # [Bt, S, (cos, sin), R/2], float64
+        if neox:  # [.., (C, T), (lo, hi), R/2]
+            cos_sin, out = cos_sin.view(Bt, S, 1, 2, 1, half), both.view(Bt, S, 1, 2, 2, half)
+        else:  # [.., (C, T), R/2, (lo, hi)]
+            cos_sin, out = cos_sin.view(Bt, S, 1, 2, half, 1), both.view(Bt, S, 1, 2, half, 2)
+        torch.mul(cos_sin, _table_factors(float(factor), conjugate, neox).to(device), out=out)
+        return both.select(3, 0), both.select(3, 1)
     C = torch.empty(Bt, S, 1, D, dtype=torch.float32, device=device)
     T = torch.empty(Bt, S, 1, rotary_dim, dtype=torch.float32, device=device)
     axis = -2 if neox else -1  # the pair axis of _paired's views
