@@ -253,3 +253,17 @@ def test_cos_and_sin_are_rounded_once_from_the_float64_angle_at_any_position(sty
     want_cos = torch.tensor([math.cos(a) for a in angles], dtype=torch.float64).float()
     want_sin = torch.tensor([math.sin(a) for a in angles], dtype=torch.float64).float()
     assert torch.equal(out[0, :, 0, lo], want_cos) and torch.equal(out[0, :, 0, hi], want_sin)
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("rotate", [ropekit.apply_rope, ropekit.rope_backward], ids=["forward", "conjugate"])
+def test_tables_of_many_tokens_match_the_one_product_tables(monkeypatch, style, rotate):
+    """Calls of many tokens build the float32 tables by copies and a half-size product instead of the one product
+    of decode sizes: both within the float32 path's tolerance of the reference (scales folded in)."""
+    q, k = make_qk(B, S, HQ, HK, D, dtype=torch.bfloat16)
+    kwargs = dict(positions=_ids(B, S), style=style, q_scale=0.5, rotary_scale=1.25)
+    want = rotate(q.double(), k.double(), **kwargs)
+    for rows in (1 << 20, 0):  # every call in one product, then none
+        monkeypatch.setattr(reference, "_ONE_PRODUCT_ROWS", rows)
+        for g, w in zip(rotate(q, k, **kwargs), want):
+            assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")

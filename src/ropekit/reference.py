@@ -264,6 +264,10 @@ def _sine_signs(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
     return signs[:, None] if neox else signs
 
 
+# Tokens up to which :func:`_float32_tables` builds both tables in one product.
+_ONE_PRODUCT_ROWS = 1024
+
+
 @functools.lru_cache(maxsize=64)
 def _table_factors(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
     """float64 factors of ``(cos, sin)`` into ``(C, T)`` per pair column (lo, hi): C ``(factor, factor)``, T
@@ -291,7 +295,9 @@ def _float32_tables(tables: tuple, factor: float, conjugate: bool, passed, D: in
     ``(+sin_hi, -sin_lo) * factor`` for the conjugate (the transpose)."""
     c_lo, c_hi, s_lo, s_hi = tables
     Bt, S, half = c_lo.shape
-    if c_lo is c_hi and s_lo is s_hi and rotary_dim == D:  # one product rounds both tables (decode's host time)
+    if c_lo is c_hi and s_lo is s_hi and rotary_dim == D and Bt * S <= _ONE_PRODUCT_ROWS:
+        # one product rounds both tables: fewest ops for decode's few tokens (torch's float64 -> float32 store
+        # in a product is slower per element than a copy, so many tokens take the copy and a half-size product)
         both = torch.empty(Bt, S, 1, 2, D, dtype=torch.float32, device=device)  # [.., (C, T), D]
         cos_sin = torch.stack((c_lo, s_lo), 2)  # [Bt, S, (cos, sin), R/2], float64
         if neox:  # [.., (C, T), (lo, hi), R/2]
@@ -371,24 +377,40 @@ def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_st
     work = None if direct else torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device)
     copy = torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
     t_lo, t_hi = _pairs(T, 0, rotary_dim, neox)
-    by_sequence = C.shape[0] > 1  # tables per sequence, else one row for all
+    tables = (C, t_lo, t_hi)
+    # the full-size buffers' pair views, made once: a view costs host time comparable to a block's small ops
+    copy_pairs = _pairs(copy, rotary_start, rotary_dim, neox) if copy_in else None
+    work_pairs = _pairs(work, rotary_start, rotary_dim, neox) if work is not None else None
     for b0 in range(0, B, b_step):
         nb = min(b_step, B - b0)
         for s0 in range(0, S, s_step):
             n = min(s_step, S - s0)
-            xs, os_ = (t.narrow(0, b0, nb).narrow(1, s0, n) for t in (x, out))
-            c, ta, tb = (t.narrow(0, b0, nb) if by_sequence else t for t in (C, t_lo, t_hi))
-            c, ta, tb = (t.narrow(1, s0, n) for t in (c, ta, tb))
+            full = nb == b_step and n == s_step  # the buffers need no narrowing
+            xs, os_ = _block(x, b0, nb, s0, n), _block(out, b0, nb, s0, n)
+            c, ta, tb = (_block(t, b0 if t.shape[0] > 1 else 0, min(nb, t.shape[0]), s0, n) for t in tables)
             if copy_in:
-                xs = copy.narrow(0, 0, nb).narrow(1, 0, n).copy_(xs)
-            res = os_ if direct else work.narrow(0, 0, nb).narrow(1, 0, n)
-            lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
-            rlo, rhi = _pairs(res, rotary_start, rotary_dim, neox)
+                xs = (copy if full else _block(copy, 0, nb, 0, n)).copy_(xs)
+                lo, hi = copy_pairs if full else _pairs(xs, rotary_start, rotary_dim, neox)
+            else:
+                lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
+            if direct:
+                res = os_
+                rlo, rhi = _pairs(res, rotary_start, rotary_dim, neox)
+            else:
+                res = work if full else _block(work, 0, nb, 0, n)
+                rlo, rhi = work_pairs if full else _pairs(res, rotary_start, rotary_dim, neox)
             torch.mul(xs, c, out=res)
             rlo.addcmul_(hi, ta)
             rhi.addcmul_(lo, tb)
             if not direct:
                 os_.copy_(res)  # the one rounding to the output's dtype (in place: after the block is read)
+
+
+def _block(t: torch.Tensor, b0: int, nb: int, s0: int, n: int) -> torch.Tensor:
+    """``t[b0:b0 + nb, s0:s0 + n]``, narrowing only the dims the block does not cover whole."""
+    if nb != t.shape[0]:
+        t = t.narrow(0, b0, nb)
+    return t if n == t.shape[1] else t.narrow(1, s0, n)
 
 
 def _pairs(y: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
