@@ -225,10 +225,9 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
 
 def _float32_path_positions(spec: RopeSpec, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(int64 CPU positions of the canonical grid -- one row for all sequences when they share their positions
-    and frequencies -- and None when every token's position is usable, else the per-token validity mask). An
-    offset's range is known without a tensor op; position tensors are checked by one min/max, and the mask is
-    built only when some position is out of range (negative, past ``MAX_POSITION`` or a position-indexed
-    table)."""
+    and frequencies -- and None when every position is usable, else the per-token validity mask). An offset's
+    range is known without a tensor op, a position tensor's is read by one aminmax; the mask is built only
+    when some position is negative or past ``MAX_POSITION`` or a position-indexed table."""
     rows = None if spec.freq_mode == "inv_freq" or spec.table_by_token else spec.cos.shape[1]
     tables_by_sequence = spec.freq_mode != "inv_freq" and spec.cos.shape[0] != 1
     if spec.positions is None and spec.seq_offsets is None and spec.cu_seqlens is None:  # 0.. S-1 plus an offset
@@ -254,14 +253,6 @@ def _float32_path_positions(spec: RopeSpec, B: int, S: int) -> tuple[torch.Tenso
     if rows is not None:
         valid &= pos < rows
     return pos, valid
-
-
-@functools.lru_cache(maxsize=64)
-def _sine_signs(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
-    """float64 ``(sign_lo, sign_hi) * factor`` shaped to broadcast over a pair axis (-2 for ``neox``, else -1):
-    (-1, +1) forward, (+1, -1) for the conjugate. A constant of its arguments, never written."""
-    signs = torch.tensor([factor, -factor] if conjugate else [-factor, factor], dtype=torch.float64)
-    return signs[:, None] if neox else signs
 
 
 # Tokens up to which :func:`_float32_tables` builds both tables in one product.
@@ -311,20 +302,21 @@ def _float32_tables(tables: tuple, factor: float, conjugate: bool, passed, D: in
     axis = -2 if neox else -1  # the pair axis of _paired's views
     cp = _paired(C if rotary_dim == D else C.narrow(-1, rotary_start, rotary_dim), neox)
     tp = _paired(T, neox)
-
-    def spread(t: torch.Tensor) -> torch.Tensor:  # [Bt, S, R/2] -> broadcastable over the paired [Bt, S, 1, ..]
-        return t.unsqueeze(2).unsqueeze(axis)
-
     # Each copy or product computes in float64 and rounds once into the float32 table.
-    cosines = ((cp, spread(c_lo)),) if c_lo is c_hi else ((cp.select(axis, 0), c_lo[:, :, None, :]),
-                                                         (cp.select(axis, 1), c_hi[:, :, None, :]))
+    cosines = ((cp, c_lo.unsqueeze(2).unsqueeze(axis)),) if c_lo is c_hi else (
+        (cp.select(axis, 0), c_lo[:, :, None, :]), (cp.select(axis, 1), c_hi[:, :, None, :]))
     for dst, src in cosines:
         if factor == 1.0:
             dst.copy_(src)
         else:
             torch.mul(src.expand(dst.shape), factor, out=dst)
-    if s_lo is s_hi:  # one product with the pair's two signs
-        torch.mul(spread(s_lo), _sine_signs(float(factor), conjugate, neox).to(device), out=tp)
+    if s_lo is s_hi:  # the positive column rounded once (a copy, or a half-size product), the other its negation
+        positive, negative = tp.unbind(axis) if conjugate else tp.unbind(axis)[::-1]
+        if factor == 1.0:
+            positive.copy_(s_lo[:, :, None, :])
+        else:
+            torch.mul(s_lo[:, :, None, :], factor, out=positive)
+        torch.neg(positive, out=negative)  # exact
     else:  # T's lo column takes the pair's hi sine for the conjugate, its lo sine forward
         sines = ((s_hi, factor), (s_lo, -factor)) if conjugate else ((s_lo, -factor), (s_hi, factor))
         for i, (src, signed) in enumerate(sines):
