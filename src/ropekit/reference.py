@@ -197,9 +197,8 @@ def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tens
     neox = spec.style == "neox"
     pos, valid = _float32_path_positions(spec, B, S)
     if spec.freq_mode == "inv_freq" and pos.dim() == 2:
-        # rotation_tables' float64 angles, with cos/sin taken of them directly: torch's float64 cos/sin are
-        # accurate at any angle of a position below 2**31, while reduced_angle's fmod by the float64 2*pi is off
-        # by up to 2e-7 there (and is the slowest op of a decode call)
+        # rotation_tables' angles, without reduced_angle: its fmod by the float64 2*pi is off by up to 2e-7 near
+        # position 2**31 (and slow), while torch's float64 cos/sin are accurate at any such angle
         angle = torch.mul(pos.unsqueeze(-1), spec.inv_freq.to(device=pos.device, dtype=torch.float64))
         cosine, sine = torch.cos(angle), torch.sin(angle)
         tables = (cosine, cosine, sine, sine)
@@ -369,8 +368,7 @@ def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_st
     work = None if direct else torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device)
     copy = torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
     t_lo, t_hi = _pairs(T, 0, rotary_dim, neox)
-    tables = (C, t_lo, t_hi)
-    # the full-size buffers' pair views, made once: a view costs host time comparable to a block's small ops
+    tables = (C, t_lo, t_hi)  # below: the full buffers' pair views, made once (views cost host time)
     copy_pairs = _pairs(copy, rotary_start, rotary_dim, neox) if copy_in else None
     work_pairs = _pairs(work, rotary_start, rotary_dim, neox) if work is not None else None
     for b0 in range(0, B, b_step):
@@ -400,8 +398,7 @@ def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_st
 
 def _block(t: torch.Tensor, b0: int, nb: int, s0: int, n: int) -> torch.Tensor:
     """``t[b0:b0 + nb, s0:s0 + n]``, narrowing only the dims the block does not cover whole."""
-    if nb != t.shape[0]:
-        t = t.narrow(0, b0, nb)
+    t = t if nb == t.shape[0] else t.narrow(0, b0, nb)
     return t if n == t.shape[1] else t.narrow(1, s0, n)
 
 
