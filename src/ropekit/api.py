@@ -186,6 +186,7 @@ def qk_norm_rope(
     rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None, sections: Sequence[int] | None = None,
     section_layout: str = "contiguous", check_positions: bool = False, out_dtype: torch.dtype | None = None,
     q_out_scale: float | Tensor | str | None = None, k_out_scale: float | Tensor | str | None = None,
+    norm_over: str = "head", v: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Per-head RMSNorm of ``q`` and ``k`` over head_dim, then RoPE, in one kernel: returns new ``(q_out,
     k_out)`` (Qwen3's and OLMo-2's ``q_norm``/``k_norm`` before the rotation). Differentiable in q, k, q_weight and
@@ -211,6 +212,18 @@ def qk_norm_rope(
         ``max |row| / fp8 max``, computed in the same launch, and the call returns ``(q_out, k_out, q_scales,
         k_scales)``, the scales float32 shaped like q and k without their last dim (an all-zero row: scale 0).
 
+    norm_over : "head" (default) or "hidden"
+        ``"hidden"``: the diffusion transformers' norm (WAN 2.x, FLUX.2): each token's mean square is taken over all
+        its heads at once (H * D values), with weights ``q_weight`` [H * D] and ``k_weight`` [Hk * D] (head-major, as
+        ``nn.RMSNorm(H * D)`` holds them), then each head is rotated. Composed, not one kernel, on every device:
+        the norm in torch fp32 (float64 for float64 inputs; the sum of squares a fixed tree, so a token's bits do
+        not depend on its batch) and the rotation by :func:`apply_rope` on the fp32 values, rounded to float32
+        there and then to q's/k's dtype. Differentiable (autograd through the norm's torch ops and apply_rope's
+        op) and traceable by ``torch.compile(fullgraph=True)``. q's and k's dtypes only (no ``out_dtype``).
+    v : Tensor, optional
+        Shaped like k (any float dtype, any strides): also returned last, as a new contiguous tensor in q's dtype
+        (the V copy diffusion transformers fuse; its gradient is the incoming one, cast back).
+
     Every other keyword is :func:`apply_rope`'s (positions, frequencies, pairing, layout, partial rotary, scales,
     packed sequences, multi-axis positions). Raises ``TypeError``/``ValueError``/``IndexError`` naming the
     argument.
@@ -218,12 +231,40 @@ def qk_norm_rope(
     >>> q_out, k_out = ropekit.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps=1e-6,
     ...                                     positions=position_ids, base=1000000.0)
     """
+    if norm_over != "head" or v is not None:
+        return _qk_hidden_norm_rope(
+            q, k, q_weight, k_weight, v, norm_over, eps=eps, weight_offset=weight_offset, positions=positions,
+            inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style, layout=layout,
+            rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale, rotary_scale=rotary_scale,
+            cu_seqlens=cu_seqlens, sections=sections, section_layout=section_layout,
+            check_positions=check_positions, out_dtype=out_dtype, q_out_scale=q_out_scale, k_out_scale=k_out_scale)
     norm = NormSpec(q_weight, k_weight, weight_offset=weight_offset, eps=eps)
     args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
                     section_layout=section_layout, check_positions=check_positions, out_dtype=out_dtype)
     return _fastpath.norm_rotate(q, k, norm, args, OutScales(q_out_scale, k_out_scale))
+
+
+def _qk_hidden_norm_rope(q, k, q_weight, k_weight, v, norm_over, *, eps, weight_offset, layout, out_dtype,
+                         q_out_scale, k_out_scale, **rope_kwargs):
+    """qk_norm_rope with ``norm_over="hidden"`` and/or a ``v`` to copy (:mod:`ropekit._hidden_norm`)."""
+    from ropekit import _hidden_norm
+
+    _hidden_norm.check_hidden_norm(q, k, q_weight, k_weight, v, layout, norm_over, out_dtype, q_out_scale,
+                                   k_out_scale)
+    if norm_over == "hidden":
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        q_n = _hidden_norm.hidden_rms_norm(q, q_weight, eps, weight_offset, layout)
+        k_n = _hidden_norm.hidden_rms_norm(k, k_weight, eps, weight_offset, layout)
+        q_r, k_r = apply_rope(q_n, k_n, layout=layout, **rope_kwargs)
+        outs = (q_r.to(q.dtype), k_r.to(k.dtype))
+    else:
+        norm = NormSpec(q_weight, k_weight, weight_offset=weight_offset, eps=eps)
+        args = RopeArgs(layout=layout, out_dtype=out_dtype, **rope_kwargs)
+        outs = tuple(_fastpath.norm_rotate(q, k, norm, args, OutScales(q_out_scale, k_out_scale)))
+    return outs if v is None else (*outs, _hidden_norm.copy_v(v, q.dtype))
 
 
 def rope_kv_write(
