@@ -169,6 +169,7 @@ class RopeArgs(NamedTuple):
     check_positions: bool = False
     out_dtype: torch.dtype | None = None
     backend: str = "auto"
+    q_out_scale: str | None = None
 
 
 TENSOR_ARGS = ("positions", "inv_freq", "cos", "sin", "angles", "cu_seqlens")

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ropekit import _fastpath, distributed
+from ropekit._rope_float8 import rotate_float8_dynamic
 from ropekit._spec import BACKWARD, FORWARD, FORWARD_INPLACE, CacheArgs, Mode, NormSpec, OutScales, Positions, RopeArgs
 from ropekit._validation import validate_args
 
@@ -24,6 +25,8 @@ __all__ = ["apply_rope", "apply_rope_", "rope_backward", "qk_norm_rope", "rope_k
 def _rope(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
     """The body of the public functions; ``args`` is their keyword arguments after q and k (spelled out, not
     ``locals()``, which torch.compile cannot trace in every supported torch version)."""
+    if args.q_out_scale is not None:  # float8 outputs with dynamic scales: their own op
+        return rotate_float8_dynamic(q, k, mode, args)
     if args.backend == "auto":
         if type(q) is not Tensor and distributed.is_dtensor(q):
             return distributed.rotate_dtensor(q, k, mode, args)
@@ -41,8 +44,8 @@ def apply_rope(
     style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front",
     q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None,
     sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
-    out_dtype: torch.dtype | None = None, backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+    out_dtype: torch.dtype | None = None, backend: str = "auto", q_out_scale: str | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """Rotate ``q`` (and ``k``) by their positions; returns new tensors ``(q_rot, k_rot)``, or ``q_rot`` alone
     when ``k`` is None. Differentiable in q and k (the backward is the conjugate rotation).
 
@@ -107,7 +110,15 @@ def apply_rope(
     out_dtype : torch.dtype, optional
         dtype of the outputs (default: the inputs'), e.g. float32 outputs from bfloat16 inputs, as transformers
         returns when its cos/sin tables are float32. Rounded once from the fp32 (float64 for float64 inputs)
-        result. In place it must be the inputs' dtype.
+        result. In place it must be the inputs' dtype. ``torch.float8_e4m3fn``/``torch.float8_e5m2``: float8
+        outputs for FP8 attention, inference only (raises ``RuntimeError`` where q or k requires grad), each
+        value ``x * q_scale`` (k: ``k_scale``) rounded to nearest even and saturated.
+    q_out_scale : None or "dynamic"
+        ``"dynamic"`` (with a float8 ``out_dtype``; as :func:`qk_norm_rope`'s): each (token, head) row of q and
+        k is divided by its own scale ``max |row| / fp8 max`` (pass-through columns included), computed in the
+        same launch, and the call returns ``(q_out, k_out, q_scales, k_scales)`` (without k: ``(q_out,
+        q_scales)``), the scales float32 shaped like q and k without their last dim (an all-zero row: scale 0,
+        zeros stored). Only for :func:`apply_rope` (the other two raise ``ValueError``).
     backend : {"auto", "webgpu"}
         ``auto``: the Triton kernels for CUDA tensors; for CPU tensors the float32 torch path (float64 inputs:
         the float64 reference). ``webgpu``: the WGSL kernels through wgpu on CPU tensors (``pip install
@@ -128,7 +139,7 @@ def apply_rope(
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
                     section_layout=section_layout, check_positions=check_positions,
-                    out_dtype=out_dtype, backend=backend)
+                    out_dtype=out_dtype, backend=backend, q_out_scale=q_out_scale)
     return _rope(q, k, FORWARD, args)
 
 
@@ -138,8 +149,8 @@ def apply_rope_(
     style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front",
     q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None,
     sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
-    out_dtype: torch.dtype | None = None, backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+    out_dtype: torch.dtype | None = None, backend: str = "auto", q_out_scale: str | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """In-place :func:`apply_rope`: rotates ``q`` (and ``k``) in their own memory and returns them; same
     arguments (``out_dtype``, if given, must be the inputs' dtype).
 
@@ -153,7 +164,7 @@ def apply_rope_(
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
                     section_layout=section_layout, check_positions=check_positions,
-                    out_dtype=out_dtype, backend=backend)
+                    out_dtype=out_dtype, backend=backend, q_out_scale=q_out_scale)
     return _rope(q, k, FORWARD_INPLACE, args)
 
 
@@ -163,8 +174,8 @@ def rope_backward(
     style: str = "neox", layout: str = "bshd", rotary_dim: int | None = None, rotary_at: str = "front",
     q_scale: float = 1.0, k_scale: float = 1.0, rotary_scale: float = 1.0, cu_seqlens: Tensor | None = None,
     sections: Sequence[int] | None = None, section_layout: str = "contiguous", check_positions: bool = False,
-    out_dtype: torch.dtype | None = None, backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+    out_dtype: torch.dtype | None = None, backend: str = "auto", q_out_scale: str | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """Explicit backward of :func:`apply_rope` (cuDNN's ``rope_backward``): the gradients w.r.t. q (and k)
     given those w.r.t. the rotated outputs ``dq_rot`` (and ``dk_rot``) -- the rotation by -theta, times the same
     ``q_scale``/``k_scale`` and ``rotary_scale``. Pass the same arguments as to the forward call; see
@@ -174,7 +185,7 @@ def rope_backward(
                     layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_scale, k_scale=k_scale,
                     rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
                     section_layout=section_layout, check_positions=check_positions,
-                    out_dtype=out_dtype, backend=backend)
+                    out_dtype=out_dtype, backend=backend, q_out_scale=q_out_scale)
     return _rope(dq_rot, dk_rot, BACKWARD, args)
 
 

@@ -114,6 +114,36 @@ def _rope_inplace_fake(q, k, *spec):
     return None
 
 
+def rotate_float8_dynamic(q: Tensor, k: Tensor | None, spec: RopeSpec) -> list[Tensor]:
+    """apply_rope with float8 outputs (``spec.out_dtype``) and dynamic scales (inference only): [q_out, k_out,
+    q_scales, k_scales] (without k: [q_out, q_scales]), each (token, head) row divided by its own float32 scale
+    ``max |row| / fp8 max``; the scales are shaped like q and k without their last dim."""
+    xs = [q] if k is None else [q, k]
+    quant = OutQuant(spec.out_dtype, dynamic=True)
+    if uses_kernels(q):
+        from ropekit.triton.launcher import launch_rope
+
+        outs = _new_float8(xs, quant)
+        launch_rope(q, k, outs[0], outs[1] if k is not None else None, spec, q_scales=outs[len(xs)],
+                    k_scales=outs[-1] if k is not None else None)
+        return outs
+    math = torch.float32 if uses_float32_path(q) else torch.float64
+    return _float8_outputs(xs, rotate_out_of_place(q, k, spec._replace(out_dtype=math)), quant)
+
+
+def _rope_fp8_dynamic(q: Tensor, k: Tensor | None, *spec) -> list[Tensor]:
+    return rotate_float8_dynamic(q, k, RopeSpec(*spec))
+
+
+rope_fp8_dynamic = torch.library.custom_op("ropekit::rope_fp8_dynamic", _rope_fp8_dynamic, mutates_args=(),
+                                           schema=op_schema(inplace=False))
+
+
+@rope_fp8_dynamic.register_fake
+def _rope_fp8_dynamic_fake(q, k, *spec):
+    return _new_float8([q] if k is None else [q, k], OutQuant(RopeSpec(*spec).out_dtype, dynamic=True))
+
+
 # --- the attention prologue: ropekit::qk_norm_rope (+ its backward) and ropekit::rope_kv_write ------------------
 
 def _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec: RopeSpec) -> list[Tensor]:

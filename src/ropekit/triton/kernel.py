@@ -529,24 +529,48 @@ def _store_pairs(
 
 
 @triton.jit
+def _row_amax(y_lo, y_hi, y_p, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_START: tl.constexpr,
+              HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr):
+    """max |y| over each head row [BLOCK_T, BLOCK_H] (padded columns excluded): a max, exact in any order."""
+    i = tl.arange(0, HALF_BLOCK)[None, None, :]
+    a = tl.maximum(tl.max(tl.where(i < ROT_DIM // 2, tl.abs(y_lo), 0.0), axis=2),
+                   tl.max(tl.where(i < ROT_DIM // 2, tl.abs(y_hi), 0.0), axis=2))
+    if HAS_PASS:
+        _, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
+        a = tl.maximum(a, tl.max(tl.where(mp, tl.abs(y_p), 0.0), axis=2))
+    return a
+
+
+@triton.jit
 def _store_heads(
     o_ptr, base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr, OUT_FP8: tl.constexpr,
-    ROUND_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr, so_ptr=None, so_base=None, OUT_DYNAMIC: tl.constexpr = False,
 ):
     """Rotate a loaded block of heads by the token rotation ([BLOCK_T, HALF_BLOCK] each, which carries the output
     scale already), store; the pass-through columns are multiplied by ``scale``. ``OUT_FP8``: the float8 kind of
-    the output (saturated, rounded to nearest even)."""
+    the output (saturated, rounded to nearest even). ``OUT_DYNAMIC``: each row is divided by its own scale
+    ``max |row| / fp8 max`` (pass-through columns included), stored as float32 at ``so_ptr + so_base``."""
     y_lo, y_hi = _turn(x_lo, x_hi, c_lo, c_hi, s_a, s_b)
+    y_p = x_p * scale
+    if OUT_DYNAMIC:
+        amax = _row_amax(y_lo, y_hi, y_p, ROT_DIM, HEAD_DIM, ROT_START, HALF_BLOCK, PASS_BLOCK, COPY_PASS)
+        if OUT_FP8 == FP8_E5M2:
+            row_scale = amax / FP8_E5M2_MAX
+        else:
+            row_scale = amax / FP8_E4M3_MAX
+        div = tl.where(row_scale > 0, row_scale, 1.0)[:, :, None]  # an all-zero row: scale 0, zeros stored
+        y_lo, y_hi, y_p = y_lo / div, y_hi / div, y_p / div
+        tl.store(so_ptr + so_base, row_scale[:, :, None], mask=m)
     if OUT_FP8:
         STORE_FP8: tl.constexpr = OUT_FP8 == FP8_E4M3 and not ROUND_FP8  # as _fp8_for_interpreter says
         _store_pairs(o_ptr, base, m, _fp8_for_interpreter(y_lo, OUT_FP8, ROUND_FP8),
                      _fp8_for_interpreter(y_hi, OUT_FP8, ROUND_FP8),
-                     _fp8_for_interpreter(x_p * scale, OUT_FP8, ROUND_FP8), HEAD_DIM, ROT_DIM, ROT_START, NEOX,
+                     _fp8_for_interpreter(y_p, OUT_FP8, ROUND_FP8), HEAD_DIM, ROT_DIM, ROT_START, NEOX,
                      HALF_BLOCK, PASS_BLOCK, COPY_PASS, STORE_FP8, False)
     else:
-        _store_pairs(o_ptr, base, m, y_lo, y_hi, x_p * scale, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
+        _store_pairs(o_ptr, base, m, y_lo, y_hi, y_p, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK,
                      PASS_BLOCK, COPY_PASS, False, False)
 
 
@@ -561,16 +585,17 @@ def _rope_head_block(
     BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, COPY_PASS: tl.constexpr,
     FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr,
     AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, POS_PER_AXIS: tl.constexpr, OUT_FP8: tl.constexpr,
-    ROUND_FP8: tl.constexpr,
+    ROUND_FP8: tl.constexpr, so_ptr=None, so_sb=0, so_ss=0, so_sh=0, OUT_DYNAMIC: tl.constexpr = False,
 ):
-    """Rotate one [BLOCK_T, BLOCK_H] block of heads of ``x`` into ``o``.
+    """Rotate one [BLOCK_T, BLOCK_H] block of heads of ``x`` into ``o`` (``OUT_DYNAMIC``: with each row's float8
+    scale into ``so`` at strides ``so_sb, so_ss, so_sh``).
 
     The block's loads come first, before the position load and the angle math they do not depend on: a decode
     call is one round trip to memory plus the sin/cos latency, not a position round trip, then the angles, then
     the data round trip."""
     x_base, m = _head_tile(b, s, mask_t, h0, H, x_sb, x_ss, x_sh, BLOCK_H)
     x_lo, x_hi, x_p = _load_heads(x_ptr, x_base, m, HEAD_DIM, ROT_DIM, ROT_START, NEOX, HALF_BLOCK, PASS_BLOCK,
-                                  COPY_PASS, False)
+                                  COPY_PASS, OUT_DYNAMIC)  # zeros where padded: no NaN in a row's max
     if NUM_AXES > 1:  # positions are read per pair, with their validity, by _rotation (_pair_positions)
         pos = s
         valid = mask_t
@@ -584,8 +609,11 @@ def _rope_head_block(
         TABLE_BY_TOKEN, TABLE_FULL, CONJUGATE, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2,
         AXIS_BOUND_3, POS_PER_AXIS)
     o_base, _ = _head_tile(b, s, mask_t, h0, H, o_sb, o_ss, o_sh, BLOCK_H)
+    so_base = o_base
+    if OUT_DYNAMIC:
+        so_base, _ = _head_tile(b, s, mask_t, h0, H, so_sb, so_ss, so_sh, BLOCK_H)
     _store_heads(o_ptr, o_base, m, x_lo, x_hi, x_p, c_lo, c_hi, s_a, s_b, scale, HEAD_DIM, ROT_DIM, ROT_START,
-                 NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS, OUT_FP8, ROUND_FP8)
+                 NEOX, HALF_BLOCK, PASS_BLOCK, COPY_PASS, OUT_FP8, ROUND_FP8, so_ptr, so_base, OUT_DYNAMIC)
 
 
 @triton.jit
@@ -607,6 +635,7 @@ def rope_kernel(
     pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
     q_scale, k_scale, rotary_scale, pos_sa,
+    qdyn_ptr, qdyn_sb, qdyn_ss, qdyn_sh, kdyn_ptr, kdyn_sb, kdyn_ss, kdyn_sh,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, CONJUGATE: tl.constexpr, HAS_K: tl.constexpr,
@@ -615,7 +644,7 @@ def rope_kernel(
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
     AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr, POS_AXIS_STRIDE: tl.constexpr,
-    POS_PER_AXIS: tl.constexpr, OUT_FP8: tl.constexpr, ROUND_FP8: tl.constexpr,
+    POS_PER_AXIS: tl.constexpr, OUT_FP8: tl.constexpr, ROUND_FP8: tl.constexpr, OUT_DYNAMIC: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
     of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
@@ -623,7 +652,8 @@ def rope_kernel(
     ``heuristics.AXIS_STRIDE_CONSTANT_TOKENS``): each pair's position address is then a constant offset.
     ``POS_PER_AXIS``: multi-axis positions loaded once per axis and selected per pair (:func:`_pair_positions`).
     ``OUT_FP8``: float8 outputs of that kind (1 e4m3fn, 2 e5m2), saturated; ``ROUND_FP8``: rounded in software
-    (the interpreter)."""
+    (the interpreter); ``OUT_DYNAMIC``: each (token, head) row scaled by its own ``max |row| / fp8 max``, the
+    scales (float32) stored at ``qdyn_ptr``/``kdyn_ptr`` with strides in elements."""
     if POS_AXIS_STRIDE > 0:
         pos_sa = POS_AXIS_STRIDE
     if STRIDE_UNIT > 1:
@@ -646,7 +676,8 @@ def rope_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             CONJUGATE, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK, COPY_PASS_Q, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
-            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS, OUT_FP8, ROUND_FP8)
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS, OUT_FP8, ROUND_FP8, qdyn_ptr, qdyn_sb, qdyn_ss,
+            qdyn_sh, OUT_DYNAMIC)
     elif HAS_K:
         _rope_head_block(
             k_ptr, ko_ptr, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, t, b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK,
@@ -654,4 +685,5 @@ def rope_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             CONJUGATE, BLOCK_HK, HALF_BLOCK, PASS_BLOCK, COPY_PASS_K, FAST_TRIG, NUM_AXES, AXES_INTERLEAVED,
-            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS, OUT_FP8, ROUND_FP8)
+            AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, POS_PER_AXIS, OUT_FP8, ROUND_FP8, kdyn_ptr, kdyn_sb, kdyn_ss,
+            kdyn_sh, OUT_DYNAMIC)

@@ -66,10 +66,13 @@ def axis_constexprs(sections, section_layout: str) -> tuple[int, bool, int, int,
 
 def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
                 spec: RopeSpec, *, tile_bytes: int = TILE_BYTES,
-                config: tuple[int, int, int, int] | None = None) -> None:
+                config: tuple[int, int, int, int] | None = None, q_scales: torch.Tensor | None = None,
+                k_scales: torch.Tensor | None = None) -> None:
     """Rotate ``q`` (and ``k``) as ``spec`` says into ``q_out`` (and ``k_out``); outputs may alias their inputs
-    exactly. ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only)."""
-    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config)
+    exactly. ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only).
+    ``q_scales``/``k_scales`` (float32, q's and k's shapes without the last dim): float8 outputs with dynamic
+    scales, each (token, head) row divided by its own ``max |row| / fp8 max``, which is stored there."""
+    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config, q_scales, k_scales)
     if launch is not None:
         runtime.launch(ROPE, *launch, q.device)
 
@@ -84,7 +87,8 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
     return (grid, *ROPE.ordered(args, constexprs), num_warps)
 
 
-def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
+def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None, q_scales=None,
+                   k_scales=None):
     """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments, ``args`` and
     ``constexprs`` as dicts by parameter name; None when there is nothing to rotate."""
     # fields by name: a new RopeSpec field must not shift these
@@ -183,6 +187,10 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         "t_sb": t_sb, "t_sr": t_sr, "t_sc": t_sc, "table_rows": table_rows,
         "q_scale": q_scale, "k_scale": k_scale, "rotary_scale": rotary_scale, "pos_sa": pos_sa,
     }
+    for name, scales in (("qdyn", q_scales), ("kdyn", k_scales)):  # dynamic float8 scales: [B, S, H] strides
+        strides = to_canonical(scales.unsqueeze(-1), layout).stride()[:3] if scales is not None else (0, 0, 0)
+        args.update({f"{name}_ptr": scales if scales is not None else dummy, f"{name}_sb": strides[0],
+                     f"{name}_ss": strides[1], f"{name}_sh": strides[2]})
     num_axes, interleaved, bound_1, bound_2, bound_3 = axes
     constexprs = {
         "HEAD_DIM": D, "ROT_DIM": rotary_dim, "ROT_START": rotary_start, "NEOX": style == "neox",
@@ -195,6 +203,6 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         "NUM_AXES": num_axes, "AXES_INTERLEAVED": interleaved, "AXIS_BOUND_1": bound_1, "AXIS_BOUND_2": bound_2,
         "AXIS_BOUND_3": bound_3, "STRIDE_UNIT": unit, "POS_AXIS_STRIDE": pos_sa if stride_constant else 0,
         "POS_PER_AXIS": axis_loads, "OUT_FP8": _FP8_KINDS.get(q_out.dtype, 0),
-        "ROUND_FP8": q_out.dtype in _FP8_KINDS and not on_cuda,
+        "ROUND_FP8": q_out.dtype in _FP8_KINDS and not on_cuda, "OUT_DYNAMIC": q_scales is not None,
     }
     return grid, args, constexprs, num_warps
