@@ -2,10 +2,9 @@
 
 Each token's q (and k) is RMS-normalised over all its heads at once (weight [H * D]) before the per-head rotation,
 and an optional v is copied into a new contiguous tensor in q's dtype beside them. This module checks those
-arguments and does the norm and the copy in torch (fp32 math, float64 for float64 inputs); the rotation is
-:func:`ropekit.apply_rope`'s, called by the public function on the normalised fp32 values, so there is one rounding,
-at the end. The sum of squares is one fixed tree of adjacent pairs (elementwise additions only), so a token's bits
-do not depend on the batch it came in or on the device's reduction heuristics.
+arguments, and holds the torch path of the norm (fp32 math, float64 for float64 inputs: the route without Triton
+kernels, whose sum of squares is one fixed tree of adjacent pairs, so a token's bits do not depend on its batch)
+and its backward, written from the definition. The kernel is :mod:`ropekit.triton.hidden_norm_kernels`.
 """
 
 from __future__ import annotations
@@ -69,18 +68,37 @@ def _tree_sum(x: Tensor) -> Tensor:
     return x
 
 
-def hidden_rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float, layout: str) -> Tensor:
-    """``x / sqrt(mean(x**2 over the token's H * D values) + eps) * (weight + weight_offset)`` in fp32 (float64
-    for float64 ``x``), returned in that dtype and x's shape; differentiable in x and weight."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    axis = head_axis(layout)
-    xf = x.to(acc)
-    rows = xf.movedim(axis, -2)  # [..., H, D]
-    flat = rows.reshape(*rows.shape[:-2], rows.shape[-2] * rows.shape[-1])
+def _rows(x: Tensor, layout: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """x in ``dtype`` as [..., H, D] (heads moved next to the last axis) and as [..., H * D]."""
+    rows = x.to(dtype).movedim(head_axis(layout), -2)
+    return rows, rows.reshape(*rows.shape[:-2], rows.shape[-2] * rows.shape[-1])
+
+
+def hidden_rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float, layout: str,
+                    dtype: torch.dtype | None = None) -> Tensor:
+    """``x / sqrt(mean(x**2 over the token's H * D values) + eps) * (weight + weight_offset)`` in ``dtype``
+    (default fp32, float64 for float64 ``x``), returned in that dtype and x's shape; differentiable."""
+    dtype = dtype or (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    rows, flat = _rows(x, layout, dtype)
     ms = _tree_sum(flat * flat) / flat.shape[-1]
     inv = torch.rsqrt(ms + eps)[..., None]  # [..., 1, 1]
-    w = (weight.to(acc) + weight_offset).reshape(rows.shape[-2], rows.shape[-1])
-    return (rows * inv * w).movedim(-2, axis)
+    w = (weight.to(dtype) + weight_offset).reshape(rows.shape[-2], rows.shape[-1])
+    return (rows * inv * w).movedim(-2, head_axis(layout))
+
+
+def hidden_rms_norm_backward(x: Tensor, weight: Tensor, weight_offset: float, eps: float, grad: Tensor,
+                             layout: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of :func:`hidden_rms_norm` for the output gradient ``grad``, in ``dtype``, from the
+    definition: with ``r = rsqrt(mean(x**2) + eps)`` over the N = H * D values of a token and ``gw = grad *
+    (weight + weight_offset)``, ``dx = r * gw - x * r**3 * mean(gw * x)`` and ``dweight = sum over tokens of grad
+    * x * r``. Differentiable (torch ops only)."""
+    rows, flat_x = _rows(x, layout, dtype)
+    _, flat_g = _rows(grad, layout, dtype)
+    r = torch.rsqrt(flat_x.pow(2).mean(-1, keepdim=True) + eps)
+    gw = flat_g * (weight.to(dtype) + weight_offset)
+    dx = r * gw - flat_x * r.pow(3) * (gw * flat_x).mean(-1, keepdim=True)
+    dweight = (flat_g * flat_x * r).reshape(-1, flat_x.shape[-1]).sum(0)
+    return dx.reshape(rows.shape).movedim(-2, head_axis(layout)), dweight
 
 
 def copy_v(v: Tensor, dtype: torch.dtype) -> Tensor:

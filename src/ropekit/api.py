@@ -226,11 +226,12 @@ def qk_norm_rope(
     norm_over : "head" (default) or "hidden"
         ``"hidden"``: the diffusion transformers' norm (WAN 2.x, FLUX.2): each token's mean square is taken over all
         its heads at once (H * D values), with weights ``q_weight`` [H * D] and ``k_weight`` [Hk * D] (head-major, as
-        ``nn.RMSNorm(H * D)`` holds them), then each head is rotated. Composed, not one kernel, on every device:
-        the norm in torch fp32 (float64 for float64 inputs; the sum of squares a fixed tree, so a token's bits do
-        not depend on its batch) and the rotation by :func:`apply_rope` on the fp32 values, rounded to float32
-        there and then to q's/k's dtype. Differentiable (autograd through the norm's torch ops and apply_rope's
-        op) and traceable by ``torch.compile(fullgraph=True)``. q's and k's dtypes only (no ``out_dtype``).
+        ``nn.RMSNorm(H * D)`` holds them), then each head is rotated; fp32 math (float64 for float64 inputs), one
+        rounding at the store. On CUDA one kernel launch (q, k and v's copy), a program holding all heads of a
+        token, so the sum of squares is one fixed tree and a token's bits do not depend on its batch; on CPU the
+        torch path. Differentiable in q, k and the weights; the backward is composed, not one launch (the
+        conjugate rotation, then the norm's backward in fp32 torch math). ``torch.compile(fullgraph=True)``
+        traces it as ``ropekit::qk_hidden_norm_rope``. q's and k's dtypes only (no ``out_dtype``).
     v : Tensor, optional
         Shaped like k (any float dtype, any strides): also returned last, as a new contiguous tensor in q's dtype
         (the V copy diffusion transformers fuse; its gradient is the incoming one, cast back).
@@ -267,10 +268,11 @@ def _qk_hidden_norm_rope(q, k, q_weight, k_weight, v, norm_over, *, eps, weight_
     if norm_over == "hidden":
         if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps}")
-        q_n = _hidden_norm.hidden_rms_norm(q, q_weight, eps, weight_offset, layout)
-        k_n = _hidden_norm.hidden_rms_norm(k, k_weight, eps, weight_offset, layout)
-        q_r, k_r = apply_rope(q_n, k_n, layout=layout, **rope_kwargs)
-        outs = (q_r.to(q.dtype), k_r.to(k.dtype))
+        from ropekit import autograd
+
+        spec = validate_args(q, k, RopeArgs(layout=layout, **rope_kwargs), FORWARD)
+        norm = NormSpec(q_weight, k_weight, weight_offset=float(weight_offset), eps=float(eps))
+        return autograd.hidden_norm_rotate(q, k, v, norm, spec)
     else:
         norm = NormSpec(q_weight, k_weight, weight_offset=weight_offset, eps=eps)
         args = RopeArgs(layout=layout, out_dtype=out_dtype, **rope_kwargs)

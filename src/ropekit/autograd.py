@@ -305,3 +305,51 @@ def attend(q: Tensor, k: Tensor, v: Tensor, angles: Tensor, cu_seqlens: Tensor |
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return EagerRopeAttention.apply(q, k, v, angles, cu_seqlens, *params)
     return ops.attention_forward(q, k, v, angles, cu_seqlens, *params)
+
+
+# --- the diffusion transformers' whole-hidden norm + RoPE -----------------------------------------------------
+
+def hidden_norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: float, eps: float,
+                           spec: RopeSpec) -> list[Tensor]:
+    """[dq, dk, dq_weight, dk_weight] of ``ropekit::qk_hidden_norm_rope``, composed (not one launch): the conjugate
+    rotation through ``ropekit::rope``, then the whole-hidden norm's backward in fp32 torch math (float64 for
+    float64 inputs). Differentiable, so double backward works too."""
+    from ropekit._hidden_norm import hidden_rms_norm_backward
+
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+    grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+    # contiguous: a gradient may be an expanded view (of a sum's), which ropekit::rope does not check for
+    rq, rk = ops.rope(grad_q.to(dtype).contiguous(), grad_k.to(dtype).contiguous(),
+                      *spec._replace(conjugate=not spec.conjugate, out_dtype=None))
+    dq, dqw = hidden_rms_norm_backward(q, q_weight, weight_offset, eps, rq, spec.layout, dtype)
+    dk, dkw = hidden_rms_norm_backward(k, k_weight, weight_offset, eps, rk, spec.layout, dtype)
+    return [dq.to(q.dtype), dk.to(k.dtype), dqw.to(q_weight.dtype), dkw.to(k_weight.dtype)]
+
+
+def _hidden_norm_setup_context(ctx, inputs, output) -> None:
+    q, k, q_weight, k_weight, v, weight_offset, eps, *fields = inputs
+    spec = RopeSpec(*fields)
+    ctx.save_for_backward(q, k, q_weight, k_weight, *spec.tensors)
+    ctx.norm = (weight_offset, eps)
+    ctx.scalars = spec.scalars
+    ctx.v_dtype = None if v is None else v.dtype
+
+
+def _hidden_norm_backward(ctx, grads):
+    q, k, q_weight, k_weight, *tensors = ctx.saved_tensors
+    spec = RopeSpec.from_parts(tuple(tensors), ctx.scalars)
+    dq, dk, dqw, dkw = hidden_norm_rope_grads(grads[0], grads[1], q, k, q_weight, k_weight, *ctx.norm, spec)
+    dv = None if ctx.v_dtype is None or len(grads) < 3 or grads[2] is None else grads[2].to(ctx.v_dtype)
+    return (dq, dk, dqw, dkw, dv, None, None, *[None] * len(RopeSpec._fields))
+
+
+torch.library.register_autograd("ropekit::qk_hidden_norm_rope", _hidden_norm_backward,
+                                setup_context=_hidden_norm_setup_context)
+
+
+def hidden_norm_rotate(q: Tensor, k: Tensor, v: Tensor | None, norm: NormSpec, spec: RopeSpec) -> tuple:
+    """Whole-hidden RMSNorm then rotation (validated), through ``ropekit::qk_hidden_norm_rope`` eager and traced:
+    ``(q_out, k_out)``, and v's copy last where v is given."""
+    return tuple(ops.qk_hidden_norm_rope(q, k, norm.q_weight, norm.k_weight, v, norm.weight_offset, norm.eps,
+                                         *spec))

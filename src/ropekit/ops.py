@@ -511,3 +511,46 @@ def _mla_rope_kv_write_fake(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_p
     q_outs, spec = (q_nope_out, q_pe_out), RopeSpec(*spec)
     outs = _mla_outputs(q, k_pe, k_heads, split_q, spec.rotary_dim, q_outs, spec.out_dtype)
     return _new_outputs_only(q, outs, q_outs, split_q)
+
+
+# --- the diffusion transformers' whole-hidden norm + RoPE: ropekit::qk_hidden_norm_rope -------------------------
+
+def hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset: float, eps: float, spec: RopeSpec) -> list[Tensor]:
+    """The body of ``ropekit::qk_hidden_norm_rope``: [q_out, k_out] (and v's copy in q's dtype where v is given),
+    new tensors; one kernel launch, else the torch path (the norm of :mod:`ropekit._hidden_norm`, then the
+    rotation in the same precision, one rounding at the end)."""
+    from ropekit import _hidden_norm
+
+    if uses_kernels(q):
+        from ropekit.triton.hidden_norm_launcher import launch_hidden_norm_rope
+
+        outs = _new_outputs(q, k, None)
+        if v is not None:
+            outs.append(v.new_empty(v.shape, dtype=q.dtype))
+        launch_hidden_norm_rope(q, k, outs[0], outs[1], spec, q_weight, k_weight, weight_offset, eps, v=v,
+                                v_out=outs[2] if v is not None else None)
+        return outs
+    from ropekit.reference import rope_float32, rope_reference
+
+    f32 = uses_float32_path(q)
+    dtype = torch.float32 if f32 else torch.float64
+    qn = _hidden_norm.hidden_rms_norm(q, q_weight, eps, weight_offset, spec.layout, dtype)
+    kn = _hidden_norm.hidden_rms_norm(k, k_weight, eps, weight_offset, spec.layout, dtype)
+    outs = list((rope_float32 if f32 else rope_reference)(qn, kn, spec._replace(out_dtype=q.dtype)))
+    return outs if v is None else [*outs, _hidden_norm.copy_v(v, q.dtype)]
+
+
+def _qk_hidden_norm_rope(q, k, q_weight, k_weight, v, weight_offset, eps, *spec) -> list[Tensor]:
+    return hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset, eps, RopeSpec(*spec))
+
+
+qk_hidden_norm_rope = torch.library.custom_op(
+    "ropekit::qk_hidden_norm_rope", _qk_hidden_norm_rope, mutates_args=(),
+    schema=op_schema(False, "Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor? v, float weight_offset, "
+                            "float eps"))
+
+
+@qk_hidden_norm_rope.register_fake
+def _qk_hidden_norm_rope_fake(q, k, q_weight, k_weight, v, *args):
+    outs = _new_outputs(q, k, None)
+    return outs if v is None else [*outs, v.new_empty(v.shape, dtype=q.dtype)]
