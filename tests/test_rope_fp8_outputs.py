@@ -128,3 +128,40 @@ def test_apply_rope_float8_dynamic_compiles(route, dynamic):
             assert len(got) == len(want) == 4
             for g, w in zip(got, want):
                 assert same_bits(g, w)
+
+
+def _same_as_eager(f, args_per_call, dynamic, route):
+    """torch.compile(fullgraph=True, dynamic=...) of ``f`` equals eager ``f`` bit for bit on each call's args."""
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    with torch.no_grad():
+        for args in args_per_call:
+            got, want = compiled(*args), f(*args)
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert same_bits(g, w)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic-shapes", "static-shapes"])
+@pytest.mark.parametrize("dtype", FP8)
+def test_float8_outputs_compile(route, dynamic, dtype):
+    """apply_rope's static float8 outputs and qk_norm_rope's (float scale, 0-d tensor scale, dynamic scales) trace
+    without graph breaks and equal their eager calls, over two sequence lengths and scales."""
+    apply_rope, qk_norm_rope = ropekit.apply_rope, ropekit.qk_norm_rope
+
+    def f(q, k, w, scale, offset):
+        static = apply_rope(q, k, positions=offset, q_scale=scale, out_dtype=dtype, rotary_dim=8)
+        normed = qk_norm_rope(q, k, w, w, positions=offset, out_dtype=dtype, q_out_scale=scale,
+                              k_out_scale=torch.full((), 2.0, device=q.device))
+        dyn = qk_norm_rope(q, k, w, w, positions=offset, out_dtype=dtype, q_out_scale="dynamic")
+        return (*static, *normed, *dyn)
+
+    with on_route(route) as dev:
+        calls = []
+        for seq, scale, offset in ((3, 0.5, 2), (5, 0.25, 7)):
+            q = torch.randn(1, seq, HQ, D, dtype=torch.bfloat16, device=dev)
+            k = torch.randn(1, seq, HK, D, dtype=torch.bfloat16, device=dev)
+            calls.append((q, k, 1.0 + 0.1 * torch.randn(D, device=dev), scale, offset))
+        _same_as_eager(f, calls, dynamic, route)

@@ -214,7 +214,7 @@ def qk_norm_rope(
         Added to the mean square (> 0).
     out_dtype : None, torch.float8_e4m3fn or torch.float8_e5m2
         float8 outputs for FP8 attention, inference only (raises ``RuntimeError`` where q, k or a weight requires
-        grad) and eager only (raises ``NotImplementedError`` under ``torch.compile``). Stored = value / scale,
+        grad), traceable by ``torch.compile(fullgraph=True)`` (``ropekit::qk_norm_rope_fp8``). Stored = value / scale,
         rounded once to nearest even and saturated to the format's largest finite value (+-448, +-57344); NaN
         stays NaN.
     q_out_scale, k_out_scale : float, one-element float tensor, or "dynamic"

@@ -278,6 +278,35 @@ def norm_rotate_float8(q, k, q_weight, k_weight, weight_offset: float, eps: floa
     return _float8_outputs([q, k], ys, quant)
 
 
+def _qk_norm_rope_fp8(q, k, q_weight, k_weight, weight_offset, eps, fp8_dtype, q_scale_t, k_scale_t, q_scale_f,
+                      k_scale_f, dynamic, *spec) -> list[Tensor]:
+    quant = OutQuant(fp8_dtype, q_scale_t if q_scale_t is not None else q_scale_f,
+                     k_scale_t if k_scale_t is not None else k_scale_f, dynamic)
+    return norm_rotate_float8(q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), quant)
+
+
+qk_norm_rope_fp8 = torch.library.custom_op(
+    "ropekit::qk_norm_rope_fp8", _qk_norm_rope_fp8, mutates_args=(),
+    schema=op_schema(False, "Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float weight_offset, float eps, "
+                            "ScalarType fp8_dtype, Tensor? q_scale_t, Tensor? k_scale_t, float q_scale_f, "
+                            "float k_scale_f, bool dynamic"))
+
+
+@qk_norm_rope_fp8.register_fake
+def _qk_norm_rope_fp8_fake(q, k, q_weight, k_weight, weight_offset, eps, fp8_dtype, *rest):
+    return _new_float8([q, k], OutQuant(fp8_dtype, dynamic=rest[4]))
+
+
+def qk_norm_rope_fp8_args(quant: OutQuant) -> tuple:
+    """``quant`` as ``ropekit::qk_norm_rope_fp8`` takes it: (dtype, q's and k's scale tensors or None, their float
+    scales, dynamic)."""
+    def split(scale):
+        return (scale, 1.0) if isinstance(scale, Tensor) else (None, 1.0 if scale is None else scale)
+
+    (qt, qf), (kt, kf) = split(quant.q_scale), split(quant.k_scale)
+    return quant.dtype, qt, kt, qf, kf, quant.dynamic
+
+
 def write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec,
                      cache: CacheSpec, quant: OutQuant | None, return_k: bool) -> list[Tensor]:
     """rope_kv_write with a float8 q output (``quant``) and/or the rotated k (``return_k``): [q_out, then q_scales

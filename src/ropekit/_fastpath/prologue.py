@@ -196,10 +196,11 @@ class KvPlan:
 
 # --- float8 outputs and the rotated k -----------------------------------------------------------------------------
 # rope_kv_write's are planned as its plain calls are (KvPlan allocates every fresh output); qk_norm_rope's float8
-# calls take the full path. Both are eager only (no registered op for them yet).
+# calls take the full path, traced as ropekit::qk_norm_rope_fp8; rope_kv_write's are eager only (no registered op
+# for them yet).
 
-def _refuse_grad(name: str, tensors, what: str = "float8 outputs") -> None:
-    if torch.compiler.is_compiling():
+def _refuse_grad(name: str, tensors, what: str = "float8 outputs", traceable: bool = False) -> None:
+    if torch.compiler.is_compiling() and not traceable:
         raise NotImplementedError(f"{name} with {what} runs eagerly only: call it outside torch.compile (or wrap "
                                   "the call in torch.compiler.disable)")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
@@ -238,12 +239,15 @@ def _norm_rotate_float8(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, sc
     q_scales, k_scales)."""
     from ropekit import ops
 
-    _refuse_grad("qk_norm_rope", (q, k, norm.q_weight, norm.k_weight))
+    _refuse_grad("qk_norm_rope", (q, k, norm.q_weight, norm.k_weight), traceable=True)
     spec = validate_args(q, k, args._replace(out_dtype=None))
     if k is None:
         raise TypeError("qk_norm_rope needs k (use apply_rope on a normalised q alone)")
     norm = validate_norm(q, k, norm, required=True)
     quant = validate_out_quant(args.out_dtype, scales, q, k, args.check_positions)
+    if torch.compiler.is_compiling():  # the registered op: fake float8 outputs (and scales) for the graph
+        return tuple(ops.qk_norm_rope_fp8(q, k, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps,
+                                          *ops.qk_norm_rope_fp8_args(quant), *spec))
     return tuple(ops.norm_rotate_float8(q, k, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
                                         quant))
 
