@@ -208,3 +208,33 @@ def test_model_hidden_sizes_on_cuda(heads):
     outs = ropekit.qk_norm_rope(qg, kg, qw, kw, positions=pos, sections=sections, norm_over="hidden")
     (outs[0].float().square().sum() + outs[1].float().sum()).backward()
     assert qg.grad.isfinite().all() and kg.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_other_layouts_give_the_bshd_values(route, layout):
+    """The norm spans a token's heads whichever axis holds them (bhsd: heads before the sequence); positions stay
+    [A, B, S]."""
+    perm = {"bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}[layout]
+    with on_route(route) as device:
+        q, k, qw, kw, pos = _inputs(device, torch.float32, Hk=1)
+        want = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos, sections=SECTIONS, norm_over="hidden")
+        got = ropekit.qk_norm_rope(q.permute(perm).contiguous(), k.permute(perm).contiguous(), qw, kw,
+                                   positions=pos, sections=SECTIONS, norm_over="hidden", layout=layout)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.permute(perm), w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_double_backward_matches_float64_autograd(route):
+    """The composed backward is itself differentiable (gradient penalties): d/dq of <dL/dq, u> against float64."""
+    with on_route(route) as device:
+        q, k, qw, kw, pos = _inputs(device, torch.float32, Hk=1, requires_grad=True)
+        q_out, k_out = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos, sections=SECTIONS, norm_over="hidden")
+        gq, u = torch.randn_like(q_out), torch.randn_like(q)
+        (dq,) = torch.autograd.grad(q_out, q, gq, create_graph=True)
+        (ddq,) = torch.autograd.grad((dq * u).sum(), q)
+    q64 = q.detach().cpu().double().requires_grad_(True)
+    (dq64,) = torch.autograd.grad(_oracle(q64, qw.detach(), pos), q64, gq.cpu().double(), create_graph=True)
+    (ddq64,) = torch.autograd.grad((dq64 * u.cpu().double()).sum(), q64)
+    torch.testing.assert_close(ddq.cpu().double(), ddq64, rtol=1e-4, atol=1e-4)
