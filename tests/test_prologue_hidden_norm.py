@@ -238,3 +238,16 @@ def test_double_backward_matches_float64_autograd(route):
     (dq64,) = torch.autograd.grad(_oracle(q64, qw.detach(), pos), q64, gq.cpu().double(), create_graph=True)
     (ddq64,) = torch.autograd.grad((dq64 * u.cpu().double()).sum(), q64)
     torch.testing.assert_close(ddq.cpu().double(), ddq64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_packed_tokens_give_the_bshd_values(route):
+    """thd: q [T, H, D] with positions [A, T]; the same values as one bshd batch row."""
+    with on_route(route) as device:
+        q, k, qw, kw, pos = _inputs(device, torch.bfloat16, B=1, S=5, Hk=1)
+        v = torch.randn_like(k)
+        want = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos, sections=SECTIONS, norm_over="hidden", v=v)
+        got = ropekit.qk_norm_rope(q[0], k[0], qw, kw, positions=pos[:, 0].contiguous(), sections=SECTIONS,
+                                   norm_over="hidden", v=v[0], layout="thd")
+    for g, w in zip(got, want):
+        assert same_bits(g, w[0])
