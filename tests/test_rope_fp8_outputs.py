@@ -165,3 +165,33 @@ def test_float8_outputs_compile(route, dynamic, dtype):
             k = torch.randn(1, seq, HK, D, dtype=torch.bfloat16, device=dev)
             calls.append((q, k, 1.0 + 0.1 * torch.randn(D, device=dev), scale, offset))
         _same_as_eager(f, calls, dynamic, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic-shapes", "static-shapes"])
+@pytest.mark.parametrize("q_out_scale", ["float", "0-d", "dynamic"])
+def test_rope_kv_write_float8_compiles(route, dynamic, q_out_scale):
+    """rope_kv_write's float8 q (float, 0-d tensor or dynamic scale) with the rotated k returned, into float8
+    paged caches: traced without graph breaks, its outputs and the caches' bytes equal the eager call's."""
+    rope_kv_write = ropekit.rope_kv_write
+    dtype = torch.float8_e4m3fn
+
+    def f(q, k, v, k_cache, v_cache, slots, scale):
+        return rope_kv_write(q, k, v, k_cache, v_cache, positions=slots, slot_mapping=slots, cache_layout="paged",
+                             k_cache_scale=0.5, out_dtype=dtype, q_out_scale=scale, return_k=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    with on_route(route) as dev, torch.no_grad():
+        for tokens in (3, 5):
+            q = torch.randn(tokens, HQ, D, dtype=torch.bfloat16, device=dev)
+            k, v = (torch.randn(tokens, HK, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
+            slots = torch.randperm(16)[:tokens].to(dev)
+            scale = {"float": 0.25, "0-d": torch.tensor(0.25, device=dev), "dynamic": "dynamic"}[q_out_scale]
+            caches = [torch.zeros(2, 8, HK, D, dtype=dtype, device=dev) for _ in range(4)]
+            got = compiled(q, k, v, caches[0], caches[1], slots, scale)
+            want = f(q, k, v, caches[2], caches[3], slots, scale)
+            assert len(got) == len(want) == (3 if q_out_scale == "dynamic" else 2)
+            for g, w in zip((*got, caches[0], caches[1]), (*want, caches[2], caches[3])):
+                assert same_bits(g, w)
+            assert caches[0].float().any()

@@ -368,6 +368,53 @@ def _rope_kv_write_fake(q, *args):
     return q.new_empty(q.shape)
 
 
+def _rope_kv_write_outputs(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset, eps, cache_layout,
+                           cache_batch, slots, k_cache_scale_t, v_cache_scale_t, k_cache_scale, v_cache_scale,
+                           kv_indices, kv_indptr, kv_last_page_len, batch_indices, fp8_dtype, q_scale_t, q_scale_f,
+                           dynamic, return_k, *spec) -> tuple[Tensor, Tensor, Tensor]:
+    """rope_kv_write's float8 q and/or rotated k as one registered op (fixed arity: torch.compile refuses a list
+    returned beside mutated caches): (q_out, q_scales or an empty tensor, k_out or an empty tensor)."""
+    cache = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slots,
+                      k_cache_scale if k_cache_scale_t is None else k_cache_scale_t,
+                      v_cache_scale if v_cache_scale_t is None else v_cache_scale_t, kv_indices, kv_indptr,
+                      kv_last_page_len, batch_indices)
+    quant = None if fp8_dtype is None else OutQuant(fp8_dtype, q_scale_f if q_scale_t is None else q_scale_t, None,
+                                                    dynamic)
+    outs = write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache, quant, return_k)
+    return (outs[0], outs[1] if quant is not None and dynamic else q.new_empty(0, dtype=torch.float32),
+            outs[-1] if return_k else k.new_empty(0))
+
+
+rope_kv_write_outputs = torch.library.custom_op(
+    "ropekit::rope_kv_write_outputs", _rope_kv_write_outputs, mutates_args=("k_cache", "v_cache"),
+    schema=op_schema(False, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
+                            "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
+                            "Tensor? slots, Tensor? k_cache_scale_t, Tensor? v_cache_scale_t, float k_cache_scale, "
+                            "float v_cache_scale, Tensor? kv_indices, Tensor? kv_indptr, Tensor? kv_last_page_len, "
+                            "Tensor? batch_indices, ScalarType? fp8_dtype, Tensor? q_scale_t, float q_scale_f, "
+                            "bool dynamic, bool return_k",
+                     returns="(Tensor, Tensor, Tensor)"))
+
+
+@rope_kv_write_outputs.register_fake
+def _rope_kv_write_outputs_fake(q, k, *args):
+    fp8_dtype, _, _, dynamic, return_k = args[18:23]
+    scales_shape = q.shape[:-1] if fp8_dtype is not None and dynamic else (0,)
+    return (q.new_empty(q.shape, dtype=fp8_dtype or q.dtype), q.new_empty(scales_shape, dtype=torch.float32),
+            k.new_empty(k.shape if return_k else (0,)))
+
+
+def kv_quant_args(quant: OutQuant | None) -> tuple:
+    """``quant`` (rope_kv_write's float8 q, or None) as ``ropekit::rope_kv_write_outputs`` takes it: (dtype, scale
+    tensor or None, float scale, dynamic)."""
+    if quant is None:
+        return None, None, 1.0, False
+    scale = quant.q_scale
+    if isinstance(scale, Tensor):
+        return quant.dtype, scale, 1.0, quant.dynamic
+    return quant.dtype, None, 1.0 if scale is None else scale, quant.dynamic
+
+
 # --- RoPE attention -------------------------------------------------------------------------------------------
 
 def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:

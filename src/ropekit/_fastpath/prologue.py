@@ -196,8 +196,7 @@ class KvPlan:
 
 # --- float8 outputs and the rotated k -----------------------------------------------------------------------------
 # rope_kv_write's are planned as its plain calls are (KvPlan allocates every fresh output); qk_norm_rope's float8
-# calls take the full path, traced as ropekit::qk_norm_rope_fp8; rope_kv_write's are eager only (no registered op
-# for them yet).
+# calls take the full path. Traced, they are ropekit::qk_norm_rope_fp8 and ropekit::rope_kv_write_outputs.
 
 def _refuse_grad(name: str, tensors, what: str = "float8 outputs", traceable: bool = False) -> None:
     if torch.compiler.is_compiling() and not traceable:
@@ -216,15 +215,22 @@ def _write_kv_outputs(call: KvCall) -> tuple:
 
     q, k, cache, norm, args, scales = call
     _refuse_grad("rope_kv_write", (q, k, cache.v, norm.q_weight, norm.k_weight),
-                 "float8 outputs" if args.out_dtype is not None or scales.given else "return_k")
+                 "float8 outputs" if args.out_dtype is not None or scales.given else "return_k", traceable=True)
     q4, k4, v4, rope_args, cache_spec = validate_kv_write(q, k, cache, args._replace(out_dtype=None))
     spec = validate_args(q4, k4, rope_args)
     norm = validate_norm(q, k, norm, required=False) or NormSpec(None, None)
     if not isinstance(scales.return_k, bool):
         raise TypeError(f"return_k must be a bool, got {type(scales.return_k).__name__}")
     quant = validate_out_quant(args.out_dtype, scales, q, None, args.check_positions)
-    outs = ops.write_kv_outputs(q4, k4, v4, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
-                                cache_spec, quant, scales.return_k)
+    if torch.compiler.is_compiling():  # the registered op: fake outputs for the graph, the caches declared written
+        q_out, q_scales, k_out = ops.rope_kv_write_outputs(
+            q4, k4, v4, cache_spec.k_cache, cache_spec.v_cache, norm.q_weight, norm.k_weight, norm.weight_offset,
+            norm.eps, *ops.cache_op_args(cache_spec), *ops.kv_quant_args(quant), scales.return_k, *spec)
+        outs = [q_out, *([q_scales] if quant is not None and quant.dynamic else []),
+                *([k_out] if scales.return_k else [])]
+    else:
+        outs = ops.write_kv_outputs(q4, k4, v4, norm.q_weight, norm.k_weight, norm.weight_offset, norm.eps, spec,
+                                    cache_spec, quant, scales.return_k)
     shaped = [outs[0].view(q.shape)]
     if quant is not None and quant.dynamic:
         shaped.append(outs[1].view(q.shape[:-1]))
