@@ -195,3 +195,39 @@ def test_rope_kv_write_float8_compiles(route, dynamic, q_out_scale):
             for g, w in zip((*got, caches[0], caches[1]), (*want, caches[2], caches[3])):
                 assert same_bits(g, w)
             assert caches[0].float().any()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_opcheck_float8_ops(route):
+    """opcheck of the float8 ops: schema, fake outputs (float8 dtype, float32 scales and their shapes) and, where
+    the route can trace with fake tensors (not the interpreter), AOT dispatch with dynamic shapes."""
+    from torch.library import opcheck
+
+    from ropekit import ops
+    from ropekit._cache_validation import validate_kv_write
+    from ropekit._spec import CacheArgs, OutQuant, RopeArgs
+    from ropekit._validation import validate_args
+
+    checks = ("test_schema", "test_faketensor") + (() if route == "cpu-kernels" else ("test_aot_dispatch_dynamic",))
+    dtype = torch.float8_e4m3fn
+    with on_route(route) as dev:
+        q = torch.randn(1, 3, HQ, D, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(1, 3, HK, D, dtype=torch.bfloat16, device=dev)
+        w = torch.ones(D, device=dev)
+        spec = validate_args(q, k, RopeArgs(positions=4, rotary_dim=8, out_dtype=dtype))
+        opcheck(torch.ops.ropekit.rope_fp8_dynamic.default, (q, k, *spec), test_utils=checks)
+        spec = spec._replace(out_dtype=None)
+        for quant in (OutQuant(dtype, 0.5, torch.tensor(2.0, device=dev)), OutQuant(dtype, None, None, True)):
+            opcheck(torch.ops.ropekit.qk_norm_rope_fp8.default,
+                    (q, k, w, w, 0.0, 1e-6, *ops.qk_norm_rope_fp8_args(quant), *spec), test_utils=checks)
+        qt, kt, vt = (torch.randn(3, h, D, device=dev) for h in (HQ, HK, HK))
+        # float32 caches: the schema check compares mutated arguments by arithmetic float8 lacks on the CPU
+        k_cache, v_cache = (torch.zeros(2, 4, HK, D, device=dev) for _ in range(2))
+        q4, k4, v4, rope_args, cache = validate_kv_write(
+            qt, kt, CacheArgs(vt, k_cache, v_cache, slot_mapping=torch.tensor([5, -1, 0], device=dev),
+                              cache_layout="paged"), RopeArgs(positions=torch.tensor([1, 2, 3], device=dev)))
+        spec = validate_args(q4, k4, rope_args)
+        for quant in (OutQuant(dtype, 0.25), OutQuant(dtype, None, None, True), None):
+            opcheck(torch.ops.ropekit.rope_kv_write_outputs.default,
+                    (q4, k4, v4, k_cache, v_cache, None, None, 0.0, 1e-6, *ops.cache_op_args(cache),
+                     *ops.kv_quant_args(quant), True, *spec), test_utils=checks)
