@@ -38,6 +38,7 @@ from ropekit.triton.kernel import (
     _load_heads,
     _pass_columns,
     _rotation,
+    _row_amax,
     _store_pairs,
     _table_columns,
     _to_store,
@@ -186,19 +187,6 @@ def _cache_rows(t, b, s, pos, valid, mask_t, cb_ptr, slot_ptr, slot_sb, slot_ss,
         r0 = slot // block_size
         r1 = slot - r0 * block_size
     return r0, r1, ok
-
-
-@triton.jit
-def _row_amax(y_lo, y_hi, y_p, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_START: tl.constexpr,
-              HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr):
-    """max |y| over each head row [BLOCK_T, BLOCK_H] (padded columns excluded): a max, exact in any order."""
-    i = tl.arange(0, HALF_BLOCK)[None, None, :]
-    a = tl.maximum(tl.max(tl.where(i < ROT_DIM // 2, tl.abs(y_lo), 0.0), axis=2),
-                   tl.max(tl.where(i < ROT_DIM // 2, tl.abs(y_hi), 0.0), axis=2))
-    if HAS_PASS:
-        _, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
-        a = tl.maximum(a, tl.max(tl.where(mp, tl.abs(y_p), 0.0), axis=2))
-    return a
 
 
 @triton.jit
