@@ -343,13 +343,19 @@ def cache_op_args(cache: CacheSpec) -> tuple:
             cache.kv_last_page_len, cache.batch_indices)
 
 
+
+def _cache_spec(k_cache, v_cache, layout, cache_batch, slots, k_scale_t, v_scale_t, k_scale, v_scale, kv_indices,
+                kv_indptr, kv_last_page_len, batch_indices) -> CacheSpec:
+    """The inverse of :func:`cache_op_args`: the CacheSpec of the cache-writing ops' arguments."""
+    return CacheSpec(k_cache, v_cache, layout, cache_batch, slots, k_scale if k_scale_t is None else k_scale_t,
+                     v_scale if v_scale_t is None else v_scale_t, kv_indices, kv_indptr, kv_last_page_len,
+                     batch_indices)
+
 def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset, eps, cache_layout, cache_batch,
                    slots, k_cache_scale_t, v_cache_scale_t, k_cache_scale, v_cache_scale, kv_indices, kv_indptr,
                    kv_last_page_len, batch_indices, *spec) -> Tensor:
-    cache = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slots,
-                      k_cache_scale if k_cache_scale_t is None else k_cache_scale_t,
-                      v_cache_scale if v_cache_scale_t is None else v_cache_scale_t, kv_indices, kv_indptr,
-                      kv_last_page_len, batch_indices)
+    cache = _cache_spec(k_cache, v_cache, cache_layout, cache_batch, slots, k_cache_scale_t, v_cache_scale_t,
+                        k_cache_scale, v_cache_scale, kv_indices, kv_indptr, kv_last_page_len, batch_indices)
     return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
 
 
@@ -374,10 +380,8 @@ def _rope_kv_write_outputs(q, k, v, k_cache, v_cache, q_weight, k_weight, weight
                            dynamic, return_k, *spec) -> tuple[Tensor, Tensor, Tensor]:
     """rope_kv_write's float8 q and/or rotated k as one registered op (fixed arity: torch.compile refuses a list
     returned beside mutated caches): (q_out, q_scales or an empty tensor, k_out or an empty tensor)."""
-    cache = CacheSpec(k_cache, v_cache, cache_layout, cache_batch, slots,
-                      k_cache_scale if k_cache_scale_t is None else k_cache_scale_t,
-                      v_cache_scale if v_cache_scale_t is None else v_cache_scale_t, kv_indices, kv_indptr,
-                      kv_last_page_len, batch_indices)
+    cache = _cache_spec(k_cache, v_cache, cache_layout, cache_batch, slots, k_cache_scale_t, v_cache_scale_t,
+                        k_cache_scale, v_cache_scale, kv_indices, kv_indptr, kv_last_page_len, batch_indices)
     quant = None if fp8_dtype is None else OutQuant(fp8_dtype, q_scale_f if q_scale_t is None else q_scale_t, None,
                                                     dynamic)
     outs = write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache, quant, return_k)
