@@ -149,29 +149,35 @@ def _launch(q, k, v, do, dlse, *, fwd_blocks, bwd_blocks, causal, prerotate=True
     return o, lse, dq, dk, dv
 
 
-# (forward BLOCK_M, BLOCK_N), (backward BLOCK_M, BLOCK_N): the GPU's shapes are not square (forward 128 x 32,
-# backward 64 x 128 for D <= 128); these run the same tile logic at interpreter sizes.
-LAUNCH_BLOCKS = [((32, 16), (16, 32)), ((64, 16), (16, 64)), ((32, 32), (32, 16))]
+# (forward BLOCK_M, BLOCK_N), (backward BLOCK_M, BLOCK_N) -- or the dk/dv and the dq kernel's own: the GPU's shapes
+# are neither square nor one for both backward kernels (dk/dv 64 x 128 and dq 64 x 64 at D 128, dk/dv 32 x 64 and
+# dq 128 x 64 for MLA); these run the same tile logic at interpreter sizes.
+LAUNCH_BLOCKS = [((32, 16), (16, 32)), ((64, 16), (16, 64)), ((32, 32), (32, 16)), ((32, 16), ((16, 32), (32, 16)))]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("blocks", LAUNCH_BLOCKS, ids=["f32x16-b16x32", "f64x16-b16x64", "f32x32-b32x16"])
+@pytest.mark.parametrize("blocks", LAUNCH_BLOCKS,
+                         ids=["f32x16-b16x32", "f64x16-b16x64", "f32x32-b32x16", "f32x16-dkdv16x32-dq32x16"])
 @pytest.mark.parametrize("prerotate", [True, False], ids=["streamed-from-copy", "streamed-rotated-on-load"])
 def test_launcher_block_shapes_under_interpreter(blocks, causal, prerotate):
     """The kernels with block shapes other than the interpreter's default 16 x 16 (as on the GPU), S across
     several tiles and one partial tile, partial rotary (pass-through columns), GQA and Dv != D; o, lse and the
     gradients (through o and lse) against the definition; the streamed operand (k, or q in the dk/dv kernel) read
     from a rotated copy or rotated as it loads."""
-    from ropekit.triton.attention_launcher import Blocks
+    from ropekit.triton.attention_launcher import BackwardBlocks, Blocks
 
-    (fm, fn), (bm, bn) = blocks
+    (fm, fn), bwd = blocks
+    if isinstance(bwd[0], tuple):  # the dk/dv kernel's and the dq kernel's
+        bwd_blocks = BackwardBlocks(Blocks(*bwd[0], 4, 1), Blocks(*bwd[1], 4, 1))
+    else:
+        bwd_blocks = Blocks(*bwd, 4, 1)
     B, S, HQ, HK, D, DV = 1, 70, 2, 1, 32, 16
     rope = dict(positions=torch.tensor([5]), rotary_dim=16)
     q, k, v = (t.detach() for t in make_qkv(B, S, HQ, HK, D, DV, dtype=torch.float32))
     do = randn(B, S, HQ, DV, dtype=torch.float32, device="cpu")
     dlse = randn(B, HQ, S, dtype=torch.float32, device="cpu")
-    o, lse, dq, dk, dv = _launch(q, k, v, do, dlse, fwd_blocks=Blocks(fm, fn, 4, 1), bwd_blocks=Blocks(bm, bn, 4, 1),
+    o, lse, dq, dk, dv = _launch(q, k, v, do, dlse, fwd_blocks=Blocks(fm, fn, 4, 1), bwd_blocks=bwd_blocks,
                                  causal=causal, prerotate=prerotate, **rope)
     q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
     o_ref, lse_ref = definition(q64, k64, v64, is_causal=causal, **rope)

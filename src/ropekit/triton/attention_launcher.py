@@ -56,17 +56,34 @@ def forward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
         return Blocks(128, 64, 4, 3)
     if max(head_dim, v_dim) <= 128:  # H200 sweep at 4 x 4096, 32/8 heads (docs/perf-notes.md, "RoPE attention")
         return Blocks(128, 128, 8, 3)
+    if max(head_dim, v_dim) <= 192:  # MLA's 192/128: the same sweep
+        return Blocks(128, 64, 8, 3)
     return Blocks(64, 32, 4, 2)
 
 
-def backward_blocks(device: torch.device, head_dim: int, v_dim: int) -> Blocks:
+class BackwardBlocks(NamedTuple):
+    """The backward kernels' block shapes, each its own: the dk/dv kernel keeps BLOCK_N key rows and streams
+    BLOCK_M query rows, the dq kernel keeps BLOCK_M query rows and streams BLOCK_N key rows."""
+
+    dkdv: Blocks
+    dq: Blocks
+
+
+def backward_blocks(device: torch.device, head_dim: int, v_dim: int) -> BackwardBlocks:
+    """Each backward kernel's block shape: swept per kernel (profiler time of each), since the best shapes differ
+    -- the dk/dv kernel gains from more resident key rows than streamed query rows, the dq kernel does not."""
+    width = max(head_dim, v_dim)
     if device.type != "cuda":
-        return Blocks(16, 16, 4, 1)
-    if max(head_dim, v_dim) <= 64:
-        return Blocks(64, 64, 4, 2)
-    if max(head_dim, v_dim) <= 128:  # the same sweep
-        return Blocks(128, 128, 8, 2)
-    return Blocks(32, 32, 4, 1)
+        dkdv = dq = Blocks(16, 16, 4, 1)
+    elif width <= 64:
+        dkdv, dq = Blocks(64, 128, 4, 2), Blocks(64, 64, 4, 3)
+    elif width <= 128:
+        dkdv, dq = Blocks(64, 128, 8, 2), Blocks(64, 64, 4, 2)
+    elif width <= 192:
+        dkdv, dq = Blocks(32, 64, 4, 2), Blocks(128, 64, 8, 2)
+    else:
+        dkdv = dq = Blocks(32, 32, 4, 1)
+    return BackwardBlocks(dkdv, dq)
 
 
 def _rotation_constexprs(rot: Rotation, head_dim: int) -> dict:
@@ -159,7 +176,7 @@ def launch_forward(q, k, v, angles, o, lse, rot: Rotation, q_scale: float, k_sca
 
 
 def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation, q_scale: float, k_scale: float,
-                    qk_mult: float, causal: bool, blocks: Blocks | None = None, rotate: bool = True,
+                    qk_mult: float, causal: bool, blocks: BackwardBlocks | Blocks | None = None, rotate: bool = True,
                     prerotate: bool = True, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0) -> None:
     """Write dq, dk, dv (each like its input) from the gradients of o (``do``) and of lse (``dlse``, contiguous
     [B, HQ, S], or None) and the forward's ``o`` and ``lse``. ``prerotate``: the dk/dv kernel reads q, and the dq
@@ -174,6 +191,8 @@ def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation
         dv.zero_()
         return
     blocks = blocks or backward_blocks(q.device, D, DV)
+    if isinstance(blocks, Blocks):  # one shape for both kernels
+        blocks = BackwardBlocks(blocks, blocks)
     dv_block = max(16, heuristics.next_pow2(DV))
     delta = torch.empty((B, HQ, S), dtype=torch.float32, device=q.device)
     delta_rows = 64
@@ -182,20 +201,21 @@ def launch_backward(do, dlse, q, k, v, angles, o, lse, dq, dk, dv, rot: Rotation
                     **_strides(o, "o"), **_strides(do, "do"), "S": S, "HQ": HQ},
                    {"DV": DV, "HAS_DLSE": dlse is not None, "BLOCK_M": delta_rows, "DV_BLOCK": dv_block}, 4,
                    q.device)
-    constexprs = {**_layout_constexprs(rot, D, DV, causal, q.dtype, blocks, q.device, rotate),
-                  "VARLEN": cu_seqlens is not None}
+    constexprs = {"VARLEN": cu_seqlens is not None}
     common = {"v_ptr": v, "tab_ptr": angles, "do_ptr": do, "lse_ptr": lse, "delta_ptr": delta, **sequences,
               **_strides(v, "v"), **_strides(do, "do"), **_scalars(q, k, angles, q_scale, k_scale, qk_mult)}
     # each kernel keeps its own operand resident (rotated once per program) and may read the other from a copy
     q_in, q_scale_in = (rotated_copy(q, angles, rot, q_scale, rotate), 1.0) if prerotate else (q, q_scale)
-    runtime.launch(DKDV, (num_seqs * HK, heuristics.cdiv(longest, blocks.block_n), 1),
+    runtime.launch(DKDV, (num_seqs * HK, heuristics.cdiv(longest, blocks.dkdv.block_n), 1),
                    {**common, "q_ptr": q_in, "k_ptr": k, **_strides(q_in, "q"), **_strides(k, "k"),
                     "q_scale": q_scale_in, "dk_ptr": dk, "dv_ptr": dv, **_strides(dk, "dk"), **_strides(dv, "dv"),
                     "HK": HK},
-                   {**constexprs, "Q_ROTATED": prerotate}, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+                   {**constexprs, **_layout_constexprs(rot, D, DV, causal, q.dtype, blocks.dkdv, q.device, rotate),
+                    "Q_ROTATED": prerotate}, blocks.dkdv.num_warps, q.device, num_stages=blocks.dkdv.num_stages)
     del q_in
     k_in, k_scale_in = (rotated_copy(k, angles, rot, k_scale, rotate), 1.0) if prerotate else (k, k_scale)
-    runtime.launch(DQ, (num_seqs * HQ, heuristics.cdiv(longest, blocks.block_m), 1),
+    runtime.launch(DQ, (num_seqs * HQ, heuristics.cdiv(longest, blocks.dq.block_m), 1),
                    {**common, "q_ptr": q, "k_ptr": k_in, **_strides(q, "q"), **_strides(k_in, "k"),
                     "k_scale": k_scale_in, "dq_ptr": dq, **_strides(dq, "dq")},
-                   {**constexprs, "K_ROTATED": prerotate}, blocks.num_warps, q.device, num_stages=blocks.num_stages)
+                   {**constexprs, **_layout_constexprs(rot, D, DV, causal, q.dtype, blocks.dq, q.device, rotate),
+                    "K_ROTATED": prerotate}, blocks.dq.num_warps, q.device, num_stages=blocks.dq.num_stages)
