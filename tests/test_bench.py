@@ -710,8 +710,12 @@ def test_smoke_csv_and_json_rows(smoke_run):
             assert set(group) == {impls.BASELINE[mode], *impls.MODE_IMPLS[mode]} - {"unfused-compile"}
             assert all(r["median_us"] and r["max_rel_diff"] for r in group.values() if r is not base), group
         elif mode in bench_cases.ATTN_MODES:  # rope_attention and its baseline, apply_rope + SDPA: checked
-            assert set(group) == {"rope+sdpa-cudnn", "ropekit"} and "/causal/" in case
+            # and rope_attention's kernels launched directly, with and without the rotation: GPU rows, skipped here
+            assert set(group) == {"rope+sdpa-cudnn", "ropekit", "ropekit-kernels", "ropekit-norope"}
+            assert "/causal/" in case
             assert float(base["max_rel_diff"]) < 1e-2 and rk["max_rel_diff"] == "0.00e+00"
+            for name in ("ropekit-kernels", "ropekit-norope"):
+                assert not group[name]["median_us"] and "need CUDA" in group[name]["note"], group[name]
             for r in (base, rk):
                 flops = int(r["flops"])
                 assert flops == 2 * 4 * 64 * 64 * (48 + 32) // 2 * (1 if mode == "attn-fwd" else 3.5)

@@ -30,7 +30,11 @@ from .timing import _sync
 
 ATTN_BASELINE = "rope+sdpa-cudnn"  # the baseline of the attention modes (their ratio_vs_copy divides by it)
 # The implementations timed besides the baseline (impls.MODE_IMPLS lists them for both attention modes).
-ATTN_IMPLS = ("ropekit", "sdpa-cudnn", "sdpa-flash", "rope+sdpa-flash", "flex", "rope+flex")
+ATTN_IMPLS = ("ropekit", "sdpa-cudnn", "sdpa-flash", "rope+sdpa-flash", "flex", "rope+flex", "ropekit-kernels",
+              "ropekit-norope")
+# ropekit-kernels: rope_attention's launches alone (angle rows, rotated copies, attention kernels), without the public
+# call's checks and autograd -- the host's share of a call is ropekit's time minus this; ropekit-norope: the same
+# kernels with the rotation switched off -- the rotation's share is ropekit-kernels minus this (CUDA only).
 # torch.nn.attention.SDPBackend member of each SDPA implementation
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION"}
 
@@ -139,6 +143,41 @@ def _attention_bench(inp: Inputs, mode: str, forward: Callable[[Tensor, Tensor, 
     return Bench(run=run, result=result if checked else None, note=note)
 
 
+def _kernel_launches(inp: Inputs, mode: str, rotate: bool) -> Bench:
+    """rope_attention's kernels launched directly (``rotate=False``: the same kernels without the rotation): the
+    forward (o, lse), and for attn-fwdbwd the forward then the backward (dq, dk, dv) with a fixed gradient of o."""
+    import math
+
+    from ropekit._spec import RopeArgs, to_canonical
+    from ropekit.attention import _unit_rows
+    from ropekit.triton.attention_launcher import Rotation, launch_backward, launch_forward
+
+    c = inp.case
+    if inp.device.type != "cuda":  # under the interpreter they would only slow the smoke run down
+        raise Unsupported("the kernels' own rows need CUDA")
+    kw = {key: value for key, value in inp.rope_kwargs().items() if key != "cu_seqlens"}
+    args = RopeArgs(**kw)
+    q, k, v = (to_canonical(t, args.layout) for t in (inp.q, inp.k, inp.v))
+    B, S, HQ, D = q.shape
+    o = torch.empty((B, S, HQ, v.shape[3]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, HQ, S), dtype=torch.float32, device=q.device)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    (grad_o,) = _randn(inp.device, 1, tuple(o.shape), dtype=inp.dtype)
+    qk_mult = 1.0 / math.sqrt(D) / math.log(2.0)
+    causal = bool(c.causal)
+
+    def run() -> None:
+        table, (start, width, neox) = _unit_rows(inp.q, args)
+        rot = Rotation(start, width, neox)
+        launch_forward(q, k, v, table, o, lse, rot, 1.0, 1.0, qk_mult, causal, rotate=rotate)
+        if mode == "attn-fwdbwd":
+            launch_backward(grad_o, None, q, k, v, table, o, lse, *grads, rot, 1.0, 1.0, qk_mult, causal,
+                            rotate=rotate)
+
+    what = "rope_attention's kernels launched directly" + ("" if rotate else ", rotation off (another function)")
+    return Bench(run=run, result=None, note=f"{what}; not checked")
+
+
 def build_attention(name: str, inp: Inputs, mode: str) -> Bench:
     """``ropekit`` (rope_attention), the baseline ``rope+sdpa-cudnn`` and the peers of the attention modes."""
     import ropekit
@@ -157,6 +196,8 @@ def build_attention(name: str, inp: Inputs, mode: str) -> Bench:
 
         return _attention_bench(inp, mode, fused, True, f"rope_attention: RoPE(q), RoPE(k) and attention in one op; "
                                                          f"{mask}{dims}")
+    if name in ("ropekit-kernels", "ropekit-norope"):
+        return _kernel_launches(inp, mode, name == "ropekit-kernels")
     rotate = name.startswith("rope+")
     peer = name.removeprefix("rope+")
     if peer in ("sdpa-cudnn", "sdpa-flash"):
