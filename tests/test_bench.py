@@ -551,17 +551,32 @@ def test_history_appends_rows_with_their_source(tmp_path):
         report.append_history(bad, rows, "x.csv")
 
 
+def test_xz_history_appends_one_stream_per_run_and_reads_them_back(tmp_path):
+    import lzma
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = bench_cases.expand_preset(registry, "smoke")[0]
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    rows = [run._row(env, case, "fwd", impl, 100, "copy") for impl in ("copy", "ropekit")]
+    history = tmp_path / "all_runs.csv.xz"
+    report.append_history(history, rows, "first.csv")
+    first = history.read_bytes()
+    report.append_history(history, rows[:1], "second.csv")
+    assert history.read_bytes().startswith(first)  # appended: the first run's stream is untouched
+    got = report.read_history(history)
+    assert [(r["source"], r["impl"]) for r in got] == [("first.csv", "copy"), ("first.csv", "ropekit"),
+                                                       ("second.csv", "copy")]
+    assert lzma.decompress(history.read_bytes()).decode().count(",".join(report.HISTORY_FIELDS)) == 2
+
+
 def test_results_history_has_the_harness_columns():
-    """The kept history (gzip, one member per run) opens with the harness's columns, today's or an earlier
+    """The kept history (xz, one stream per run) opens with the harness's columns, today's or an earlier
     harness's, and reads back whole (it was skipped while it looked for the name the history had before it was
     compressed)."""
-    import gzip
-
     from ropekit.bench import summary
 
-    path = ROOT / "benchmarks" / "results" / "all_runs.csv.gz"
-    with gzip.open(path, "rt", newline="") as f:
-        header = next(csv.reader(f))
+    path = ROOT / "benchmarks" / "results" / "all_runs.csv.xz"
+    header = next(csv.reader(report.read_text(path).splitlines()[:1]))
     assert header in [list(report.HISTORY_FIELDS), *map(list, report.LEGACY_HISTORY_FIELDS)]
     rows = summary.read_history(path)
     assert rows and all(list(r) == list(report.HISTORY_FIELDS) for r in rows)

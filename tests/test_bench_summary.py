@@ -13,7 +13,7 @@ from ropekit.bench.targets import targets_from_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = ROOT / "src" / "ropekit" / "bench" / "registry.py"
-HISTORY = ROOT / "benchmarks" / "results" / "all_runs.csv.gz"
+HISTORY = ROOT / "benchmarks" / "results" / "all_runs.csv.xz"
 
 
 def _row(case="m/bf16/neox/range/1x4096", mode="fwd", impl="ropekit", commit="abcdef1", date="2026-01-01T00:00",

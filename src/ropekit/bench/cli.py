@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                                                       "written)")
     p.add_argument("--history", metavar="FILE",
                    help="also append the run's rows to this CSV (the results columns plus 'source'), e.g. "
-                        "benchmarks/results/all_runs.csv.gz (gzip: one member per run); default: none")
+                        "benchmarks/results/all_runs.csv.xz (xz or gzip: one stream per run); default: none")
     p.add_argument("--from-json", nargs="+", metavar="FILE",
                    help="no timing: merge the rows of earlier JSON results and redo the table, targets and plots")
     return p

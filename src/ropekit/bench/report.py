@@ -6,6 +6,7 @@ import csv
 import gzip
 import io
 import json
+import lzma
 import re
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,9 @@ ROW_FIELDS = (
     "gbps", "flops", "tflops", "ratio_vs_copy", "baseline", "model", "dtype", "style", "positions", "batch",
     "seqlen", "hq", "hk", "head_dim", "rotary_dim", "rotary_at", "max_rel_diff", "label", "note", "impl_version",
 )
-HISTORY_FIELDS = (*ROW_FIELDS, "source")  # the columns of --history FILE (benchmarks/results/all_runs.csv.gz)
-# The history columns of earlier harnesses, newest first: a gzip history keeps the members they wrote (each with its
-# header) and takes new members after them; their rows read back with the columns they lack empty.
+HISTORY_FIELDS = (*ROW_FIELDS, "source")  # the columns of --history FILE (benchmarks/results/all_runs.csv.xz)
+# The history columns of earlier harnesses, newest first: a compressed history keeps the members they wrote (each
+# with its header) and takes new members after them; their rows read back with the columns they lack empty.
 LEGACY_HISTORY_FIELDS = (
     # before the attention modes' flops and tflops
     ("gpu", "date", "torch", "triton", "ropekit", "commit", "case", "mode", "impl", "tokens", "bytes", "median_us",
@@ -51,37 +52,44 @@ def write_results(stem: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
 
 
 def append_history(history: Path, rows: list[dict[str, Any]], source: str) -> Path:
-    """Append ``rows`` to the append-only history (``benchmarks/results/all_runs.csv.gz``: the results CSV's columns
-    plus ``source``, the file the rows were first written to). A ``.gz`` history gets one gzip member per run,
-    header included (members read back as one stream, :func:`read_history`; members of an earlier harness's
-    columns, :data:`LEGACY_HISTORY_FIELDS`, stay as they are); a plain CSV gets its header once, so it must have
-    today's columns."""
+    """Append ``rows`` to the append-only history (``benchmarks/results/all_runs.csv.xz``: the results CSV's columns
+    plus ``source``, the file the rows were first written to). A compressed history (``.xz``: one xz stream per run;
+    ``.gz``: one gzip member per run) gets its header with every run (they read back as one text,
+    :func:`read_history`; members of an earlier harness's columns, :data:`LEGACY_HISTORY_FIELDS`, stay as they
+    are); a plain CSV gets its header once, so it must have today's columns."""
     history.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=HISTORY_FIELDS, extrasaction="ignore", lineterminator="\n")
-    gz = history.suffix == ".gz"
+    compressed = history.suffix in _OPENERS
     new = not history.is_file() or history.stat().st_size == 0
     if not new:
         (header,) = _lines(read_text(history), 1)
         if header != ",".join(HISTORY_FIELDS):
             legacy = header in {",".join(fields) for fields in LEGACY_HISTORY_FIELDS}
-            if not (gz and legacy):
+            if not (compressed and legacy):
                 raise ValueError(f"{history}: its header is not the results columns plus 'source'"
                                  + ("" if not legacy else " (an earlier harness's columns: a plain CSV has one "
-                                    "header, so start a new file, or keep the history as .gz)") + "; not appending")
-    if gz or new:
+                                    "header, so start a new file, or keep the history as .xz or .gz)")
+                                 + "; not appending")
+    if compressed or new:
         writer.writeheader()
     writer.writerows(dict(r, source=source) for r in rows)
-    with (gzip.open(history, "at", encoding="utf-8", newline="") if gz
+    with (_OPENERS[history.suffix](history, "at", encoding="utf-8", newline="") if compressed
           else history.open("a", newline="", encoding="utf-8")) as f:
         f.write(buffer.getvalue())
     return history
 
 
+# A compressed CSV's opener by suffix. Appending opens a new member (gzip) or stream (xz), and reading goes through
+# every one of them in turn, so a history grows run by run without rewriting what it holds. xz keeps the history at
+# about 60% of gzip's bytes (its window spans the whole file, where gzip's is 32 KiB).
+_OPENERS = {".gz": gzip.open, ".xz": lzma.open}
+
+
 def read_text(path: Path) -> str:
-    """A CSV's text, gunzipped where the name ends in .gz."""
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", newline="", encoding="utf-8") as f:
+    """A CSV's text, decompressed where the name ends in .xz or .gz."""
+    if path.suffix in _OPENERS:
+        with _OPENERS[path.suffix](path, "rt", newline="", encoding="utf-8") as f:
             return f.read()
     return path.read_text(encoding="utf-8")
 
@@ -91,8 +99,9 @@ def _lines(text: str, n: int) -> list[str]:
 
 
 def read_history(history: Path) -> list[dict[str, Any]]:
-    """Every row of the history (a CSV, or a gzip of one whose members were appended run by run, each with its
-    header), with today's columns (:data:`HISTORY_FIELDS`; those an earlier harness's member lacks are empty)."""
+    """Every row of the history (a CSV, or an xz or gzip of one whose streams or members were appended run by run,
+    each with its header), with today's columns (:data:`HISTORY_FIELDS`; those an earlier harness's member lacks
+    are empty)."""
     headers = [",".join(fields) for fields in (HISTORY_FIELDS, *LEGACY_HISTORY_FIELDS)]
     pattern = "^(" + "|".join(re.escape(h) for h in headers) + ")\r?\n"
     parts = re.split(pattern, read_text(history), flags=re.MULTILINE)  # [before, header, body, header, body, ...]
