@@ -13,6 +13,8 @@ through them.
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,25 @@ def test_no_import_cycles_but_the_known_ones():
     assert not gone, f"these known cycles are closed; remove them from KNOWN_CYCLES: {gone}"
     if found:  # only listed cycles are left: reported as an expected failure, by name, until they are closed
         pytest.xfail("known import cycles: " + "; ".join(f"{' <-> '.join(c)} ({KNOWN_CYCLES[c]})" for c in found))
+
+
+# A newcomer's clone stays small: the tracked files' bytes (the checkout a clone writes, history aside). The kept
+# benchmark history, plots and notes are the large part; compress or move data before raising this.
+TRACKED_BYTES_LIMIT = 3_000_000
+
+
+def test_the_tracked_tree_stays_under_its_size_limit():
+    root = SRC.parent
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed: the tracked files cannot be listed")
+    listing = subprocess.run([git, "ls-files", "-z"], cwd=root, capture_output=True)
+    if listing.returncode != 0:
+        pytest.skip("not a git checkout (an unpacked release, say): no tracked files to count")
+    paths = [root / name for name in listing.stdout.decode("utf-8", "surrogateescape").split("\0") if name]
+    sizes = {path: path.stat().st_size for path in paths if path.is_file()}  # a file deleted but not yet staged: 0
+    total = sum(sizes.values())
+    largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
+    assert total <= TRACKED_BYTES_LIMIT, (
+        f"the tracked files hold {total:,} bytes, over {TRACKED_BYTES_LIMIT:,}; the largest: "
+        + ", ".join(f"{path.relative_to(root)} ({sizes[path]:,})" for path in largest))
