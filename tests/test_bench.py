@@ -102,7 +102,8 @@ def test_registry_presets_expand():
     layouts = {c.model: c.section_layout for c in full + bench_cases.expand_preset(registry, "smoke")
                if c.positions == "mrope"}
     assert layouts == {"qwen2-vl-7b": "contiguous", "qwen3-vl-8b": "interleaved", "tiny": "contiguous",
-                       "tiny-interleaved": "interleaved"}
+                       "tiny-interleaved": "interleaved", "wan2.2-5b": "contiguous", "wan2.1-14b": "contiguous",
+                       "tiny-dit": "contiguous"}
     assert {c.style for c in full} == {"neox", "interleaved"}
     assert {c.positions for c in full} == set(bench_cases.POSITION_KINDS)
     assert {m for c in full for m in c.modes} == set(bench_cases.MODES)
@@ -479,7 +480,9 @@ def test_targets_come_from_the_registry_data(tmp_path):
     assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table",
                                            "mrope-fwd", "mrope-decode", "prologue-decode",
                                            "prologue-decode-vs-unfused", "prologue-prefill", "prologue-decode-fp8q",
-                                           "prologue-prefill-fp8q", "qk-norm-fwdbwd",
+                                           "prologue-prefill-fp8q", "prologue-decode-paged",
+                                           "prologue-prefill-paged", "fwd-fp8-dynamic", "qk-norm-fwdbwd",
+                                           "hidden-norm-fwd", "hidden-norm-vs-compile",
                                            "qk-norm-vs-compile", "mla-decode", "mla-prefill",
                                            *(f"attn-{m}-vs-{v}" for m in ("fwd", "fwdbwd")
                                              for v in ("rope-flex", "rope-flash", "rope-cudnn", "cudnn"))}
@@ -1000,3 +1003,167 @@ def test_base_directory_runs_in_a_child_process_and_is_compared(tmp_path):
     table = _one(tmp_path, "bench-*-cpu-smoke-vs-base.txt").read_text()
     assert f"against base {ROOT.name}" in table and "ropekit" in table
     assert _one(tmp_path / "base", "bench-*-cpu-smoke.json")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# This round's variants: rope_kv_write's paged formats, qk_norm_rope over the hidden with v, float8 apply_rope
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cpu_rows(group: str, impl_globs: list[str] | None) -> list[dict]:
+    """``run_case`` of every smoke case of ``group`` on CPU (kernels under the interpreter), timing stubbed."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    device = torch.device("cpu")
+    timer = run.Timer(device)
+
+    def once(fn):  # one call, no timing
+        fn()
+        return 1.0
+
+    timer._cpu = once
+    rows = []
+    for case in bench_cases.expand_preset(registry, "smoke"):
+        if case.group == group:
+            rows += run.run_case(case, device, timer, None, env, impl_globs, lambda s: None)
+    assert rows, group
+    return rows
+
+
+PAGED = tuple(prologue.PAGED_KV_FORMATS)
+
+
+@pytest.mark.parametrize("group", ["smoke-kv-decode", "smoke-kv-prefill"])
+def test_paged_cache_formats_write_the_reference_rows(group):
+    """rope_kv_write into paged_x, paged_hnd and page-table pages: q and every token's K/V rows, read back from the
+    pages, equal rope_kv_write's bshd rows (bf16 and fp8 caches, decode and prefill), timed against copy-kv."""
+    rows = _cpu_rows(group, ["ropekit-kv-write", *PAGED])
+    by = {(r["case"], r["impl"]): r for r in rows}
+    cases = {r["case"] for r in rows}
+    for case in cases:
+        assert by[(case, "copy-kv")]["median_us"] and by[(case, "copy-kv")]["baseline"] == "copy-kv"
+        for impl in PAGED:
+            r = by[(case, impl)]
+            assert r["median_us"] and r["max_rel_diff"] == "0.00e+00", r
+            assert "MISMATCH" not in r["note"] and "failed" not in r["note"]
+            assert r["bytes"] == by[(case, "ropekit-kv-write")]["bytes"]
+
+
+def test_paged_formats_write_shuffled_pages_and_the_check_reads_them(monkeypatch):
+    """The pages are the bshd caches' memory: a token's paged row is not its bshd row (the pages are shuffled), and
+    a check reading the wrong row of a page flags the row as a mismatch."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.group == "smoke-kv-prefill")
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    for impl in PAGED:
+        bench = prologue.build_prologue(impl, inp, "kv-prefill")
+        _, k_rows, v_rows = bench.result()
+        assert not (k_rows.isnan().any() or v_rows.isnan().any()), impl
+        bshd_k, _ = inp.cache_rows()
+        assert bshd_k.isnan().any(), impl  # the tokens' bshd rows were not where the pages put them
+    real = prologue._paged_rows
+    monkeypatch.setattr(prologue, "_paged_rows", lambda layout, k, v, page, row: real(
+        layout, k, v, page, (row + 1) % prologue.PAGE_ROWS))
+    rows = _cpu_rows("smoke-kv-prefill", ["ropekit-kv-write", *PAGED])
+    for r in rows:
+        if r["impl"] in PAGED:
+            assert "MISMATCH vs ropekit-kv-write" in r["note"] and float(r["max_rel_diff"]) > 1, r
+
+
+def test_hidden_norm_mode_checks_the_fused_op_against_the_unfused_code(monkeypatch):
+    """qk_norm_rope(norm_over="hidden", v=v) against copy-qkv and the unfused PyTorch code (fp32 math): q, k and
+    v's copy agree; an unfused code that rotates the other pairing is flagged."""
+    rows = _cpu_rows("smoke-hidden-norm", None)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"copy-qkv", *impls.MODE_IMPLS["hidden-norm-fwd"]}
+    assert by["ropekit-hidden-norm"]["max_rel_diff"] == "0.00e+00" and by["copy-qkv"]["median_us"]
+    for name in ("unfused-eager", "unfused-compile"):
+        assert by[name]["median_us"] and float(by[name]["max_rel_diff"]) < 1e-3, by[name]
+    from ropekit.bench import hidden
+
+    real = hidden._rotate_pairs
+    monkeypatch.setattr(hidden, "_rotate_pairs", lambda x, interleaved: real(x, not interleaved))
+    rows = _cpu_rows("smoke-hidden-norm", ["ropekit-hidden-norm", "unfused-eager"])
+    wrong = next(r for r in rows if r["impl"] == "unfused-eager")
+    assert "MISMATCH vs ropekit-hidden-norm" in wrong["note"], wrong
+
+
+def test_hidden_norm_inputs_and_bytes():
+    """The hidden-norm mode's inputs: q, k and v [B, S, H, D], weights [H * D]; the bytes model counts q, k and v
+    read and written, the weights, the positions on three axes and inv_freq."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.group == "smoke-hidden-norm")
+    assert case.hidden_norm and case.qk_norm and case.positions == "mrope"
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    assert inp.v.shape == inp.k.shape == (1, 16, 4, 32) and inp.q_weight.shape == inp.k_weight.shape == (4 * 32,)
+    nbytes = inputs.bytes_model(inp)
+    assert nbytes["hidden-norm-fwd"] == inputs.case_bytes(case)["hidden-norm-fwd"]
+    assert nbytes["hidden-norm-fwd"] == 2 * 3 * 16 * 4 * 32 * 2 + 2 * 4 * 32 * 2 + 3 * 16 * 8 + 16 * 4
+    full = [c for c in bench_cases.expand_preset(registry, "full") if "hidden-norm-fwd" in c.modes]
+    assert {(c.hq, c.hk, c.head_dim) for c in full} == {(24, 24, 128), (40, 40, 128)}
+    assert {c.tokens for c in full} == {4096, 8192, 16384} and {c.dtype for c in full} == {"bf16"}
+
+
+@pytest.mark.parametrize("model, modes, error", [
+    ("tiny-qknorm", ["hidden-norm-fwd"], "need a model with qk_norm 'hidden'"),
+    ("tiny-dit", ["norm-fwdbwd"], "per-head norm only"),
+])
+def test_registry_rejects_bad_hidden_norm_groups(model, modes, error):
+    registry = bench_cases.load_registry(str(REGISTRY))
+    group = {"name": "g", "models": [model], "dtypes": ["bf16"], "styles": ["neox"], "positions": ["range"],
+             "sizes": [[1, 8]], "modes": modes}
+    with pytest.raises(ValueError, match=error):
+        bench_cases.expand_preset(dict(registry, PRESETS={"p": [group]}), "p")
+
+
+def test_fp8_dynamic_fwd_rows_and_their_copy():
+    """apply_rope to float8 q and k with in-launch scales: a fwd row within one e4m3 step of ropekit's, beside
+    copy-fp8out, a copy of its bytes (bf16 in, one byte out per element, a float32 scale per row)."""
+    rows = _cpu_rows("smoke-neox", ["ropekit", impls.FP8_DYNAMIC])
+    fwd = {r["impl"]: r for r in rows if r["mode"] == "fwd"}
+    fp8 = fwd[impls.FP8_DYNAMIC]
+    assert fp8["median_us"] and 0 < float(fp8["max_rel_diff"]) < prologue.FP8_MISMATCH and "MISMATCH" not in fp8["note"]
+    registry = bench_cases.load_registry(str(REGISTRY))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke") if c.group == "smoke-neox")
+    q_elems, k_elems = case.tokens * case.hq * case.head_dim, case.tokens * case.hk * case.head_dim
+    fp32 = 4
+    expected = inputs.case_bytes(case)["fwd"] - (q_elems + k_elems) * (fp32 - 1) + 4 * case.tokens * (case.hq + case.hk)
+    assert int(fwd["copy-fp8out"]["bytes"]) == expected and fwd["copy-fp8out"]["median_us"]
+    assert not any(r["impl"] == impls.FP8_DYNAMIC for r in rows if r["mode"] == "fwdbwd")
+    target = next(t for t in _targets() if t.key == "fwd-fp8-dynamic")
+    (result,) = bench_targets.evaluate_targets(
+        [dict(fwd[impls.FP8_DYNAMIC], median_us="105", tokens=4096), dict(fwd["copy-fp8out"], median_us="100")],
+        [target])
+    assert result["worst"] == pytest.approx(1.05) and result["ok"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group, impl_globs", [
+    ("smoke-kv-decode", ["ropekit-kv-write", *PAGED]), ("smoke-kv-prefill", ["ropekit-kv-write", *PAGED]),
+    ("smoke-hidden-norm", None), ("smoke-neox", ["ropekit", impls.FP8_DYNAMIC]),
+])
+def test_new_variant_rows_on_the_gpu(group, impl_globs):
+    """The new rows on CUDA at tiny shapes, timed for real (kv-decode: CUDA-graph capture and replay over the input
+    sets): every one checked against its mode's reference and timed, none failed."""
+    import torch
+
+    registry = bench_cases.load_registry(str(REGISTRY))
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    device = torch.device("cuda")
+    rows = []
+    for case in bench_cases.expand_preset(registry, "smoke"):
+        if case.group == group:
+            rows += run.run_case(case, device, run.Timer(device), None, env, impl_globs, lambda s: None)
+    new = {*PAGED, impls.FP8_DYNAMIC, *impls.MODE_IMPLS["hidden-norm-fwd"]}
+    checked = [r for r in rows if r["impl"] in new and r["mode"] != "fwdbwd"]
+    assert checked, group
+    for r in rows:
+        assert r["median_us"] and "failed" not in r["note"] and "MISMATCH" not in r["note"], r
+    for r in checked:
+        fp8 = "/cache-fp8/" in r["case"] or "-fp8q" in r["impl"]
+        assert r["max_rel_diff"] and float(r["max_rel_diff"]) < (prologue.FP8_MISMATCH if fp8 else 1e-2), r

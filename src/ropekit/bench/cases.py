@@ -19,12 +19,14 @@ REGISTRY_FILE = Path(__file__).with_name("registry.py")
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
 MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
-         "mla-decode", "mla-prefill")
+         "mla-decode", "mla-prefill", "hidden-norm-fwd")
 KV_MODES = ("kv-decode", "kv-prefill")  # rope_kv_write: the case has K/V caches (its ``cache`` dtype)
 MLA_MODES = ("mla-decode", "mla-prefill")  # mla_rope_kv_write: the case has a paged latent cache (its ``cache``)
 CACHE_MODES = KV_MODES + MLA_MODES  # the modes whose groups cross ``caches``
 DECODE_CACHE_MODES = ("kv-decode", "mla-decode")  # one token per sequence, at its own position
 MLA_PAGE_SIZE = 64  # the MLA modes' paged cache: rows per page (block_size)
+# qk_norm_rope(norm_over="hidden", v=...): the case's model normalises each token's whole hidden (``qk_norm`` "hidden")
+HIDDEN_NORM_MODES = ("hidden-norm-fwd",)
 ATTN_MODES = ("attn-fwd", "attn-fwdbwd")  # rope_attention: the case has v and a mask (its ``causal`` flag)
 GRAD_MODES = ("fwdbwd", "norm-fwdbwd", "attn-fwdbwd")  # timed with autograd on
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -59,6 +61,7 @@ class Case:
     sections: tuple[int, ...] | None = None  # M-RoPE pairs per axis (the model's), for positions="mrope"
     section_layout: str = "contiguous"  # the model's pair -> axis layout: "contiguous" (Qwen2-VL), "interleaved"
     qk_norm: bool = False  # the model normalises q and k per head before the rotation (Qwen3)
+    hidden_norm: bool = False  # qk_norm over each token's whole hidden H * D instead of per head (WAN 2.x, FLUX.2)
     cache: str | None = None  # KV modes: the caches' dtype (a CACHE_DTYPES name); None for the other modes
     causal: bool | None = None  # attention modes: the causal mask or none; None for the other modes
     v_head_dim: int | None = None  # the model's v head dim where it differs from head_dim (MLA); None: head_dim
@@ -160,6 +163,13 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
             if "norm-fwdbwd" in modes and not model.get("qk_norm"):
                 raise ValueError(f"group {group['name']!r}: mode 'norm-fwdbwd' needs a model with qk_norm; "
                                  f"{model_name!r} has none")
+            hidden = model.get("qk_norm") == "hidden"
+            if set(modes) & set(HIDDEN_NORM_MODES) and not hidden:
+                raise ValueError(f"group {group['name']!r}: the modes {HIDDEN_NORM_MODES} need a model with qk_norm "
+                                 f"'hidden'; {model_name!r} has {model.get('qk_norm')!r}")
+            if hidden and set(modes) & {"norm-fwdbwd", *CACHE_MODES}:
+                raise ValueError(f"group {group['name']!r}: {model_name!r} normalises the whole hidden (qk_norm "
+                                 f"'hidden'), which norm-fwdbwd and the cache modes do not (per-head norm only)")
             for dtype in group["dtypes"]:
                 if dtype not in DTYPES:
                     raise ValueError(f"group {group['name']!r}: unknown dtype {dtype!r}")
@@ -183,7 +193,8 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                     impls=tuple(group["impls"]) if group.get("impls") else None,
                                     sections=tuple(model["sections"]) if model.get("sections") else None,
                                     section_layout=model.get("section_layout", "contiguous"),
-                                    qk_norm=bool(model.get("qk_norm", False)), cache=cache, causal=causal,
+                                    qk_norm=bool(model.get("qk_norm", False)), hidden_norm=hidden,
+                                    cache=cache, causal=causal,
                                     v_head_dim=model.get("v_head_dim"),
                                     latent_dim=model.get("latent_dim") if kv == "mla" else None)
                                 _check_case(group["name"], case)

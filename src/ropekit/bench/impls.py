@@ -17,7 +17,8 @@ from ._triton import tl, triton
 from .attention import ATTN_BASELINE, ATTN_IMPLS, build_attention
 from .base import Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device, compiled_per_case
 from .base import forget_compiles as forget_compiles  # the run loop calls it through this module
-from .cases import ATTN_MODES
+from .cases import ATTN_MODES, HIDDEN_NORM_MODES
+from .hidden import HIDDEN_NORM_IMPLS, build_copy_qkv, build_hidden
 from .inputs import Inputs
 from .mla import MLA_IMPLS, build_copy_mla, build_mla
 from .peers import Peers
@@ -34,15 +35,19 @@ from .timing import _sync
 # The baseline each mode's ratio_vs_copy divides by, and extra reference rows timed in that mode.
 BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_", "kv-decode": "copy-kv",
             "kv-prefill": "copy-kv", "norm-fwdbwd": "copy-5pass", "attn-fwd": ATTN_BASELINE,
-            "attn-fwdbwd": ATTN_BASELINE, "mla-decode": "copy-mla", "mla-prefill": "copy-mla"}
-EXTRA_BASELINES = {"decode": ("copy",), "host": ("triton-launch",)}
-ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d")
+            "attn-fwdbwd": ATTN_BASELINE, "mla-decode": "copy-mla", "mla-prefill": "copy-mla",
+            "hidden-norm-fwd": "copy-qkv"}
+# fwd's "copy-fp8out" moves the bytes of apply_rope with float8 outputs and in-launch scales ("ropekit-fp8qk-dynamic")
+EXTRA_BASELINES = {"fwd": ("copy-fp8out",), "decode": ("copy",), "host": ("triton-launch",)}
+FP8_DYNAMIC = "ropekit-fp8qk-dynamic"  # apply_rope to float8 q and k, a scale per (token, head) from the launch
+ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d", FP8_DYNAMIC)
+_UNQUANTISED = ROPEKIT_IMPLS[:-1]
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
 MODE_IMPLS = {
-    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d") + PEER_IMPLS,
+    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d", FP8_DYNAMIC) + PEER_IMPLS,
     "fwdbwd": ("ropekit", "ropekit-table", "ropekit-hf") + PEER_IMPLS,
-    "decode": ROPEKIT_IMPLS + PEER_IMPLS,
-    "host": ROPEKIT_IMPLS + PEER_IMPLS,
+    "decode": _UNQUANTISED + PEER_IMPLS,
+    "host": _UNQUANTISED + PEER_IMPLS,
     "kv-decode": PROLOGUE_KV_IMPLS,
     "kv-prefill": PROLOGUE_KV_IMPLS,
     "norm-fwdbwd": PROLOGUE_NORM_IMPLS,
@@ -50,10 +55,12 @@ MODE_IMPLS = {
     "attn-fwdbwd": ATTN_IMPLS,
     "mla-decode": MLA_IMPLS,
     "mla-prefill": MLA_IMPLS,
+    "hidden-norm-fwd": HIDDEN_NORM_IMPLS,
 }
 # The implementation every other one of a mode is checked against (its outputs are the reference).
 REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm",
-             "mla-decode": "ropekit-mla-kv-write", "mla-prefill": "ropekit-mla-kv-write"}
+             "mla-decode": "ropekit-mla-kv-write", "mla-prefill": "ropekit-mla-kv-write",
+             "hidden-norm-fwd": "ropekit-hidden-norm"}
 
 
 def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | None = None) -> Bench:
@@ -73,6 +80,10 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | N
                      note="one copy_ of q alone (a device-to-device memcpy)")
     if name == "copy-mla":
         return build_copy_mla(inp)
+    if name == "copy-qkv":
+        return build_copy_qkv(inp, nbytes)
+    if name == "copy-fp8out":
+        return _copy_fp8_out(inp, nbytes)
     if name in ("copy-kv", "copy-5pass"):
         return build_copy_kv(inp) if name == "copy-kv" else build_copy_5pass(inp, nbytes)
     if name == "add_":
@@ -89,6 +100,35 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | N
 
         return Bench(run=launch, note="a bare kernel[grid](...) launch with 10 arguments")
     raise ValueError(name)
+
+
+def _copy_fp8_out(inp: Inputs, nbytes: dict[str, int]) -> Bench:
+    """One copy of what apply_rope with float8 outputs and dynamic scales moves: fwd's bytes less a byte of each
+    output element below the input dtype's, plus a float32 scale per (token, head) of q and k."""
+    rows = inp.q.numel() // inp.q.shape[-1] + inp.k.numel() // inp.k.shape[-1]
+    outputs = (inp.q.numel() + inp.k.numel()) * (inp.q.element_size() - 1)
+    b = _flat_copy(inp, nbytes["fwd"] - outputs + 4 * rows)
+    b.note = "one copy of the bytes of apply_rope with float8 q and k and a float32 scale per (token, head)"
+    return b
+
+
+def _fp8_dynamic(inp: Inputs, kw: dict[str, Any]) -> Bench:
+    """apply_rope to float8_e4m3fn q and k with per-(token, head) scales computed in the launch; the check
+    dequantises them (times their scales) and holds them to one e4m3 step of ropekit's."""
+    import ropekit
+
+    from .prologue import FP8, FP8_MISMATCH
+
+    def call() -> tuple[Tensor, ...]:
+        return ropekit.apply_rope(inp.q, inp.k, out_dtype=FP8, q_out_scale="dynamic", **kw)
+
+    def result() -> tuple[Tensor, Tensor]:
+        q8, k8, q_scales, k_scales = call()
+        return q8.float() * q_scales.unsqueeze(-1), k8.float() * k_scales.unsqueeze(-1)
+
+    return Bench(run=call, result=result, tolerances=(FP8_MISMATCH, FP8_MISMATCH),
+                 note=f"float8_e4m3fn q and k, a scale per (token, head) from the same launch (within one e4m3 step: "
+                      f"max_rel_diff <= {FP8_MISMATCH})")
 
 
 def _leaves(inp: Inputs) -> tuple[Tensor, Tensor]:
@@ -152,6 +192,10 @@ def build_ropekit(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
         return Bench(run=lambda: ropekit.apply_rope_(q2, k2, **kw), result=result, note="in place")
     if name == "ropekit-launcher":
         return build_launcher(inp)
+    if name == FP8_DYNAMIC:
+        if mode != "fwd":
+            raise Unsupported("float8 outputs are inference only: the fwd mode")
+        return _fp8_dynamic(inp, kw)
     if name == "ropekit-hf":
         if peers.ropekit_hf is None:
             raise Unsupported(peers.missing.get("ropekit-hf", "absent"))
@@ -312,6 +356,8 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
     if mode in ATTN_MODES:  # "ropekit" there is rope_attention
         return build_attention(name, inp, mode)
+    if mode in HIDDEN_NORM_MODES:  # its unfused-* are the hidden norm's
+        return build_hidden(name, inp, mode)
     if name in MLA_IMPLS:
         return build_mla(name, inp)
     if name in PROLOGUE_IMPLS:

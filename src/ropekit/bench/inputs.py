@@ -153,6 +153,8 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
         layout = "bhsd"
         q, k, v = _randn(device, seed, (B, case.hq, S, D), (B, case.hk, S, D), (B, case.hk, S, case.value_dim),
                          dtype=dtype)
+    elif case.hidden_norm:  # a diffusion transformer: q, k and v from separate projections, v copied by the op
+        q, k, v = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), (*lead, case.hk, D), dtype=dtype)
     elif case.cache is None:
         q, k = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), dtype=dtype)
     else:  # one packed QKV projection output; q, k and v are views of it (the op reads them in place)
@@ -197,10 +199,11 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
                  inv_freq=inv_freq.to(device), cos_tab=torch.cos(angle).to(torch.float32).to(device),
                  sin_tab=torch.sin(angle).to(torch.float32).to(device),
                  pos_axes=positions if case.positions == "mrope" else None, pair_axis=pair_axis, v=v)
-    if case.qk_norm:  # weights near 1, as trained norms are
+    if case.qk_norm:  # weights near 1, as trained norms are; over the hidden: [H * D], head-major
         gen_w = torch.Generator(device=device).manual_seed(seed + 2)
-        inp.q_weight, inp.k_weight = (torch.rand(D, generator=gen_w, device=device).add_(0.5).to(dtype)
-                                      for _ in range(2))
+        widths = (case.hq * D, case.hk * D) if case.hidden_norm else (D, D)
+        inp.q_weight, inp.k_weight = (torch.rand(w, generator=gen_w, device=device).add_(0.5).to(dtype)
+                                      for w in widths)
     if case.latent_dim is not None:
         inp.kv_c = kv_c
         _mla_cache(inp, rows, gen, caches_of)
@@ -261,7 +264,7 @@ def case_bytes(case: Case) -> dict[str, int]:
     q = case.tokens * case.hq * case.head_dim * elem
     kv = case.tokens * case.hk * case.head_dim * elem  # k's bytes, and v's
     cache_elem = CACHE_DTYPES[case.cache or case.dtype].itemsize
-    weights = 2 * case.head_dim * elem if case.qk_norm else 0
+    weights = (case.hq + case.hk if case.hidden_norm else 2) * case.head_dim * elem if case.qk_norm else 0
     qk = q + kv
     extra = (case.rotary_dim // 2) * 4
     if case.positions == "batch":
@@ -275,7 +278,8 @@ def case_bytes(case: Case) -> dict[str, int]:
     fwd = 2 * qk + extra
     kv_write = 2 * q + 2 * kv + 2 * kv // elem * cache_elem + extra + weights + (8 if case.cache == "fp8" else 0)
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
-            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(case, qk, extra), **mla_bytes(case)}
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, "hidden-norm-fwd": 2 * (qk + kv) + extra + weights,
+            **_attention_bytes(case, qk, extra), **mla_bytes(case)}
 
 
 def _attention_bytes(case: Case, qk: int, extra: int) -> dict[str, int]:
@@ -323,6 +327,8 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     * ``attn-fwd`` (``rope_attention``): q, k and v read once, o ``[B, Hq, S, Dv]`` written, plus the position data
       and ``inv_freq`` (the S x S scores never leave the chip; the row statistics are not counted).
     * ``mla-decode``, ``mla-prefill`` (``mla_rope_kv_write``): :func:`mla_bytes`.
+    * ``hidden-norm-fwd`` (``qk_norm_rope(norm_over="hidden", v=v)``): q, k and v read once and written once (v's
+      copy), the weights [H * D], the position data and ``inv_freq``.
     * ``attn-fwdbwd``: three times the tensors' bytes (the backward reads q, k, v, o and the gradient of o and writes
       the gradients of q, k and v), the position data and ``inv_freq`` twice.
 
@@ -342,5 +348,5 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     kv_write = 2 * q + k + v + (k + v) // elem * cache_elem + extra + weights + scales
     fwd = 2 * qk + extra
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
-            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, **_attention_bytes(inp.case, qk, extra),
-            **mla_bytes(inp.case)}
+            "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, "hidden-norm-fwd": 2 * (qk + k) + extra + weights,
+            **_attention_bytes(inp.case, qk, extra), **mla_bytes(inp.case)}

@@ -27,9 +27,16 @@ FP8 = torch.float8_e4m3fn
 
 # The implementations built here (impls.MODE_IMPLS lists them with the others): rope_kv_write and the unfused chain
 # (KV modes), qk_norm_rope and the unfused PyTorch code (norm-fwdbwd).
-PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "ropekit-kv-write-fp8q", "ropekit-kv-write-fp8q-dynamic", "unfused-kv")
+# rope_kv_write into paged caches: the impl's cache layout, found by slot_mapping or by FlashInfer's page table.
+PAGED_KV_FORMATS = {"ropekit-kv-write-paged-x": ("paged_x", "slots"),
+                    "ropekit-kv-write-paged-hnd": ("paged_hnd", "slots"),
+                    "ropekit-kv-write-page-table": ("paged", "page-table")}
+PAGE_ROWS = 16  # rows per page of the paged formats (vLLM's default block_size)
+PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "ropekit-kv-write-fp8q", "ropekit-kv-write-fp8q-dynamic", *PAGED_KV_FORMATS,
+                     "unfused-kv")
 PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
-PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS
+# With the hidden-norm mode's fused op (built by .hidden): the implementations the short table has columns for.
+PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS + ("ropekit-hidden-norm",)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,6 +132,79 @@ def _fp8_q_kv_bench(inp: Inputs, dynamic: bool) -> Bench:
                  tolerances=(FP8_MISMATCH, FP8_MISMATCH if fp8_cache else None, FP8_MISMATCH if fp8_cache else None))
 
 
+def _paged_caches(inp: Inputs, layout: str) -> tuple[Tensor, Tensor]:
+    """The case's bshd caches' memory seen as pages of ``layout``: the same bytes, so the paged rows' writes cost
+    what the bshd rows' do bar their addresses, and graph modes' input sets share them (as they share the caches).
+    "paged" [N, 16, Hkv, D]; "paged_hnd" [N, Hkv, 16, D]; "paged_x" keys [N, Hkv, D/x, 16, x] (x = 16 bytes / the
+    cache element) and values [N, Hkv, D, 16]."""
+    kc, vc = inp.k_cache, inp.v_cache
+    B, L, H, D = kc.shape
+    n = B * L // PAGE_ROWS
+    if layout == "paged":
+        return kc.view(n, PAGE_ROWS, H, D), vc.view(n, PAGE_ROWS, H, D)
+    if layout == "paged_hnd":
+        return kc.view(n, H, PAGE_ROWS, D), vc.view(n, H, PAGE_ROWS, D)
+    x = 16 // kc.element_size()
+    return kc.view(n, H, D // x, PAGE_ROWS, x), vc.view(n, H, D, PAGE_ROWS)
+
+
+def _paged_rows(layout: str, k_pages: Tensor, v_pages: Tensor, page: Tensor, row: Tensor) -> tuple[Tensor, Tensor]:
+    """Each token's K and V rows [T, Hkv, D] at (page, row) of caches in ``layout``."""
+    if layout == "paged":
+        return k_pages[page, row], v_pages[page, row]
+    if layout == "paged_hnd":
+        return k_pages[page, :, row], v_pages[page, :, row]
+    k = k_pages[page, :, :, row]  # [T, Hkv, D/x, x]
+    return k.reshape(*k.shape[:2], -1), v_pages[page, :, :, row]
+
+
+def _paged_kv_bench(inp: Inputs, name: str) -> Bench:
+    """rope_kv_write into shuffled 16-row pages (each sequence owns its pages in a random order over the cache)
+    of the layout ``PAGED_KV_FORMATS[name]`` names, found by slot_mapping or through FlashInfer's page table
+    (kv_indices, kv_indptr, kv_last_page_len: each sequence's pages up to its last token). The check reads each
+    token's rows back from the pages, so they compare with ``ropekit-kv-write``'s bshd rows."""
+    import ropekit
+
+    layout, find = PAGED_KV_FORMATS[name]
+    c = inp.case
+    k_pages, v_pages = _paged_caches(inp, layout)
+    q, k, v, kw = inp.kv_call()
+    B, max_len = inp.k_cache.shape[:2]
+    gen = torch.Generator().manual_seed(int(inp.pos_grid.sum()))  # another input set: other pages
+    pages = torch.randperm(B * max_len // PAGE_ROWS, generator=gen).view(B, -1)
+    grid = inp.pos_grid.cpu()  # [B, S]
+    page = pages.gather(1, grid // PAGE_ROWS)
+    row = (grid % PAGE_ROWS).reshape(-1).to(inp.device)
+    if find == "slots":
+        slots = (page * PAGE_ROWS + grid % PAGE_ROWS).to(inp.device)
+        kw.update(slot_mapping=slots.reshape(-1) if q.dim() == 3 else slots)
+    else:
+        used = grid[:, -1] // PAGE_ROWS + 1  # positions grow along a sequence: its last token's page is its last
+        indices = torch.cat([pages[b, :n] for b, n in enumerate(used.tolist())])
+        indptr = torch.cat([used.new_zeros(1), used.cumsum(0)])
+        kw.update(kv_indices=indices.to(inp.device, torch.int32), kv_indptr=indptr.to(inp.device, torch.int32),
+                  kv_last_page_len=(grid[:, -1] % PAGE_ROWS + 1).to(inp.device, torch.int32))
+    page = page.reshape(-1).to(inp.device)
+
+    def call() -> Tensor:
+        return ropekit.rope_kv_write(q, k, v, k_pages, v_pages, cache_layout=layout, **kw)
+
+    def result() -> tuple[Tensor, ...]:
+        k_pages.fill_(float("nan"))
+        v_pages.fill_(float("nan"))
+        q_out = call().reshape(c.tokens, c.hq, c.head_dim)
+        rows = _paged_rows(layout, k_pages, v_pages, page, row)
+        if inp.cache_scale is not None:
+            rows = tuple(r.float() * inp.cache_scale for r in rows)
+        return (q_out, *rows)
+
+    fp8 = inp.cache_scale is not None
+    how = "slot_mapping" if find == "slots" else "FlashInfer's page table (kv_indices, kv_indptr, kv_last_page_len)"
+    return Bench(run=call, result=result, tolerances=(None, FP8_MISMATCH, FP8_MISMATCH) if fp8 else None,
+                 note=f"one launch into {layout} pages of {PAGE_ROWS} rows found by {how}; "
+                      + _kv_note(inp).replace("bshd ", ""))
+
+
 def _unfused_kv(inp: Inputs) -> Callable[[], Tensor]:
     """torch ``rms_norm`` of q and k (models with qk_norm), ``ropekit.apply_rope``, then the cache scatter by
     advanced indexing (fp8: ``(x.float() / scale).clamp(-448, 448)`` converted to e4m3)."""
@@ -218,6 +298,8 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
                              "one launch; " + _kv_note(inp))
         if name.startswith("ropekit-kv-write-fp8q"):
             return _fp8_q_kv_bench(inp, dynamic=name.endswith("dynamic"))
+        if name in PAGED_KV_FORMATS:
+            return _paged_kv_bench(inp, name)
         return _kv_bench(inp, _unfused_kv(inp), ("torch rms_norm x2 + " if c.qk_norm else "")
                          + "ropekit.apply_rope + cache scatter by indexing; " + _kv_note(inp))
     if inp.q_weight is None:

@@ -8,7 +8,8 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     ``rotary_at`` ("front" or "back"; default "front"), ``base`` (RoPE theta), ``sections`` (M-RoPE pairs per
     axis, for positions "mrope") and ``section_layout`` ("contiguous", the default, or "interleaved" as Qwen3-VL),
     ``qk_norm`` (True: per-head RMSNorm of q and k before the rotation, as Qwen3;
-    the prologue modes normalise, and norm-fwdbwd needs it), ``v_head_dim`` (the attention modes' v head dim,
+    the prologue modes normalise, and norm-fwdbwd needs it; "hidden": RMSNorm over each token's whole H * D, as
+    WAN 2.x, which hidden-norm-fwd needs), ``v_head_dim`` (the attention modes' v head dim,
     as MLA's 128 beside a q/k head dim of 192; default: head_dim), ``latent_dim`` (MLA models: the latent kv_c's
     width; the MLA modes' q head is ``head_dim`` = D_nope + D_rope with the ``rotary_dim`` rope columns at the
     back, k_pe one shared head of ``rotary_dim``), ``about`` (one line).
@@ -63,6 +64,15 @@ Values:
                + scatter):
                "mla-decode"  one token per sequence (positions "batch"), replayed from a CUDA graph
                "mla-prefill" [B, S] tokens (e.g. positions "offset"), cold L2, one call
+               the KV modes' cache formats: "ropekit-kv-write-paged-x" (vLLM's paged_x keys [blocks, Hkv, D/x,
+               16, x] and values [blocks, Hkv, D, 16]), "-paged-hnd" ([blocks, Hkv, 16, D]) and "-page-table"
+               (NHD pages [blocks, 16, Hkv, D] found through FlashInfer's kv_indices / kv_indptr /
+               kv_last_page_len): each a view of the case's bshd caches' memory as shuffled 16-row pages
+               the diffusion transformers' prologue (ropekit.qk_norm_rope(norm_over="hidden", v=v): RMSNorm over
+               each token's H * D, the multi-axis rotation and v's copy; q, k, v [B, S, H, D] from separate
+               projections), against "copy-qkv" (one copy of its bytes) and the unfused PyTorch code (eager and
+               torch.compile):
+               "hidden-norm-fwd" the forward, cold L2, one call
     caches     "bf16", "fp16", "fp32" (the inputs' dtype), "fp8" (float8_e4m3fn with a 0-d fp32 tensor scale)
     causal     True (query i attends to keys 0..i, top-left aligned as SDPA's is_causal), False (no mask)
 """
@@ -104,6 +114,16 @@ MODELS = {
     "tiny-mla": {"hq": 4, "hk": 2, "head_dim": 48, "rotary_dim": 16, "rotary_at": "back", "v_head_dim": 32,
                  "base": 10000.0,
                  "about": "CPU smoke only: GQA 4 / 2 heads, D 48 rotated at the back (16), v head dim 32 (as MLA)"},
+    "wan2.2-5b": {"hq": 24, "hk": 24, "head_dim": 128, "base": 10000.0, "sections": [22, 21, 21],
+                  "qk_norm": "hidden",
+                  "about": "WAN 2.2 TI2V-5B's DiT: 24 heads, D 128 (hidden 3072), QK RMSNorm over the hidden, "
+                           "3-axis RoPE (frame, height, width: 22/21/21 pairs)"},
+    "wan2.1-14b": {"hq": 40, "hk": 40, "head_dim": 128, "base": 10000.0, "sections": [22, 21, 21],
+                   "qk_norm": "hidden",
+                   "about": "WAN 2.1-14B's DiT: 40 heads, D 128 (hidden 5120), QK RMSNorm over the hidden, "
+                            "3-axis RoPE"},
+    "tiny-dit": {"hq": 4, "hk": 4, "head_dim": 32, "base": 10000.0, "sections": [6, 5, 5], "qk_norm": "hidden",
+                 "about": "CPU smoke only: QK RMSNorm over the hidden (4 x 32) and 3-axis RoPE (a tiny WAN)"},
     "tiny-latent": {"hq": 3, "hk": 1, "head_dim": 24, "rotary_dim": 8, "rotary_at": "back", "base": 10000.0,
                     "latent_dim": 32, "about": "CPU smoke only: MLA prologue, 3 heads, 16 + 8 rope columns, latent 32"},
 }
@@ -123,6 +143,8 @@ SIZES = {
     "train": [[4, 4096], [8, 4096], [16, 4096]],
     # RoPE fused into attention: 8k-16k tokens as 1k, 4k and 16k-token sequences (the S^2 work grows 16x per step)
     "attention": [[8, 1024], [4, 4096], [1, 16384]],
+    # a diffusion transformer's video latents: 4k-16k tokens, one sequence
+    "dit": [[1, 4096], [1, 8192], [1, 16384]],
 }
 
 _BF16_NEOX = {"dtypes": ["bf16"], "styles": ["neox"]}
@@ -135,6 +157,9 @@ _ATTENTION = {"name": "attention", "models": ["llama3-8b", "mha16-d64", "mla-rop
 # The MLA prologue at DeepSeek-V3 shapes (128 heads, and 16 as on one of 8 tensor-parallel GPUs); DeepSeek pairs
 # interleaved columns.
 _MLA = {"models": ["deepseek-v3-tp8", "deepseek-v3"], "dtypes": ["bf16"], "styles": ["interleaved"]}
+# The diffusion transformers' prologue at WAN 2.x shapes: interleaved pairs (WAN rotates complex pairs), positions
+# on three axes.
+_DIT = {"models": ["wan2.2-5b", "wan2.1-14b"], "dtypes": ["bf16"], "styles": ["interleaved"], "positions": ["mrope"]}
 
 PRESETS = {
     # One representative case per target (but the attention modes': preset "attention"); about 3-4 minutes on an
@@ -160,6 +185,7 @@ PRESETS = {
          "sizes": [[1, 1], [64, 1]], "modes": ["mla-decode"]},
         {"name": "mla-prologue-prefill", **_MLA, "positions": ["offset"], "caches": ["fp8"], "sizes": [[1, 8192]],
          "modes": ["mla-prefill"]},
+        {"name": "hidden-norm-fwd", **_DIT, "sizes": [[1, 8192]], "modes": ["hidden-norm-fwd"]},
     ],
     # Everything the issue lists. Split it with --cases GROUP or --shard I/N to fit a time limit per command.
     "full": [
@@ -201,6 +227,8 @@ PRESETS = {
          "modes": ["mla-decode"]},
         {"name": "mla-prologue-prefill", **_MLA, "positions": ["offset"], "caches": ["bf16", "fp8"],
          "sizes": "prefill-1seq", "modes": ["mla-prefill"]},
+        # The diffusion transformers' prologue: qk_norm_rope(norm_over="hidden", v=v) against a copy of its bytes.
+        {"name": "hidden-norm-fwd", **_DIT, "sizes": "dit", "modes": ["hidden-norm-fwd"]},
         # RoPE fused into attention: rope_attention against SDPA (cuDNN, flash) and flex_attention.
         _ATTENTION,
     ],
@@ -230,6 +258,8 @@ PRESETS = {
          "positions": ["batch"], "caches": ["bf16", "fp8"], "sizes": [[3, 1]], "modes": ["mla-decode"]},
         {"name": "smoke-mla-prefill", "models": ["tiny-latent"], "dtypes": ["fp16"], "styles": ["neox"],
          "positions": ["offset"], "caches": ["fp8"], "sizes": [[2, 8]], "modes": ["mla-prefill"]},
+        {"name": "smoke-hidden-norm", "models": ["tiny-dit"], "dtypes": ["bf16"], "styles": ["interleaved"],
+         "positions": ["mrope"], "sizes": [[1, 16]], "modes": ["hidden-norm-fwd"]},
     ],
 }
 
@@ -264,10 +294,27 @@ TARGETS = [
      "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
     {"key": "prologue-prefill-fp8q", "what": "rope_kv_write, float8 q, prefill 2k-32k tokens, cold L2, vs copy-kv",
      "limit": 1.05, "mode": "kv-prefill", "impl": "ropekit-kv-write-fp8q*", "where": {"tokens": [2048, 32768]}},
+    {"key": "prologue-decode-paged",
+     "what": "rope_kv_write into paged_x, paged_hnd or page-table pages, decode 1-64 tokens, 32/8 heads D128, "
+             "graph replay, vs copy-kv",
+     "limit": 1.10, "mode": "kv-decode", "impl": "ropekit-kv-write-pag*",
+     "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
+    {"key": "prologue-prefill-paged",
+     "what": "rope_kv_write into paged_x, paged_hnd or page-table pages, prefill 2k-32k tokens, vs copy-kv",
+     "limit": 1.05, "mode": "kv-prefill", "impl": "ropekit-kv-write-pag*", "where": {"tokens": [2048, 32768]}},
+    {"key": "fwd-fp8-dynamic", "what": "fwd, float8 q and k with in-launch scales, 2k-16k tokens, vs copy of its bytes",
+     "limit": 1.05, "mode": "fwd", "impl": "ropekit-fp8qk-dynamic", "versus": "copy-fp8out",
+     "where": {"tokens": [2048, 16384]}},
     {"key": "qk-norm-fwdbwd", "what": "qk_norm_rope fwd+bwd, >= 8x4096 tokens, vs ideal 5-pass copy", "limit": 1.10,
      "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "where": {"tokens": [32768, None]}},
     {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
      "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
+    # The diffusion transformers' prologue (qk_norm_rope over the hidden, with v's copy).
+    {"key": "hidden-norm-fwd", "what": "qk_norm_rope(norm_over='hidden', v) fwd, 4k-16k tokens, vs copy-qkv",
+     "limit": 1.05, "mode": "hidden-norm-fwd", "impl": "ropekit-hidden-norm", "where": {"tokens": [4096, 16384]}},
+    {"key": "hidden-norm-vs-compile",
+     "what": "qk_norm_rope(norm_over='hidden', v) fwd vs torch.compile of the unfused PyTorch code",
+     "limit": 1.0, "mode": "hidden-norm-fwd", "impl": "ropekit-hidden-norm", "versus": "unfused-compile"},
     # The MLA prologue (mla_rope_kv_write) against copy-mla, the one-kernel copy of its bytes.
     # Both q dtypes (the inputs' and float8): each must stay within the copy of the bf16 op's bytes.
     {"key": "mla-decode", "what": "mla_rope_kv_write (bf16 or float8 q) decode 1-256 tokens, DeepSeek-V3 16/128 "
