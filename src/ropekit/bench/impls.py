@@ -1,8 +1,8 @@
 """Implementation builders: the baselines, ropekit's entry points and the peers, each prepared as a :class:`Bench`
 (what is timed, and fresh outputs for the check against ropekit). The attention prologue's (KV modes,
-norm-fwdbwd) are in :mod:`.prologue`, the MLA prologue's (MLA modes) in :mod:`.mla` and those of RoPE fused into
-attention (attn-fwd, attn-fwdbwd) in :mod:`.attention`, which :func:`build` dispatches to; what they all build on
-is in :mod:`.base`."""
+norm-fwdbwd) are in :mod:`.prologue`, the MLA prologue's (MLA modes) in :mod:`.mla`, the diffusion transformers'
+(hidden-norm-fwd) in :mod:`.hidden` and those of RoPE fused into attention (attn-fwd, attn-fwdbwd) in
+:mod:`.attention`, which :func:`build` dispatches to; what they all build on is in :mod:`.base`."""
 
 from __future__ import annotations
 
