@@ -16,7 +16,8 @@ _BYTES_AXES = ("gbps", "GB/s (useful bytes)", "tokens", "tokens")
 _FLOPS_AXES = ("tflops", "TFLOP/s (attention flops)", "seqlen", "sequence length")
 PLOT_AXES = {"fwd": _BYTES_AXES, "fwdbwd": _BYTES_AXES, "decode": _BYTES_AXES, "kv-decode": _BYTES_AXES,
              "kv-prefill": _BYTES_AXES, "norm-fwdbwd": _BYTES_AXES, "attn-fwd": _FLOPS_AXES,
-             "attn-fwdbwd": _FLOPS_AXES, "mla-decode": _BYTES_AXES, "mla-prefill": _BYTES_AXES}
+             "attn-fwdbwd": _FLOPS_AXES, "mla-decode": _BYTES_AXES, "mla-prefill": _BYTES_AXES,
+             "hidden-norm-fwd": _BYTES_AXES}
 PANEL_INCHES = (3.6, 2.5)  # one panel's width and height
 # what fits across one inch of the figure: characters of the 9-point title, entries of the 8-point legend
 _TITLE_CHARS_PER_INCH, _LEGEND_ENTRIES_PER_INCH = 14, 0.75

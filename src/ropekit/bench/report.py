@@ -163,7 +163,7 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
             f"{meta['commit']} | {meta['date']}")
     intro = ("baseline us = median microseconds of the mode's baseline (fwd: copy of the same bytes; fwdbwd: "
              "copy-4pass; decode: copy-q; host: add_; kv-decode, kv-prefill: copy-kv; norm-fwdbwd: copy-5pass; "
-             "mla-decode, mla-prefill: copy-mla); "
+             "mla-decode, mla-prefill: copy-mla; hidden-norm-fwd: copy-qkv; the float8 fwd row: copy-fp8out); "
              "Nx = time / baseline time; exact/table = ropekit / ropekit-table")
     label = f"**{meta['label']}**" if markdown else f"*** {meta['label']} ***"
     out = [label] if meta["label"] != PERF_LABEL else []

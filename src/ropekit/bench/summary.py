@@ -36,7 +36,7 @@ LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
 PLOT_DPI = 80  # the kept plots, drawn without antialiasing: small files, the text still legible
 MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
-              "mla-decode", "mla-prefill")
+              "mla-decode", "mla-prefill", "hidden-norm-fwd")
 
 
 def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
