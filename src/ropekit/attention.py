@@ -27,9 +27,11 @@ import torch
 from torch import Tensor
 
 from ropekit._device_cache import device_cache
-from ropekit._spec import FORWARD, LAYOUTS, Positions, RopeArgs, to_canonical
+from ropekit._fastpath.attention import attention_outputs, planned_attention
+from ropekit._spec import FORWARD, LAYOUTS, Positions, RopeArgs, RopeSpec, to_canonical
 from ropekit._validation import check_cu_seqlens_bounds, validate_args
 from ropekit.autograd import attend
+from ropekit.autograd import rotate as rotate_spec
 
 __all__ = ["rope_attention", "FOLDS"]
 
@@ -157,12 +159,14 @@ def _per_batch(args: RopeArgs) -> bool:
 
 
 class _UnitRows(NamedTuple):
-    """The angle rows' shape and dtype, the rotation arguments for them, and (rotary_start, rotary_dim, neox)."""
+    """The angle rows' shape and dtype, the rotation arguments for them, (rotary_start, rotary_dim, neox), and the
+    validated rotation of them."""
 
     shape: tuple
     dtype: torch.dtype
     args: RopeArgs
     rotation: tuple[int, int, bool]
+    spec: RopeSpec
 
 
 def _unit_plan(q: Tensor, args: RopeArgs) -> _UnitRows:
@@ -175,7 +179,7 @@ def _unit_plan(q: Tensor, args: RopeArgs) -> _UnitRows:
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     unit_args = args._replace(q_scale=1.0, k_scale=1.0, out_dtype=None)
     spec = validate_args(_zeros(shape, dtype, q.device), None, unit_args, FORWARD)
-    return _UnitRows(shape, dtype, unit_args, (spec.rotary_start, spec.rotary_dim, spec.style == "neox"))
+    return _UnitRows(shape, dtype, unit_args, (spec.rotary_start, spec.rotary_dim, spec.style == "neox"), spec)
 
 
 def _unit_rows(q: Tensor, args: RopeArgs, plan: _UnitRows | None = None) -> tuple[Tensor, tuple[int, int, bool]]:
@@ -183,9 +187,8 @@ def _unit_rows(q: Tensor, args: RopeArgs, plan: _UnitRows | None = None) -> tupl
     (c1, c2) comes out as (cos, sin) -- and (rotary_start, rotary_dim, neox). ``plan``: :func:`_unit_plan`'s, where
     the caller checked the arguments already."""
     plan = _unit_plan(q, args) if plan is None else plan
-    from ropekit.api import _rope
-
-    table = _rope(_unit(plan.shape, plan.dtype, q.device, *plan.rotation), None, FORWARD, plan.args)
+    # the rotation validated already (spec): straight to its launch, which the attention's plans record
+    table = rotate_spec(_unit(plan.shape, plan.dtype, q.device, *plan.rotation), None, plan.spec, False)[0]
     return to_canonical(table, args.layout)[:, :, 0], plan.rotation
 
 
@@ -255,25 +258,83 @@ def rope_attention(
 
     >>> o = ropekit.rope_attention(q, k, v, positions=position_ids, base=500000.0, is_causal=True, fold="q_log2")
     """
-    _check_inputs(q, k, v, layout)
+    options = AttentionOptions(scale, is_causal, log2_softmax, fold, return_lse, return_rotated, positions, inv_freq,
+                               base, cos, sin, angles, style, layout, rotary_dim, rotary_at, q_scale, k_scale,
+                               rotary_scale, cu_seqlens, max_seqlen, sections, section_layout, check_positions)
+    return planned_attention(q, k, v, options, _rope_attention_full)
+
+
+class AttentionOptions(NamedTuple):
+    """:func:`rope_attention`'s keywords, in its order (what the eager fast path keys a call's plan on)."""
+
+    scale: float | None
+    is_causal: bool
+    log2_softmax: bool
+    fold: str
+    return_lse: bool
+    return_rotated: bool
+    positions: Positions
+    inv_freq: Tensor | None
+    base: float
+    cos: Tensor | None
+    sin: Tensor | None
+    angles: Tensor | None
+    style: str
+    layout: str
+    rotary_dim: int | None
+    rotary_at: str
+    q_scale: float
+    k_scale: float
+    rotary_scale: float
+    cu_seqlens: Tensor | None
+    max_seqlen: int | None
+    sections: Sequence[int] | None
+    section_layout: str
+    check_positions: bool
+
+
+class AttentionRun(NamedTuple):
+    """What a full-path call ran, for the fast path to record its plan from: the rotation's arguments and the angle
+    rows' validated rotation, the unit rows rotated (a constant), the tensors the attention took (q, k, v with a
+    contiguous last dim, the angle rows, the packed boundaries), its other arguments, and its (o, lse)."""
+
+    args: RopeArgs
+    unit_spec: RopeSpec
+    unit: Tensor
+    inputs: tuple
+    angles: Tensor
+    sequences: Tensor | None
+    params: tuple
+    o: Tensor
+    lse: Tensor
+
+
+def _rope_attention_full(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, note=None):
+    """The full path of :func:`rope_attention`: check every argument, form the angle rows, attend; ``note``
+    (where not None) is handed the :class:`AttentionRun` once the attention ran."""
+    _check_inputs(q, k, v, opts.layout)
+    layout = opts.layout
     D = to_canonical(q, layout).shape[3]
-    q_eff, k_eff, a, log2 = _scales(fold, scale, log2_softmax, q_scale, k_scale, D)
-    args = RopeArgs(positions=positions, inv_freq=inv_freq, base=base, cos=cos, sin=sin, angles=angles, style=style,
-                    layout=layout, rotary_dim=rotary_dim, rotary_at=rotary_at, q_scale=q_eff, k_scale=k_eff,
-                    rotary_scale=rotary_scale, cu_seqlens=cu_seqlens, sections=sections,
-                    section_layout=section_layout, check_positions=check_positions)
+    q_eff, k_eff, a, log2 = _scales(opts.fold, opts.scale, opts.log2_softmax, opts.q_scale, opts.k_scale, D)
+    args = RopeArgs(positions=opts.positions, inv_freq=opts.inv_freq, base=opts.base, cos=opts.cos, sin=opts.sin,
+                    angles=opts.angles, style=opts.style, layout=layout, rotary_dim=opts.rotary_dim,
+                    rotary_at=opts.rotary_at, q_scale=q_eff, k_scale=k_eff, rotary_scale=opts.rotary_scale,
+                    cu_seqlens=opts.cu_seqlens, sections=opts.sections, section_layout=opts.section_layout,
+                    check_positions=opts.check_positions)
     plan = _unit_plan(q, args)  # checks cu_seqlens with the other rotation arguments
-    sequences, longest = _sequences(q, cu_seqlens, max_seqlen, check_positions)
+    sequences, longest = _sequences(q, opts.cu_seqlens, opts.max_seqlen, opts.check_positions)
     table, (rotary_start, rot_dim, neox) = _unit_rows(q, args, plan)
     qk_mult = a * (1.0 if log2 else _LOG2E)
     q_in, k_in, v_in = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o, lse = attend(q_in, k_in, v_in, table, sequences, layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult,
-                    bool(is_causal), longest)
-    outs = [o]
-    if return_lse:
-        outs.append(lse[0] if layout == "thd" else lse)
-    if return_rotated:
+    params = (layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult, bool(opts.is_causal), longest)
+    o, lse = attend(q_in, k_in, v_in, table, sequences, *params)
+    if note is not None:
+        note(AttentionRun(args, plan.spec, _unit(plan.shape, plan.dtype, q.device, *plan.rotation),
+                          (q_in, k_in, v_in), table, sequences, params, o, lse))
+    rotated = None
+    if opts.return_rotated:
         from ropekit.api import _rope
 
-        outs.extend(_rope(q, k, FORWARD, args))
-    return outs[0] if len(outs) == 1 else tuple(outs)
+        rotated = _rope(q, k, FORWARD, args)
+    return attention_outputs(o, lse, opts, rotated)
+

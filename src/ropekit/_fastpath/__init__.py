@@ -17,16 +17,21 @@ their writes to autograd (version counters), as the full path does.
 
 The attention prologue's calls get plans of the same kind, recorded from the launch their full path made:
 ``rope_kv_write`` (:class:`KvPlan`) and ``qk_norm_rope`` (:class:`NormPlan`, with its backward's launch replayed
-per layout of the incoming gradients through :class:`PlannedNormRope`).
+per layout of the incoming gradients through :class:`PlannedNormRope`). ``rope_attention``'s calls
+(:class:`AttentionPlan`) replay the sequence of launches their full path made -- the angle rows' rotation, k's
+rotated copy, the attention kernel -- with the buffers the launchers allocated allocated afresh, and their backward
+(:class:`ropekit._fastpath.attention.PlannedRopeAttention`) the backward's launches, per layout of the incoming
+gradients.
 
 The same code runs on CPU tensors under :func:`ropekit.testing.kernels_on_cpu` (the Triton interpreter), with
 tensors instead of integer addresses as the kernel's pointer arguments, so CPU-only CI tests the fast path
 against the full path. ``ROPEKIT_DISABLE_FAST_PATH=1`` or :func:`ropekit.set_fast_path` turns plans off.
 """
 
-from ropekit._fastpath.plans import _KV_PLANS, _NORM_PLANS, _PLANS, clear
+from ropekit._fastpath.attention import AttentionPlan, planned_attention
+from ropekit._fastpath.plans import _ATTENTION_PLANS, _KV_PLANS, _NORM_PLANS, _PLANS, clear
 from ropekit._fastpath.prologue import KvPlan, NormPlan, norm_rotate, write_kv
 from ropekit._fastpath.rope import Plan, rotate, signature
 
-__all__ = ["rotate", "norm_rotate", "write_kv", "clear", "signature", "Plan", "KvPlan", "NormPlan", "_PLANS",
-           "_KV_PLANS", "_NORM_PLANS"]
+__all__ = ["rotate", "norm_rotate", "write_kv", "planned_attention", "clear", "signature", "Plan", "KvPlan",
+           "NormPlan", "AttentionPlan", "_PLANS", "_KV_PLANS", "_NORM_PLANS", "_ATTENTION_PLANS"]

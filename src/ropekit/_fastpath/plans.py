@@ -26,6 +26,9 @@ _KV_PLANS: OrderedDict = OrderedDict()
 _KV_SEEN: OrderedDict = OrderedDict()
 _NORM_PLANS: OrderedDict = OrderedDict()
 _NORM_SEEN: OrderedDict = OrderedDict()
+# rope_attention's
+_ATTENTION_PLANS: OrderedDict = OrderedDict()
+_ATTENTION_SEEN: OrderedDict = OrderedDict()
 _MAX_SEEN = 1024
 # The arguments each of the spec's tensors can be a view of.
 _SOURCES = {"positions": ("positions",), "seq_offsets": ("positions",), "cu_seqlens": ("cu_seqlens",),
@@ -60,6 +63,8 @@ def clear() -> None:
     _KV_SEEN.clear()
     _NORM_PLANS.clear()
     _NORM_SEEN.clear()
+    _ATTENTION_PLANS.clear()
+    _ATTENTION_SEEN.clear()
 
 def spec_recipe(spec: RopeSpec, args: RopeArgs) -> tuple | None:
     """How a replay rebuilds ``spec.tensors`` -- what the full path saves for its backward -- from a later call's
