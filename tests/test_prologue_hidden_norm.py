@@ -176,9 +176,35 @@ def test_the_kernel_writes_every_element_of_poisoned_outputs(route):
 
 
 def test_warps_grow_with_the_hidden_size():
-    from ropekit.triton.hidden_norm_launcher import hidden_num_warps
+    from ropekit.triton.hidden_norm_launcher import hidden_num_warps, hidden_tokens_and_warps
 
     assert hidden_num_warps(4, 16) == 2 and hidden_num_warps(24, 128) == 4 and hidden_num_warps(40, 128) == 8
+    # tokens per program fill a tile of HIDDEN_TILE_VALUES: FLUX's 24 heads pad to 32, WAN-14B's 40 to 64
+    assert hidden_tokens_and_warps(32, 128) == (8, 8) and hidden_tokens_and_warps(64, 128) == (4, 8)
+    assert hidden_tokens_and_warps(4, 16) == (8, 2)
+
+
+@pytest.mark.parametrize("route", ROUTES[1:])
+@pytest.mark.parametrize("tokens_and_warps", [(1, 4), (2, 4), (4, 2), None], ids=["t1", "t2", "t4", "default"])
+def test_same_bits_whatever_tokens_a_program_takes(route, tokens_and_warps):
+    """The launch shape (tokens a program holds, its warps) changes no bit of q, k or v's copy: each token's norm
+    is its own fixed tree. Poisoned outputs; 7 tokens, so the last token block is partial for every shape."""
+    from ropekit._validation import validate
+    from ropekit.triton.hidden_norm_launcher import launch_hidden_norm_rope
+
+    with on_route(route) as device:
+        q, k, qw, kw, pos = _inputs(device, torch.bfloat16, B=1, S=7, H=3, Hk=2)
+        v = torch.randn_like(k)
+        spec = validate(q, k, positions=pos, sections=SECTIONS, style="interleaved")
+        runs = []
+        for shape in ((1, 4), tokens_and_warps):
+            outs = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            launch_hidden_norm_rope(q, k, outs[0], outs[1], spec, qw, kw, 0.0, 1e-6, v=v, v_out=outs[2],
+                                    tokens_and_warps=shape)
+            runs.append(outs)
+    assert not any(o.isnan().any() for o in runs[1])
+    for one, other in zip(*runs):
+        assert same_bits(one, other)
 
 
 @pytest.mark.gpu

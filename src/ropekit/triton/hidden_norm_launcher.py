@@ -19,22 +19,38 @@ _ROPE_ARGS = ("q_ptr", "qo_ptr", "k_ptr", "q_sb", "q_ss", "q_sh", "qo_sb", "qo_s
 
 
 def hidden_num_warps(n_heads: int, head_dim: int) -> int:
-    """Warps for a program holding ``n_heads`` heads of ``head_dim`` (padded to powers of two): 2 up to 1024
-    values, 4 up to 4096 (FLUX's 24 x 128 pads to 4096), 8 above (WAN-14B's 40 x 128 pads to 8192)."""
+    """Warps for a program holding ``n_heads`` rows (heads, or tokens x heads) of ``head_dim`` (padded to powers
+    of two): 2 up to 1024 values, 4 up to 4096 (one token of FLUX's 24 x 128 pads to 4096), 8 above."""
     size = heuristics.next_pow2(n_heads) * heuristics.next_pow2(head_dim)
     return 2 if size <= 1024 else 4 if size <= 4096 else 8
 
 
+# Values (tokens x padded heads x padded head dim) a program holds: one token a program left the H200 at 4.4-5x a
+# copy of the bytes at WAN shapes, 4 x 64 x 128 (40 heads) and 8 x 32 x 128 (24) cut that by 1.8-2x
+# (docs/perf-notes.md, "Whole-hidden norm").
+HIDDEN_TILE_VALUES = 32768
+
+
+def hidden_tokens_and_warps(block_h: int, head_dim: int) -> tuple[int, int]:
+    """(tokens a program holds, its warps) for ``block_h`` (padded) heads of ``head_dim``: tokens up to
+    :data:`HIDDEN_TILE_VALUES` values (1 to 8; each token's norm is its own fixed tree whatever their number),
+    and warps as :func:`hidden_num_warps` counts them for the whole tile."""
+    per_token = block_h * heuristics.next_pow2(head_dim)
+    block_t = max(1, min(8, HIDDEN_TILE_VALUES // per_token))
+    return block_t, hidden_num_warps(block_t * block_h, head_dim)
+
+
 def launch_hidden_norm_rope(q, k, q_out, k_out, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
-                            eps: float, v=None, v_out=None) -> None:
+                            eps: float, v=None, v_out=None, tokens_and_warps: tuple[int, int] | None = None) -> None:
     """Normalise each token of q (k) over its H * D values with ``q_weight`` [H * D] (``k_weight`` [Hk * D]),
     rotate each head into ``q_out`` (``k_out``) as ``spec`` says, and copy ``v`` into ``v_out`` (k's shape), in
-    one launch. Tensors in ``spec.layout``; allocates nothing."""
+    one launch. Tensors in ``spec.layout``; allocates nothing. ``tokens_and_warps`` overrides the tokens a
+    program holds and its warps (tuning only)."""
     HQ, HK = to_canonical(q, spec.layout).shape[2], to_canonical(k, spec.layout).shape[2]
     D = q.shape[-1]
     block_hq, block_hk = heuristics.next_pow2(HQ), heuristics.next_pow2(HK)
-    num_warps = max(hidden_num_warps(HQ, D), hidden_num_warps(HK, D))
-    launch = launcher.rope_arguments(q, k, q_out, k_out, spec, config=(1, block_hq, block_hk, num_warps))
+    block_t, num_warps = tokens_and_warps or hidden_tokens_and_warps(max(block_hq, block_hk), D)
+    launch = launcher.rope_arguments(q, k, q_out, k_out, spec, config=(block_t, block_hq, block_hk, num_warps))
     if launch is None:
         return
     grid, rope, rope_constexprs, num_warps = launch
@@ -52,6 +68,6 @@ def launch_hidden_norm_rope(q, k, q_out, k_out, spec: RopeSpec, q_weight, k_weig
         args.update(v_ptr=q, vo_ptr=q_out, v_sb=0, v_ss=0, v_sh=0, vo_sb=0, vo_ss=0, vo_sh=0)
     constexprs = {name: rope_constexprs[name] for name in HIDDEN_NORM_ROPE.constexprs if name in rope_constexprs}
     constexprs["D_BLOCK"] = heuristics.next_pow2(D)
-    constexprs.update(BLOCK_T=1, BLOCK_HQ=block_hq, BLOCK_HK=block_hk)
+    constexprs.update(BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk)
     grid = (3 if v is not None else 2, grid[1], grid[2])
     runtime.launch(HIDDEN_NORM_ROPE, grid, args, constexprs, num_warps, q.device)
