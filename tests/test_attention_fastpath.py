@@ -5,6 +5,8 @@ back to the full path (a changed int offset out of range, host boundaries the fu
 and activation checkpointing's recomputation through a plan."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -109,29 +111,29 @@ def _boundaries(tokens: int, device) -> dict:
 # name: (layout, B, S, HQ, HK, D, DV, keywords (a function of the call index), extras)
 CASES = {
     "bshd-causal-gqa-int-offset": ("bshd", 2, 20, 4, 2, 16, 16,
-                                   lambda i, dev, B, S: dict(is_causal=True, positions=(3, 11, 0, 5)[i]), {}),
+                                   lambda i, dev, B, S, D: dict(is_causal=True, positions=(3, 11, 0, 5)[i]), {}),
     "bhsd-interleaved-tensor-positions": ("bhsd", 1, 17, 2, 1, 32, 32,
-                                          lambda i, dev, B, S: dict(style="interleaved", positions=torch.randint(
+                                          lambda i, dev, B, S, D: dict(style="interleaved", positions=torch.randint(
                                               0, 50, (B, S), device=dev)), {"do": "transposed"}),
     "partial-front-fold-q": ("bshd", 2, 9, 4, 2, 16, 16,
-                             lambda i, dev, B, S: dict(rotary_dim=8, fold="q", is_causal=True, return_lse=True),
+                             lambda i, dev, B, S, D: dict(rotary_dim=8, fold="q", is_causal=True, return_lse=True),
                              {"dlse": True}),
     "partial-back-vdim-fold-q_log2": ("bshd", 1, 24, 4, 2, 32, 16,
-                                      lambda i, dev, B, S: dict(rotary_dim=16, rotary_at="back", fold="q_log2",
+                                      lambda i, dev, B, S, D: dict(rotary_dim=16, rotary_at="back", fold="q_log2",
                                                           base=500.0), {"do": "expanded"}),
     "thd-cu_seqlens-symmetric": ("thd", 1, 30, 2, 1, 16, 16,
-                                 lambda i, dev, B, S: dict(**_boundaries(B * S, dev), is_causal=True,
+                                 lambda i, dev, B, S, D: dict(**_boundaries(B * S, dev), is_causal=True,
                                                            fold="symmetric", return_lse=True), {"dlse": True}),
     "sbhd-packed-qkv-return-rotated": ("sbhd", 2, 7, 2, 1, 16, 16,
-                                       lambda i, dev, B, S: dict(fold="symmetric_log2", return_rotated=True,
+                                       lambda i, dev, B, S, D: dict(fold="symmetric_log2", return_rotated=True,
                                                            positions=torch.randint(0, 9, (B,), device=dev)),
                                        {"packed": True, "do": "last-strided"}),
     "q-last-dim-strided-tables": ("bshd", 1, 12, 2, 1, 16, 16,
-                                  lambda i, dev, B, S: dict(cos=torch.rand(40, 8, device=dev),
-                                                      sin=torch.rand(40, 8, device=dev), positions=i + 2,
+                                  lambda i, dev, B, S, D: dict(cos=torch.rand(S + 8, D // 2, device=dev),
+                                                      sin=torch.rand(S + 8, D // 2, device=dev), positions=i + 2,
                                                       scale=0.3), {"last_strided": True}),
     "inv_freq-log2-softmax": ("bshd", 2, 5, 4, 2, 16, 16,
-                              lambda i, dev, B, S: dict(inv_freq=torch.rand(8, device=dev), log2_softmax=True,
+                              lambda i, dev, B, S, D: dict(inv_freq=torch.rand(D // 2, device=dev), log2_softmax=True,
                                                   is_causal=True, return_lse=True), {}),
 }
 
@@ -160,7 +162,7 @@ def _calls(case: str, fast: bool, seed: int, device: str, dtype=torch.float32, n
                     q, k, v = base.split([HQ, HK, HK], dim=-2)
                 else:
                     leaves = [t.requires_grad_() for t in (q, k, v)]
-            outs = ropekit.rope_attention(q, k, v, layout=layout, **keywords(i, device, B, S))
+            outs = ropekit.rope_attention(q, k, v, layout=layout, **keywords(i, device, B, S, D))
             outs = outs if isinstance(outs, tuple) else (outs,)
             if grad:
                 tensors, grads = [outs[0]], [_grad_like(outs[0], extras.get("do", "dense"), g)]
@@ -315,6 +317,23 @@ def test_checkpointing_recomputes_through_the_plan(full_calls):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert same_bits(a, b)
+
+
+@interpreted
+def test_plans_keep_no_call_tensors_alive():
+    refs = []
+    with kernels_on_cpu():
+        _fastpath.clear()
+        for _ in range(4):
+            q, k, v = (torch.randn(1, 6, h, 16).requires_grad_() for h in (2, 1, 1))
+            positions = torch.randint(0, 9, (1, 6))
+            o = ropekit.rope_attention(q, k, v, positions=positions, return_rotated=True)[0]
+            o.backward(torch.randn(o.shape))
+            refs += [weakref.ref(t) for t in (q, k, v, positions, o)]
+            del q, k, v, positions, o
+        gc.collect()
+        assert len(_ATTENTION_PLANS) == 1 and next(iter(_ATTENTION_PLANS.values())).backwards
+    assert all(r() is None for r in refs)
 
 
 @pytest.mark.gpu
