@@ -336,6 +336,27 @@ def test_plans_keep_no_call_tensors_alive():
     assert all(r() is None for r in refs)
 
 
+@interpreted
+def test_compiled_calls_neither_look_up_nor_make_plans():
+    from ropekit._fastpath.plans import _ATTENTION_SEEN
+
+    torch._dynamo.reset()
+    q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+
+    def f(a, b, c):
+        return ropekit.rope_attention(a, b, c, positions=3, is_causal=True, fold="q")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with kernels_on_cpu(), torch.no_grad():
+        _fastpath.clear()
+        outs = [compiled(q, k, v) for _ in range(3)]
+        assert not _ATTENTION_PLANS and not _ATTENTION_SEEN
+        with fast_path(False):
+            eager = f(q, k, v)
+    for o in outs:
+        assert same_bits(o, eager)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_plans_equal_the_full_path_on_cuda(case, full_calls):
