@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import lzma
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,8 @@ def test_latest_csv_carries_flops_where_a_card_has_attention_rows(tmp_path):
     rows = _attention_rows() + [_row(gpu="NVIDIA H200", source="h.csv")]
     by_card = summary.newest_runs(rows)
     summary.write_latest(by_card, tmp_path, plot=False)
-    h100 = gzip.decompress((tmp_path / "h100" / "results.csv.gz").read_bytes()).decode().splitlines()
-    h200 = gzip.decompress((tmp_path / "h200" / "results.csv.gz").read_bytes()).decode().splitlines()
+    h100 = lzma.decompress((tmp_path / "h100" / "results.csv.xz").read_bytes()).decode().splitlines()
+    h200 = lzma.decompress((tmp_path / "h200" / "results.csv.xz").read_bytes()).decode().splitlines()
     assert h200[0] == ",".join(summary.LATEST_FIELDS)  # no attention rows: the columns stay as they were
     assert h100[0] == ",".join(summary.latest_fields(by_card["NVIDIA H100 80GB HBM3"]))
     assert ",gbps,flops,tflops,ratio_vs_copy," in h100[0] and len(h100) == len(by_card["NVIDIA H100 80GB HBM3"]) + 1
@@ -148,7 +149,7 @@ def test_latest_without_plotting_keeps_the_cards_plots(tmp_path):
     (folder / "results-fwd.png").write_bytes(b"png")
     (folder / "old.csv").write_text("stale")
     summary.write_latest(summary.newest_runs(rows), tmp_path, plot=False)
-    assert sorted(p.name for p in folder.iterdir()) == ["results-fwd.png", "results.csv.gz"]
+    assert sorted(p.name for p in folder.iterdir()) == ["results-fwd.png", "results.csv.xz"]
     assert (folder / "results-fwd.png").read_bytes() == b"png"
 
 
@@ -161,8 +162,8 @@ def test_benchmarks_md_is_generated_from_the_kept_history():
     assert (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8") == summary.markdown(
         by_card, targets, "benchmarks/results/latest", e2e)
     for gpu, rows in by_card.items():
-        latest = ROOT / "benchmarks" / "results" / "latest" / summary.card_slug(gpu) / "results.csv.gz"
-        kept = gzip.decompress(latest.read_bytes()).decode("utf-8").splitlines()
+        latest = ROOT / "benchmarks" / "results" / "latest" / summary.card_slug(gpu) / "results.csv.xz"
+        kept = lzma.decompress(latest.read_bytes()).decode("utf-8").splitlines()
         assert kept[0] == ",".join(summary.latest_fields(rows)) and len(kept) == len(rows) + 1
 
 

@@ -3,7 +3,7 @@
 ``benchmarks/results/all_runs.csv.xz`` holds every row of every run (append-only: each run appends an xz stream;
 ``--history``). From it, per card, the newest run of every (case, mode) -- all its implementations from that one
 run, so that every ratio and every "versus" comparison is within one run -- goes to
-``benchmarks/results/latest/<card>/results.csv.gz`` (with plots where matplotlib is importable), and BENCHMARKS.md is
+``benchmarks/results/latest/<card>/results.csv.xz`` (with plots where matplotlib is importable), and BENCHMARKS.md is
 written from those rows: per card, one table per mode, one line per registry target (the attention modes add a
 table of every implementation's TFLOP/s). Analysis lives in docs/perf-notes.md, not in the generated file.
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import csv
 import fnmatch
-import gzip
 import io
+import lzma
 import re
 import sys
 from pathlib import Path
@@ -30,7 +30,7 @@ from .targets import Target, evaluate_targets, targets_from_registry
 # A run's commit as the harness stamps it: a clean commit id. Rows of A/B working trees ("old", "new", "WIP",
 # "<id>+dirty") stay in the history but are not "the newest run" of anything.
 _CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
-# The columns of latest/<card>/results.csv.gz: what a row's reader needs (the card, versions and label are in the
+# The columns of latest/<card>/results.csv.xz: what a row's reader needs (the card, versions and label are in the
 # history and in BENCHMARKS.md's header for the card).
 LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
@@ -40,7 +40,7 @@ MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "nor
 
 
 def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The columns of a card's latest/<card>/results.csv.gz: :data:`LATEST_FIELDS`, with ``flops`` and ``tflops`` after
+    """The columns of a card's latest/<card>/results.csv.xz: :data:`LATEST_FIELDS`, with ``flops`` and ``tflops`` after
     ``gbps`` where the card has rows of the attention modes (the other cards' files keep their columns)."""
     if not any(r.get("flops") for r in rows):
         return LATEST_FIELDS
@@ -73,8 +73,8 @@ def newest_runs(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plot: bool = True) -> list[Path]:
-    """``latest_dir/<card>/results.csv.gz`` per card (the history's columns; gzip keeps the checkout small, and
-    ``zcat`` or pandas read it as they are), and its plots where matplotlib is importable."""
+    """``latest_dir/<card>/results.csv.xz`` per card (the history's columns; xz keeps the checkout small, and
+    ``xzcat`` or pandas read it as they are), and its plots where matplotlib is importable."""
     written = []
     for gpu, rows in sorted(by_card.items()):
         folder = latest_dir / card_slug(gpu)
@@ -82,13 +82,13 @@ def write_latest(by_card: dict[str, list[dict[str, Any]]], latest_dir: Path, plo
         for stale in folder.glob("*"):
             if plot or stale.suffix != ".png":  # without plotting, the card's plots stay as they were
                 stale.unlink()
-        path = folder / "results.csv.gz"
+        path = folder / "results.csv.xz"
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=latest_fields(rows), extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
         writer.writerows(sorted(rows, key=lambda r: (r["case"], r["mode"], r["impl"])))
-        # mtime 0: the same rows give the same bytes (no churn in the tree when nothing changed)
-        path.write_bytes(gzip.compress(text.getvalue().encode("utf-8"), mtime=0))
+        # xz stores no time stamp: the same rows give the same bytes (no churn in the tree when nothing changed)
+        path.write_bytes(lzma.compress(text.getvalue().encode("utf-8"), preset=9 | lzma.PRESET_EXTREME))
         written.append(path)
         if plot:
             try:
