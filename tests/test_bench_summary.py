@@ -10,7 +10,7 @@ import pytest
 
 from ropekit.bench import cases as bench_cases
 from ropekit.bench import report, summary
-from ropekit.bench.targets import targets_from_registry
+from ropekit.bench.targets import Target, evaluate_targets, targets_from_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = ROOT / "src" / "ropekit" / "bench" / "registry.py"
@@ -83,6 +83,29 @@ def test_newest_runs_take_every_impl_of_a_case_from_one_clean_run():
     assert {(r["impl"], r["commit"]) for r in by_card["NVIDIA H100 80GB HBM3"]} == {("copy", "bbbbbbb"),
                                                                                   ("ropekit", "bbbbbbb")}
     assert summary.card_slug("NVIDIA H100 80GB HBM3") == "h100" and summary.card_slug("NVIDIA H200") == "h200"
+
+
+def test_a_run_of_some_implementations_keeps_the_others_last_figures():
+    """A newer run that timed only some implementations of a case (a new variant beside the baseline) adds its rows
+    and hides none of the older run's; the implementations both timed come from the newer run. A target that
+    compares two implementations pairs rows of one run only, so ropekit from one run never meets the unfused code
+    from another."""
+    kv = dict(case="m/bf16/neox/batch/cache-bf16/64x1", mode="kv-decode")
+    rows = [
+        _row(impl="copy-kv", commit="aaaaaaa", date="2026-01-01", source="a.csv", **kv),
+        _row(impl="ropekit-kv-write", commit="aaaaaaa", date="2026-01-01", source="a.csv", **kv),
+        _row(impl="unfused-kv", commit="aaaaaaa", date="2026-01-01", source="a.csv", **kv),
+        _row(impl="copy-kv", commit="bbbbbbb", date="2026-01-02", source="b.csv", **kv),
+        _row(impl="ropekit-kv-write-paged-x", commit="bbbbbbb", date="2026-01-02", ratio="1.5", source="b.csv", **kv),
+    ]
+    kept = {(r["impl"], r["source"]) for r in summary.newest_runs(rows)["NVIDIA H100 80GB HBM3"]}
+    assert kept == {("copy-kv", "b.csv"), ("ropekit-kv-write-paged-x", "b.csv"), ("ropekit-kv-write", "a.csv"),
+                    ("unfused-kv", "a.csv")}
+    newer = [_row(impl="ropekit-kv-write", commit="ccccccc", date="2026-01-03", source="c.csv", **kv)]
+    versus = Target(key="t", text="t", limit=0.5, mode="kv-decode", impl="ropekit-kv-write", versus="unfused-kv")
+    (paired,) = evaluate_targets(summary.newest_runs(rows)["NVIDIA H100 80GB HBM3"], (versus,))
+    (unpaired,) = evaluate_targets(summary.newest_runs(rows + newer)["NVIDIA H100 80GB HBM3"], (versus,))
+    assert paired["cases"] == 1 and unpaired["cases"] == 0 and unpaired["worst"] is None
 
 
 def test_markdown_has_a_table_per_card_and_mode_and_a_line_per_target():

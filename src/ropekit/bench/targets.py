@@ -61,8 +61,8 @@ def evaluate_targets(rows: list[dict[str, Any]], targets: Sequence[Target]) -> l
                 ratio = float(r["ratio_vs_copy"])
             else:
                 other = by_key.get((r["case"], r["mode"], t.versus))
-                if other is None or not other["median_us"]:
-                    continue
+                if other is None or not other["median_us"] or other.get("source") != r.get("source"):
+                    continue  # a ratio of two implementations only within one run
                 ratio = float(r["median_us"]) / float(other["median_us"])
             n += 1
             if worst is None or ratio > worst[0]:
