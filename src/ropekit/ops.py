@@ -359,14 +359,17 @@ def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset,
     return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
 
 
+# The two cache-writing ops' arguments before their own: the inputs, the mutated caches, the norm and the cache's
+# description (what _cache_spec takes).
+_KV_WRITE_SCHEMA = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
+                    "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
+                    "Tensor? slots, Tensor? k_cache_scale_t, Tensor? v_cache_scale_t, float k_cache_scale, "
+                    "float v_cache_scale, Tensor? kv_indices, Tensor? kv_indptr, Tensor? kv_last_page_len, "
+                    "Tensor? batch_indices")
+
 rope_kv_write = torch.library.custom_op(
     "ropekit::rope_kv_write", _rope_kv_write, mutates_args=("k_cache", "v_cache"),
-    schema=op_schema(False, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
-                            "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
-                            "Tensor? slots, Tensor? k_cache_scale_t, Tensor? v_cache_scale_t, float k_cache_scale, "
-                            "float v_cache_scale, Tensor? kv_indices, Tensor? kv_indptr, Tensor? kv_last_page_len, "
-                            "Tensor? batch_indices",
-                     returns="Tensor"))
+    schema=op_schema(False, _KV_WRITE_SCHEMA, returns="Tensor"))
 
 
 @rope_kv_write.register_fake
@@ -391,11 +394,7 @@ def _rope_kv_write_outputs(q, k, v, k_cache, v_cache, q_weight, k_weight, weight
 
 rope_kv_write_outputs = torch.library.custom_op(
     "ropekit::rope_kv_write_outputs", _rope_kv_write_outputs, mutates_args=("k_cache", "v_cache"),
-    schema=op_schema(False, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? q_weight, "
-                            "Tensor? k_weight, float weight_offset, float eps, str cache_layout, Tensor? cache_batch, "
-                            "Tensor? slots, Tensor? k_cache_scale_t, Tensor? v_cache_scale_t, float k_cache_scale, "
-                            "float v_cache_scale, Tensor? kv_indices, Tensor? kv_indptr, Tensor? kv_last_page_len, "
-                            "Tensor? batch_indices, ScalarType? fp8_dtype, Tensor? q_scale_t, float q_scale_f, "
+    schema=op_schema(False, _KV_WRITE_SCHEMA + ", ScalarType? fp8_dtype, Tensor? q_scale_t, float q_scale_f, "
                             "bool dynamic, bool return_k",
                      returns="(Tensor, Tensor, Tensor)"))
 
