@@ -536,11 +536,15 @@ def test_missing_registry_names_the_option(tmp_path, monkeypatch, capsys):
     assert "--registry FILE" in capsys.readouterr().err
 
 
-def test_history_appends_rows_with_their_source(tmp_path):
-    registry = bench_cases.load_registry(str(REGISTRY))
-    case = bench_cases.expand_preset(registry, "smoke")[0]
+def _copy_and_ropekit_rows() -> list[dict]:
+    """Two result rows (the copy and ropekit) of the smoke preset's first case, as a run writes them."""
+    case = bench_cases.expand_preset(bench_cases.load_registry(str(REGISTRY)), "smoke")[0]
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
-    rows = [run._row(env, case, "fwd", impl, 100, "copy") for impl in ("copy", "ropekit")]
+    return [run._row(env, case, "fwd", impl, 100, "copy") for impl in ("copy", "ropekit")]
+
+
+def test_history_appends_rows_with_their_source(tmp_path):
+    rows = _copy_and_ropekit_rows()
     history = tmp_path / "all_runs.csv"
     report.append_history(history, rows, "first.csv")
     report.append_history(history, rows[:1], "second.csv")
@@ -557,10 +561,7 @@ def test_history_appends_rows_with_their_source(tmp_path):
 def test_xz_history_appends_one_stream_per_run_and_reads_them_back(tmp_path):
     import lzma
 
-    registry = bench_cases.load_registry(str(REGISTRY))
-    case = bench_cases.expand_preset(registry, "smoke")[0]
-    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
-    rows = [run._row(env, case, "fwd", impl, 100, "copy") for impl in ("copy", "ropekit")]
+    rows = _copy_and_ropekit_rows()
     history = tmp_path / "all_runs.csv.xz"
     report.append_history(history, rows, "first.csv")
     first = history.read_bytes()
