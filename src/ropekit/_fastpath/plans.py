@@ -184,14 +184,16 @@ def _call_signature(values: tuple, names: tuple, scalars: tuple, grad_ok: bool):
         return None
     tensors, parts, ptrs = [], [], []
     grad = False
+    grad_mode = torch.is_grad_enabled()
     for name, t in zip(names, values):
-        if not isinstance(t, Tensor):
+        kind = type(t)
+        if kind is not Tensor and kind is not torch.nn.Parameter:
+            if isinstance(t, Tensor):
+                return None  # subclasses (a Parameter is a plain tensor to torch functions: its override is disabled)
             tensors.append(None)
-            parts.append(type(t) if name == "positions" else t)  # absent, a float scale, or an int offset's type
+            parts.append(kind if name == "positions" else t)  # absent, a float scale, or an int offset's type
             continue
-        if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
-            return None  # subclasses (a Parameter is a plain tensor to torch functions: its override is disabled)
-        if t.requires_grad and torch.is_grad_enabled():
+        if grad_mode and t.requires_grad:
             if not grad_ok:
                 return None  # the full path refuses the call
             grad = True
@@ -199,7 +201,8 @@ def _call_signature(values: tuple, names: tuple, scalars: tuple, grad_ok: bool):
         tensors.append(t)
         parts.append((t.shape, t.stride(), t.dtype, t.device, p & 15))
         ptrs.append(p)
-    aliasing = tuple(ptrs.index(p) for p in ptrs)  # a call whose tensors alias differently gets its own plan
+    # a call whose tensors alias differently gets its own plan (no two alike, the usual case, is None)
+    aliasing = None if len(set(ptrs)) == len(ptrs) else tuple(ptrs.index(p) for p in ptrs)
     return (tuple(parts), aliasing, scalars, grad), tensors
 
 class _Replay:
@@ -255,7 +258,10 @@ class _Replay:
         handle = self.launch.handle
         if pos_offset is None:
             pos_offset = self.pos_offset
-        self.launch(*[handle(sources[j]) for j in self.sources], *[handle(t) for t in scratch], pos_offset)
+        if scratch:
+            self.launch(*[handle(sources[j]) for j in self.sources], *[handle(t) for t in scratch], pos_offset)
+        else:
+            self.launch(*[handle(sources[j]) for j in self.sources], pos_offset)
         return scratch
 
 def _layout(t: Tensor) -> tuple:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -90,9 +91,18 @@ def write_kv(q: Tensor, k: Tensor, cache: CacheArgs, norm: NormSpec, args: RopeA
     return _prologue_call(_KV_PLANS, _kv_signature(call), call, _write_kv_full)
 
 
+# RopeArgs' fields by kind, as getters: a key is built on every planned call, so in C rather than a loop
+_SCALAR_FIELDS = tuple(i for i, name in enumerate(RopeArgs._fields) if name not in TENSOR_ARGS)
+_scalar_values = operator.itemgetter(*_SCALAR_FIELDS)
+_tensor_values = operator.itemgetter(*(RopeArgs._fields.index(name) for name in TENSOR_ARGS))
+
+
 def _rope_scalars(args: RopeArgs) -> tuple:
     """``args``' fields that are never tensors, as a hashable part of a key (``sections`` as a tuple)."""
-    return tuple(tuple(v) if type(v) is list else v for n, v in zip(RopeArgs._fields, args) if n not in TENSOR_ARGS)
+    values = _scalar_values(args)
+    if list in map(type, values):
+        return tuple(tuple(v) if type(v) is list else v for v in values)
+    return values
 
 def _write_kv_full(call: KvCall, sig, launches: list | None) -> Tensor:
     """The full path of :func:`write_kv`: validate, run, and note ``sig`` (None: not planned) with the launches
@@ -279,8 +289,8 @@ class NormCall(NamedTuple):
     def values(self) -> tuple:
         """The call's possible tensors in ``_NORM_TENSORS`` order, and its other arguments."""
         n, a = self.norm, self.args
-        tensors = (self.q, self.k, n.q_weight, n.k_weight, *(getattr(a, name) for name in TENSOR_ARGS))
-        return tensors, (n.weight_offset, n.eps, *_rope_scalars(a))
+        return (self.q, self.k, n.q_weight, n.k_weight, *_tensor_values(a)), (n.weight_offset, n.eps,
+                                                                               *_rope_scalars(a))
 
 
 def norm_rotate(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, scales: OutScales = _NO_SCALES) -> tuple:
@@ -356,7 +366,8 @@ class NormPlan:
         self.forward([*tensors, *outs], offset)
         return outs
 
-    def grads(self, grad_q: Tensor, grad_k: Tensor, tensors: list, offset: int | None, call: NormCall) -> tuple:
+    def grads(self, grad_q: Tensor, grad_k: Tensor, tensors: list, offset: int | None, args: RopeArgs,
+              weight_offset: float, eps: float) -> tuple:
         """(dq, dk, dq_weight, dk_weight) of a planned call (gradients with a contiguous last dim), by the replay
         recorded for this layout of the gradients and of the saved tensors (which saved-tensor hooks may have
         changed since the forward), or by the full path, which records it."""
@@ -372,10 +383,9 @@ class NormPlan:
             return dq, dk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
         from ropekit import ops
 
-        spec = validate_args(q, k, call.args)
+        spec = validate_args(q, k, args)
         with _recording() as launches:
-            grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, float(call.norm.weight_offset),
-                                        float(call.norm.eps), spec)
+            grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, spec)
             if len(launches) == 1:
                 _keep(self.backwards, key, _Replay.record(launches[0], [*sources, *grads[:2]], self.keep_freq,
                                                           scratch=("dwq_ptr", "dwk_ptr")), _MAX_BACKWARDS)
@@ -391,9 +401,10 @@ class PlannedNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, plan: NormPlan, tensors: list, offset: int | None, call: NormCall):
         ctx.plan, ctx.offset = plan, offset
-        # the rest of the call as it was (q, k and the weights come back from the saved tensors: holding them here
-        # would keep checkpointed activations alive)
-        ctx.call = call._replace(q=None, k=None, norm=call.norm._replace(q_weight=None, k_weight=None))
+        # the rest of the call as it was: q, k and the weights come back from the saved tensors (holding them here
+        # would keep checkpointed activations alive); the rotation's tensors are the call's args', held anyway
+        ctx.args, ctx.arg_tensors = call.args, tensors[4:]
+        ctx.norm_scalars = (float(call.norm.weight_offset), float(call.norm.eps))
         # what EagerNormRope saves (q, k, the weights, the spec's tensors), so that activation checkpointing's
         # recomputation saves the same whichever route it takes
         ctx.save_for_backward(q, k, q_weight, k_weight, *spec_views(plan.saved, call.args))
@@ -403,8 +414,6 @@ class PlannedNormRope(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         plan = ctx.plan
         q, k, q_weight, k_weight = ctx.saved_tensors[:4]  # raises if a saved tensor was modified in place
-        call = ctx.call._replace(q=q, k=k, norm=ctx.call.norm._replace(q_weight=q_weight, k_weight=k_weight))
-        tensors = [t if isinstance(t, Tensor) else None for t in call.values()[0]]
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
         grad_k = torch.zeros_like(k) if grad_k is None else grad_k
         # the kernel takes any strides but the last
@@ -413,9 +422,9 @@ class PlannedNormRope(torch.autograd.Function):
         if torch.is_grad_enabled():  # a differentiable backward: the registered op, as the full path takes it
             from ropekit import ops
 
-            grads = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight,
-                                              float(call.norm.weight_offset), float(call.norm.eps),
-                                              *validate_args(q, k, call.args))
+            grads = ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, *ctx.norm_scalars,
+                                              *validate_args(q, k, ctx.args))
         else:
-            grads = plan.grads(grad_q, grad_k, tensors, ctx.offset, call)
+            grads = plan.grads(grad_q, grad_k, [q, k, q_weight, k_weight, *ctx.arg_tensors], ctx.offset, ctx.args,
+                               *ctx.norm_scalars)
         return (*grads, None, None, None, None)
