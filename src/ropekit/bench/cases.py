@@ -31,6 +31,8 @@ ATTN_MODES = ("attn-fwd", "attn-fwdbwd")  # rope_attention: the case has v and a
 GRAD_MODES = ("fwdbwd", "norm-fwdbwd", "attn-fwdbwd")  # timed with autograd on
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # a KV cache holds the inputs' dtype or fp8 e4m3
+LAYOUTS = ("bshd", "bhsd")  # the rotation modes' q/k layouts (a group's "layout"; default "bshd")
+LAYOUT_MODES = ("fwd", "fwdbwd", "decode")  # the modes that take a group's layout
 POSITION_KINDS = ("range", "offset", "batch", "ids", "thd", "mrope")
 KV_POSITION_KINDS = ("range", "offset", "batch", "ids")  # what rope_kv_write's bshd cache rows are indexed by
 ATTN_POSITION_KINDS = ("range", "offset", "batch", "ids", "mrope")  # rope_attention takes no packed sequences
@@ -66,6 +68,7 @@ class Case:
     causal: bool | None = None  # attention modes: the causal mask or none; None for the other modes
     v_head_dim: int | None = None  # the model's v head dim where it differs from head_dim (MLA); None: head_dim
     latent_dim: int | None = None  # MLA models: the latent kv_c's width (D_latent); head_dim = D_nope + D_rope
+    layout: str = "bshd"  # the rotation modes' q/k layout: "bshd", or "bhsd" (head-major, contiguous [B, H, S, D])
 
     @property
     def tokens(self) -> int:
@@ -79,6 +82,8 @@ class Case:
     @property
     def _stem(self) -> str:
         stem = f"{self.model}/{self.dtype}/{self.style}/{self.positions}"
+        if self.layout != "bshd":
+            stem = f"{stem}/{self.layout}"
         if self.cache is not None:
             stem = f"{stem}/cache-{self.cache}"
         if self.causal is not None:
@@ -196,7 +201,8 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                     qk_norm=bool(model.get("qk_norm", False)), hidden_norm=hidden,
                                     cache=cache, causal=causal,
                                     v_head_dim=model.get("v_head_dim"),
-                                    latent_dim=model.get("latent_dim") if kv == "mla" else None)
+                                    latent_dim=model.get("latent_dim") if kv == "mla" else None,
+                                    layout=group.get("layout", "bshd"))
                                 _check_case(group["name"], case)
                                 fresh = tuple(m for m in modes if (case.name, m) not in seen)
                                 seen.update((case.name, m) for m in fresh)
@@ -242,6 +248,11 @@ def _check_attn_group(group: dict[str, Any], modes: tuple[str, ...]) -> list[boo
 
 
 def _check_case(group: str, case: Case) -> None:
+    if case.layout not in LAYOUTS:
+        raise ValueError(f"group {group!r}: layout must be one of {LAYOUTS}, got {case.layout!r}")
+    if case.layout != "bshd" and (set(case.modes) - set(LAYOUT_MODES) or case.positions in ("thd", "mrope")):
+        raise ValueError(f"group {group!r}: layout {case.layout!r} is for the modes {LAYOUT_MODES} with positions "
+                         f"other than 'thd' and 'mrope'")
     if case.positions == "mrope" and case.sections is None:
         raise ValueError(f"group {group!r}: positions 'mrope' needs a model with sections; {case.model!r} has none")
     if case.section_layout not in SECTION_LAYOUTS:

@@ -27,7 +27,7 @@ class Inputs:
     case: Case
     device: torch.device
     dtype: torch.dtype
-    layout: str  # "bshd" or "thd"; "bhsd" in the attention modes
+    layout: str  # "bshd" or "thd"; "bhsd" in the attention modes and the cases of a head-major group
     q: Tensor
     k: Tensor
     positions: Any  # what apply_rope's ``positions`` gets: None, an int or a tensor
@@ -117,10 +117,14 @@ class Inputs:
 
     def to_hf(self, x: Tensor) -> Tensor:
         """A [B, H, S, D] view (thd: [1, H, T, D]) of a tensor in the case layout; no copy."""
+        if self.layout == "bhsd":
+            return x
         return (x.unsqueeze(0) if self.layout == "thd" else x).transpose(1, 2)
 
     def from_hf(self, x: Tensor) -> Tensor:
         """The inverse of :meth:`to_hf`."""
+        if self.layout == "bhsd":
+            return x
         y = x.transpose(1, 2)
         return y[0] if self.layout == "thd" else y
 
@@ -155,6 +159,9 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0, caches_of: Inpu
                          dtype=dtype)
     elif case.hidden_norm:  # a diffusion transformer: q, k and v from separate projections, v copied by the op
         q, k, v = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), (*lead, case.hk, D), dtype=dtype)
+    elif case.cache is None and case.layout == "bhsd":  # head-major: contiguous [B, H, S, D]
+        layout = "bhsd"
+        q, k = _randn(device, seed, (B, case.hq, S, D), (B, case.hk, S, D), dtype=dtype)
     elif case.cache is None:
         q, k = _randn(device, seed, (*lead, case.hq, D), (*lead, case.hk, D), dtype=dtype)
     else:  # one packed QKV projection output; q, k and v are views of it (the op reads them in place)

@@ -24,7 +24,9 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     ``caches``: the K/V caches' dtype, the inputs' dtype or "fp8" (default: the inputs' dtype). Groups of the
     attention modes (attn-fwd, attn-fwdbwd; no other modes in the group) also cross ``causal``: a list of
     booleans (default ``[False, True]``); the case name says ``causal`` or ``noncausal``. Groups of the MLA modes
-    (mla-decode, mla-prefill; no other modes in the group) cross ``caches`` as the KV modes' do.
+    (mla-decode, mla-prefill; no other modes in the group) cross ``caches`` as the KV modes' do. An optional
+    ``layout`` ("bshd", the default, or "bhsd": contiguous head-major q/k) sets the layout of the fwd, fwdbwd and
+    decode modes; the case name then says ``bhsd``.
 ``TARGETS``
     list of goals the printed table ends with (GPU runs only). Each is the worst ratio over the rows that qualify
     and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
@@ -191,6 +193,8 @@ PRESETS = {
     "full": [
         {"name": "fwd-models", "models": ["llama3-8b", "llama3-70b", "mha16-d64", "hd256", "mla-rope"],
          **_BF16_NEOX, "positions": ["range"], "sizes": "prefill", "modes": ["fwd"]},
+        {"name": "fwd-head-major", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["range"], "layout": "bhsd",
+         "sizes": "prefill-1seq", "modes": ["fwd"]},
         {"name": "fwd-dtypes", "models": ["llama3-8b"], "dtypes": ["fp32", "fp16"], "styles": ["neox"],
          "positions": ["range"], "sizes": "prefill", "modes": ["fwd"]},
         {"name": "fwd-interleaved", "models": ["llama3-8b", "mha16-d64"], "dtypes": ["bf16"],
@@ -240,6 +244,8 @@ PRESETS = {
          "positions": ["mrope"], "sizes": [[2, 16]], "modes": ["fwd"]},
         {"name": "smoke-neox", "models": ["tiny"], "dtypes": ["fp32"], "styles": ["neox"],
          "positions": ["range"], "sizes": [[1, 16]], "modes": ["fwd", "fwdbwd"]},
+        {"name": "smoke-head-major", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["neox"], "layout": "bhsd",
+         "positions": ["ids"], "sizes": [[2, 8]], "modes": ["fwd", "fwdbwd"]},
         {"name": "smoke-varlen", "models": ["tiny"], "dtypes": ["bf16"], "styles": ["interleaved"],
          "positions": ["thd"], "sizes": [[2, 8]], "modes": ["fwd"]},
         {"name": "smoke-back", "models": ["tiny-back"], "dtypes": ["fp16"], "styles": ["neox"],
