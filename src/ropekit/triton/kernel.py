@@ -645,6 +645,7 @@ def rope_kernel(
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
     AXIS_BOUND_3: tl.constexpr, STRIDE_UNIT: tl.constexpr, POS_AXIS_STRIDE: tl.constexpr,
     POS_PER_AXIS: tl.constexpr, OUT_FP8: tl.constexpr, ROUND_FP8: tl.constexpr, OUT_DYNAMIC: tl.constexpr,
+    TOKENS_FIRST: tl.constexpr,
 ):
     """A program rotates one block of heads of q or of k for ``BLOCK_T`` tokens. The row strides come in units
     of ``STRIDE_UNIT`` elements (``launcher.stride_unit``): multiplied back here, in int64, the compiler knows
@@ -653,7 +654,8 @@ def rope_kernel(
     ``POS_PER_AXIS``: multi-axis positions loaded once per axis and selected per pair (:func:`_pair_positions`).
     ``OUT_FP8``: float8 outputs of that kind (1 e4m3fn, 2 e5m2), saturated; ``ROUND_FP8``: rounded in software
     (the interpreter); ``OUT_DYNAMIC``: each (token, head) row scaled by its own ``max |row| / fp8 max``, the
-    scales (float32) stored at ``qdyn_ptr``/``kdyn_ptr`` with strides in elements."""
+    scales (float32) stored at ``qdyn_ptr``/``kdyn_ptr`` with strides in elements. ``TOKENS_FIRST``: the grid is
+    (token blocks, head blocks) instead of (head blocks, token blocks over axes 1 and 2)."""
     if POS_AXIS_STRIDE > 0:
         pos_sa = POS_AXIS_STRIDE
     if STRIDE_UNIT > 1:
@@ -665,8 +667,14 @@ def rope_kernel(
     # that no program index is divided -- a division is ~40 dependent instructions before the first address -- and
     # the programs of one token run together. Token indices are int32 (the launcher refuses 2**31 tokens);
     # addresses are formed in int64.
-    hb = tl.program_id(0)
-    tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    # TOKENS_FIRST (head-major q/k): grid (token blocks, head blocks), so that the programs running together
+    # read one head's consecutive rows, as a copy does, instead of every head's rows of a few tokens.
+    if TOKENS_FIRST:
+        hb = tl.program_id(1)
+        tb = tl.program_id(0)
+    else:
+        hb = tl.program_id(0)
+        tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
     if hb < n_qb:

@@ -72,7 +72,7 @@ def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_
     exactly. ``config`` = (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) overrides the heuristic (tuning only).
     ``q_scales``/``k_scales`` (float32, q's and k's shapes without the last dim): float8 outputs with dynamic
     scales, each (token, head) row divided by its own ``max |row| / fp8 max``, which is stored there."""
-    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config, q_scales, k_scales)
+    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config, q_scales, k_scales, tokens_first_ok=True)
     if launch is not None:
         runtime.launch(ROPE, *launch, q.device)
 
@@ -80,7 +80,7 @@ def launch_rope(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_
 def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None):
     """(grid, args, constexprs, num_warps) of :func:`rope_arguments`, the arguments and constexprs in
     ``rope_kernel``'s order (what its compiled handle takes); None when there is nothing to rotate."""
-    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config)
+    launch = rope_arguments(q, k, q_out, k_out, spec, tile_bytes, config, tokens_first_ok=True)
     if launch is None:
         return None
     grid, args, constexprs, num_warps = launch
@@ -88,9 +88,11 @@ def kernel_launch(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYT
 
 
 def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BYTES, config=None, q_scales=None,
-                   k_scales=None):
+                   k_scales=None, tokens_first_ok: bool = False):
     """(grid, args, constexprs, num_warps) of ``rope_kernel`` for :func:`launch_rope`'s arguments, ``args`` and
-    ``constexprs`` as dicts by parameter name; None when there is nothing to rotate."""
+    ``constexprs`` as dicts by parameter name; None when there is nothing to rotate. ``tokens_first_ok``: the
+    grid may be ``rope_kernel``'s tokens-first order (``TOKENS_FIRST``); the prologue, MLA and hidden-norm
+    launchers, which reuse the grid, keep the (head blocks, token blocks) one."""
     # fields by name: a new RopeSpec field must not shift these
     positions, seq_offsets, cu_seqlens = spec.positions, spec.seq_offsets, spec.cu_seqlens
     inv_freq, cos, sin, freq_mode = spec.inv_freq, spec.cos, spec.sin, spec.freq_mode
@@ -163,8 +165,15 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
     n_hb = heuristics.cdiv(HQ, block_hq) + (heuristics.cdiv(HK, block_hk) if has_k else 0)
     # Token blocks over grid axes 1 and 2 (see rope_kernel), split evenly: at most n_z - 1 programs past the end.
     n_tb = heuristics.cdiv(num_tokens, block_t)
-    n_z = heuristics.cdiv(n_tb, heuristics.MAX_GRID_Y)
-    grid = (n_hb, heuristics.cdiv(n_tb, n_z), n_z)
+    # Head-major q (its head stride past its token stride: bhsd) on a large grid walks tokens first, as a copy
+    # would; decode grids keep a token's programs together (they share its position and angles).
+    tokens_first = (tokens_first_ok and qc.stride(2) > qc.stride(1) and S > 1
+                    and n_tb >= heuristics.num_programs_wanted(device))
+    if tokens_first:
+        grid = (n_tb, n_hb, 1)
+    else:
+        n_z = heuristics.cdiv(n_tb, heuristics.MAX_GRID_Y)
+        grid = (n_hb, heuristics.cdiv(n_tb, n_z), n_z)
     dummy = q  # stands for absent tensors (never read)
     (q_sb, q_ss, q_sh), (qo_sb, qo_ss, qo_sh) = qc.stride()[:3], qoc.stride()[:3]
     (k_sb, k_ss, k_sh), (ko_sb, ko_ss, ko_sh) = kc.stride()[:3], koc.stride()[:3]
@@ -204,5 +213,6 @@ def rope_arguments(q, k, q_out, k_out, spec: RopeSpec, tile_bytes: int = TILE_BY
         "AXIS_BOUND_3": bound_3, "STRIDE_UNIT": unit, "POS_AXIS_STRIDE": pos_sa if stride_constant else 0,
         "POS_PER_AXIS": axis_loads, "OUT_FP8": _FP8_KINDS.get(q_out.dtype, 0),
         "ROUND_FP8": q_out.dtype in _FP8_KINDS and not on_cuda, "OUT_DYNAMIC": q_scales is not None,
+        "TOKENS_FIRST": tokens_first,
     }
     return grid, args, constexprs, num_warps
