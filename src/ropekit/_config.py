@@ -16,6 +16,11 @@
   float64, 64-bit integer turns on the others; float64 under the interpreter -- see
   ``ropekit.triton.heuristics.integer_angles``), ``"float64"`` or ``"integer"``. ``ROPEKIT_EXACT_ANGLES`` sets it at
   import; :func:`ropekit.testing.exact_angles` for a block.
+* ``pdl_launches`` (experimental, off): the attention prologue's forward kernel (``rope_kv_write``,
+  ``qk_norm_rope``) is launched as a programmatic dependent launch on GPUs that have it (compute capability 9.0+,
+  Triton with ``launch_pdl``): its grid may start while the previous kernel on the stream (the QKV projection)
+  finishes, and waits for that kernel's memory before its first load. Results are the same bits either way; the
+  eager fast path's plans are not used while it is on. Ignored on CPU and under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ kernels_on_cpu: bool = False
 float32_path_on_cpu: bool = False
 reference_on_cpu: bool = False
 exact_angles: str | None = os.environ.get("ROPEKIT_EXACT_ANGLES") or None
+pdl_launches: bool = False
 
 
 def set_fast_path(enabled: bool) -> bool:

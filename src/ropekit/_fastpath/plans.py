@@ -161,6 +161,8 @@ def _recording():
 def _prologue_call(plans: OrderedDict, sig, call, full):
     """A prologue call (rope_kv_write, qk_norm_rope): replay the plan of ``sig`` (the call's signature, or None
     where plans do not apply), else ``full(call, sig)``, recording its launch while ``sig`` may get a plan."""
+    if _config.pdl_launches:  # plans replay launches recorded with or without PDL: the full path decides
+        sig = None
     plan, sig = _planned(plans, sig)
     if plan is not None:
         out = plan(sig[1], call)

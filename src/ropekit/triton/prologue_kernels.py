@@ -48,6 +48,13 @@ from ropekit.triton.kernel import (
     _within,
 )
 
+try:  # programmatic dependent launch (Triton >= 3.4 or so); ropekit launches with PDL only where it exists
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - older Triton: never called, PDL stays off
+    @triton.jit
+    def gdc_wait():
+        pass
+
 # Cache modes (CACHE_MODE), constexpr globals as kernel.py's modes
 CACHE_NONE = tl.constexpr(0)  # k goes to k_out like q (qk_norm_rope)
 CACHE_ROWS = tl.constexpr(1)  # k and v go to cache[batch, position] ("bshd", "bhsd")
@@ -299,7 +306,7 @@ def prologue_kernel(
     K_DYNAMIC: tl.constexpr, SLOTS_SHORT: tl.constexpr, K_RETURN: tl.constexpr, TABLE_BATCH: tl.constexpr,
     K_PACK: tl.constexpr, V_PACK: tl.constexpr, K_UNIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """A program normalises (``NORM``) and rotates one block of heads of q or of k for ``BLOCK_T`` tokens, q into
     ``qo`` and k into ``ko`` (a cache unless ``CACHE_MODE`` is ``CACHE_NONE``, whose row strides are
@@ -317,7 +324,10 @@ def prologue_kernel(
     batch_indices). ``K_PACK``/``V_PACK``: the k/v cache's columns are at ``(d // PACK) * c_sa + (d % PACK) *
     c_sx`` (``kc_sa``, ``kc_sx``, ``vc_sa``, ``vc_sx``), else at d. ``K_UNIT``: the k cache's strides other than
     ``kc_sx`` arrive divided by it (x-packed keys: x), so that the compiler sees each run of x columns aligned and
-    stores it as one vector."""
+    stores it as one vector. ``PDL``: launched as a programmatic dependent launch, whose grid may start before
+    the previous kernel on the stream ends: wait for that kernel's memory before the first load (and store)."""
+    if PDL:
+        gdc_wait()
     hb = tl.program_id(0)
     tb = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ropekit import _config
 from ropekit._spec import CacheSpec, OutQuant, RopeSpec, to_canonical
 from ropekit.triton import heuristics, launcher, runtime
 from ropekit.triton.prologue_kernels import (
@@ -25,7 +26,7 @@ from ropekit.triton.prologue_kernels import (
 )
 
 _FLOATS = ("q_scale", "k_scale", "rotary_scale", "w_offset", "eps", "v_scale", "kr_scale")
-PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",), unfused_when="NORM")
+PROLOGUE = runtime.KernelRoles(prologue_kernel, _FLOATS, ("pos_offset",), unfused_when="NORM", pdl_when="PDL")
 NORM_ROPE_BWD = runtime.KernelRoles(norm_rope_bwd_kernel, _FLOATS, ("pos_offset",))
 
 # rope_kernel's runtime arguments that both prologue kernels take as they are (positions, frequencies, scales).
@@ -189,7 +190,8 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     args["q_scale"] = rope["q_scale"] * q_div
     constexprs.update(NORM=q_weight is not None, ROUND_FP8=q.device.type != "cuda",
                       D_BLOCK=heuristics.next_pow2(rope_constexprs["HEAD_DIM"]), Q_FP8=_fp8_kind(q_out.dtype),
-                      Q_SCALE_PTR=q_scale_mode, Q_DYNAMIC=dynamic)
+                      Q_SCALE_PTR=q_scale_mode, Q_DYNAMIC=dynamic,
+                      PDL=_config.pdl_launches and runtime.pdl_supported(q.device))
     runtime.launch(PROLOGUE, grid, args, constexprs, num_warps, q.device)
 
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["RECORDER", "KernelRoles", "Launch", "Replay", "compiled_kernels", "current_device", "current_raw_stream",
-           "launch", "launch_hooks_idle", "run", "run_compiled"]
+           "launch", "launch_hooks_idle", "pdl_supported", "run", "run_compiled"]
 
 _MAX_COMPILED = 256  # compiled specialisations kept (least recently used out)
 _COMPILED: OrderedDict = OrderedDict()
@@ -72,9 +72,12 @@ class KernelRoles:
     in ``_ptr``) and of the ints Triton specialises on (all but the ``floats`` and the ``dynamic`` ones).
     ``unfused_when``: a constexpr whose truth compiles the kernel without fused multiply-adds -- the compiler
     contracts ``a * b + c`` where the tile's layout lets it, so a result would otherwise depend on the block
-    shape (the prologue's normalised rows must have the same bits whatever batch they come in)."""
+    shape (the prologue's normalised rows must have the same bits whatever batch they come in).
+    ``pdl_when``: a constexpr whose truth launches the kernel as a programmatic dependent launch (Triton's
+    ``launch_pdl``, CUDA only; the kernel waits for the previous grid's memory itself when it is set)."""
 
-    def __init__(self, fn, floats: tuple[str, ...], dynamic: tuple[str, ...], unfused_when: str | None = None):
+    def __init__(self, fn, floats: tuple[str, ...], dynamic: tuple[str, ...], unfused_when: str | None = None,
+                 pdl_when: str | None = None):
         names = tuple(fn.arg_names)
         annotations = fn.fn.__annotations__
         constexprs = tuple(n for n in names if _is_constexpr(annotations.get(n, "")))
@@ -85,6 +88,7 @@ class KernelRoles:
         self._runtime_values, self._constexpr_values = _getter(self.runtime), _getter(constexprs)
         self.index = {name: i for i, name in enumerate(names)}
         self.unfused_at = None if unfused_when is None else constexprs.index(unfused_when)
+        self.pdl_at = None if pdl_when is None else constexprs.index(pdl_when)
         self.pointers = tuple(i for i, n in enumerate(names) if n.endswith("_ptr"))
         self.ints = tuple(i for i, n in enumerate(self.runtime)
                           if i not in self.pointers and n not in floats and n not in dynamic)
@@ -149,6 +153,8 @@ def run(call: Launch) -> None:
         return
     if roles.unfused_at is not None and constexprs[roles.unfused_at]:
         options["enable_fp_fusion"] = False  # part of the key through the constexpr
+    if roles.pdl_at is not None and constexprs[roles.pdl_at]:
+        options["launch_pdl"] = True  # a compile option Triton keeps in the kernel's metadata; keyed likewise
     key = roles.key(args, constexprs, num_warps, device.index, num_stages)
     compiled = _COMPILED.get(key)
     if compiled is not None:
@@ -160,6 +166,25 @@ def run(call: Launch) -> None:
         _COMPILED[key] = compiled
         if len(_COMPILED) > _MAX_COMPILED:
             _COMPILED.popitem(last=False)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched as programmatic dependent launches: a CUDA device of
+    compute capability 9.0 or later (``griddepcontrol``) and a Triton whose CUDA backend takes ``launch_pdl``."""
+    if device.type != "cuda" or torch.version.hip is not None or not _PDL_OPTION:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _has_pdl_option() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_PDL_OPTION = _has_pdl_option()
 
 
 def compiled_kernels() -> Mapping:
