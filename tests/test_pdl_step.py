@@ -142,7 +142,7 @@ def _pdl_device() -> torch.device:
 
 
 def _both(fn, pdl_switch, graph: bool):
-    """``fn()``'s outputs with the switch off, then on (each cloned), eagerly or replayed from a CUDA graph."""
+    """``fn()``'s outputs, switch off then on, eager or replayed from a CUDA graph."""
     results = []
     for on in (False, True):
         pdl_switch(on)
@@ -203,3 +203,110 @@ def test_pdl_qk_norm_rope_forward_gives_the_same_bits(pdl_switch, graph):
         plain, pdl = _both(step, pdl_switch, graph)
     for a, b in zip(plain, pdl):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# --- the bench's kv-step mode -----------------------------------------------------------------------------------
+
+def _registry():
+    from ropekit.bench import cases as bench_cases
+
+    return bench_cases.load_registry()
+
+
+def _step_case(preset: str = "smoke"):
+    from ropekit.bench import cases as bench_cases
+
+    return next(c for c in bench_cases.expand_preset(_registry(), preset) if c.modes == ("kv-step",))
+
+
+def test_kv_step_is_a_graph_mode_with_its_baseline_floor_and_cases():
+    from ropekit.bench import cases as bench_cases
+    from ropekit.bench import impls, run
+
+    assert "kv-step" in bench_cases.MODES and "kv-step" in run.GRAPH_MODES
+    assert impls.BASELINE["kv-step"] == "gemm" and impls.EXTRA_BASELINES["kv-step"] == ("gemm+copy-kv",)
+    assert impls.REFERENCE["kv-step"] == "gemm+ropekit-kv-write"
+    assert set(impls.MODE_IMPLS["kv-step"]) == {"gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl",
+                                                "gemm+unfused-kv"}
+    full = [c for c in bench_cases.expand_preset(_registry(), "full") if "kv-step" in c.modes]
+    assert {c.model for c in full} == {"llama3-8b", "qwen3-8b"} and {c.cache for c in full} == {"bf16"}
+    assert {c.tokens for c in full} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    assert all(c.seqlen == 1 and c.positions == "batch" and (c.hq, c.hk, c.head_dim) == (32, 8, 128)
+               and c.hq * c.head_dim == 4096 for c in full)
+
+
+def test_kv_step_bytes_add_the_projection_to_the_prologue():
+    from ropekit.bench import inputs
+
+    case = _step_case("full")
+    nbytes = inputs.case_bytes(case)
+    gemm = (case.tokens * 4096 + 4096 * 6144 + case.tokens * 6144) * 2
+    assert inputs.qkv_gemm_bytes(case) == gemm
+    assert nbytes["kv-step"] == nbytes["kv-decode"] + gemm
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
+def test_kv_step_runs_the_gemm_then_the_prologue_on_its_output():
+    """The step's q and cache rows are rope_kv_write's of the GEMM's q, k and v (the same bits), and the GEMM
+    alone writes the packed buffer the prologue reads."""
+    from ropekit.bench import impls, inputs
+
+    case = _step_case()
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    q, k, v, kw = inp.kv_call()
+    before = [t.clone() for t in (q, k, v)]
+    impls.build_baseline("gemm", inp, inputs.bytes_model(inp), "kv-step").run()
+    assert not any(torch.equal(t, b) for t, b in zip((q, k, v), before))  # the GEMM wrote q, k and v's buffer
+    qkv = [t.clone() for t in (q, k, v)]
+    with kernels_on_cpu(), torch.no_grad():
+        caches = [torch.full_like(c, float("nan")) for c in (inp.k_cache, inp.v_cache)]
+        want = ropekit.rope_kv_write(*qkv, *caches, **kw)
+        for name in ("gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl"):
+            for t, b in zip((q, k, v), before):  # the step's own GEMM must write them again
+                t.copy_(b)
+            got = impls.build(name, inp, "kv-step", None).result()
+            b, p = inp.cache_index
+            assert torch.equal(got[0], want.reshape(got[0].shape)), name
+            assert torch.equal(got[1], caches[0][b, p]) and torch.equal(got[2], caches[1][b, p]), name
+    assert _config.pdl_launches is False  # the -pdl step sets the switch for its call only
+
+
+def test_kv_step_refuses_a_case_without_caches():
+    from ropekit.bench import base, inputs, prologue
+    from ropekit.bench import cases as bench_cases
+
+    case = next(c for c in bench_cases.expand_preset(_registry(), "smoke") if c.modes == ("decode", "host"))
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    for name in ("gemm", "gemm+ropekit-kv-write-pdl"):
+        with pytest.raises(base.Unsupported, match="KV modes"):
+            prologue.build_kv_step(name, inp)
+
+
+def test_kv_step_target_reads_the_step_against_the_gemm_and_the_copy():
+    from ropekit.bench import targets
+
+    target = next(t for t in targets.targets_from_registry(_registry()) if t.key == "prologue-step")
+    shape = dict(case="m", mode="kv-step", tokens=64, hq=32, hk=8, head_dim=128, source="s")
+    rows = [dict(shape, impl=name, median_us=us, ratio_vs_copy=us / 10)
+            for name, us in (("gemm", 10.0), ("gemm+copy-kv", 12.0), ("gemm+ropekit-kv-write", 13.8))]
+    (result,) = targets.evaluate_targets(rows, [target])
+    assert result["worst"] == pytest.approx(1.15) and result["ok"] is False and target.limit == 1.10
+
+
+@pytest.mark.gpu
+def test_kv_step_rows_on_the_gpu():
+    """kv-step on CUDA at the smoke case: every row captured in a CUDA graph and timed, the fused steps checked
+    (the PDL one's the same bits), none failed."""
+    from ropekit.bench import run
+
+    env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
+    device = torch.device("cuda")
+    rows = run.run_case(_step_case(), device, run.Timer(device), None, env, None, lambda s: None)
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"gemm", "gemm+copy-kv", "gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl",
+                            "gemm+unfused-kv"}
+    for r in rows:
+        skipped = r["impl"].endswith("-pdl") and not runtime.pdl_supported(device)
+        assert skipped or (r["median_us"] and "failed" not in r["note"] and "MISMATCH" not in r["note"]), r
+    if runtime.pdl_supported(device):
+        assert by_impl["gemm+ropekit-kv-write-pdl"]["max_rel_diff"] == "0.00e+00"

@@ -19,11 +19,12 @@ REGISTRY_FILE = Path(__file__).with_name("registry.py")
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
 MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
-         "mla-decode", "mla-prefill", "hidden-norm-fwd")
-KV_MODES = ("kv-decode", "kv-prefill")  # rope_kv_write: the case has K/V caches (its ``cache`` dtype)
+         "mla-decode", "mla-prefill", "hidden-norm-fwd", "kv-step")
+# rope_kv_write: the case has K/V caches (its ``cache`` dtype); kv-step: after the QKV projection GEMM
+KV_MODES = ("kv-decode", "kv-prefill", "kv-step")
 MLA_MODES = ("mla-decode", "mla-prefill")  # mla_rope_kv_write: the case has a paged latent cache (its ``cache``)
 CACHE_MODES = KV_MODES + MLA_MODES  # the modes whose groups cross ``caches``
-DECODE_CACHE_MODES = ("kv-decode", "mla-decode")  # one token per sequence, at its own position
+DECODE_CACHE_MODES = ("kv-decode", "mla-decode", "kv-step")  # one token per sequence, at its own position
 MLA_PAGE_SIZE = 64  # the MLA modes' paged cache: rows per page (block_size)
 # qk_norm_rope(norm_over="hidden", v=...): the case's model normalises each token's whole hidden (``qk_norm`` "hidden")
 HIDDEN_NORM_MODES = ("hidden-norm-fwd",)

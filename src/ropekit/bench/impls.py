@@ -23,11 +23,14 @@ from .inputs import Inputs
 from .mla import MLA_IMPLS, build_copy_mla, build_mla
 from .peers import Peers
 from .prologue import (
+    KV_STEP_BASELINES,
+    KV_STEP_IMPLS,
     PROLOGUE_IMPLS,
     PROLOGUE_KV_IMPLS,
     PROLOGUE_NORM_IMPLS,
     build_copy_5pass,
     build_copy_kv,
+    build_kv_step,
     build_prologue,
 )
 from .timing import _sync
@@ -36,9 +39,10 @@ from .timing import _sync
 BASELINE = {"fwd": "copy", "fwdbwd": "copy-4pass", "decode": "copy-q", "host": "add_", "kv-decode": "copy-kv",
             "kv-prefill": "copy-kv", "norm-fwdbwd": "copy-5pass", "attn-fwd": ATTN_BASELINE,
             "attn-fwdbwd": ATTN_BASELINE, "mla-decode": "copy-mla", "mla-prefill": "copy-mla",
-            "hidden-norm-fwd": "copy-qkv"}
+            "hidden-norm-fwd": "copy-qkv", "kv-step": KV_STEP_BASELINES[0]}
 # fwd's "copy-fp8out" moves the bytes of apply_rope with float8 outputs and in-launch scales ("ropekit-fp8qk-dynamic")
-EXTRA_BASELINES = {"fwd": ("copy-fp8out",), "decode": ("copy",), "host": ("triton-launch",)}
+EXTRA_BASELINES = {"fwd": ("copy-fp8out",), "decode": ("copy",), "host": ("triton-launch",),
+                   "kv-step": KV_STEP_BASELINES[1:]}
 FP8_DYNAMIC = "ropekit-fp8qk-dynamic"  # apply_rope to float8 q and k, a scale per (token, head) from the launch
 ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d", FP8_DYNAMIC)
 _UNQUANTISED = ROPEKIT_IMPLS[:-1]
@@ -56,11 +60,12 @@ MODE_IMPLS = {
     "mla-decode": MLA_IMPLS,
     "mla-prefill": MLA_IMPLS,
     "hidden-norm-fwd": HIDDEN_NORM_IMPLS,
+    "kv-step": KV_STEP_IMPLS,
 }
 # The implementation every other one of a mode is checked against (its outputs are the reference).
 REFERENCE = {"kv-decode": "ropekit-kv-write", "kv-prefill": "ropekit-kv-write", "norm-fwdbwd": "ropekit-qk-norm",
              "mla-decode": "ropekit-mla-kv-write", "mla-prefill": "ropekit-mla-kv-write",
-             "hidden-norm-fwd": "ropekit-hidden-norm"}
+             "hidden-norm-fwd": "ropekit-hidden-norm", "kv-step": KV_STEP_IMPLS[0]}
 
 
 def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | None = None) -> Bench:
@@ -68,6 +73,8 @@ def build_baseline(name: str, inp: Inputs, nbytes: dict[str, int], mode: str | N
     same work as the implementations, forward or forward and backward)."""
     if name == ATTN_BASELINE:
         return build_attention(name, inp, mode)
+    if name in KV_STEP_BASELINES:
+        return build_kv_step(name, inp)
     if name == "copy":
         return _flat_copy(inp, nbytes["fwd"])
     if name == "copy-4pass":
@@ -360,6 +367,8 @@ def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
         return build_hidden(name, inp, mode)
     if name in MLA_IMPLS:
         return build_mla(name, inp)
+    if name in KV_STEP_IMPLS:
+        return build_kv_step(name, inp)
     if name in PROLOGUE_IMPLS:
         return build_prologue(name, inp, mode)
     if name in ROPEKIT_IMPLS:

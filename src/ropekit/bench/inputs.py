@@ -286,7 +286,14 @@ def case_bytes(case: Case) -> dict[str, int]:
     kv_write = 2 * q + 2 * kv + 2 * kv // elem * cache_elem + extra + weights + (8 if case.cache == "fp8" else 0)
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
             "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, "hidden-norm-fwd": 2 * (qk + kv) + extra + weights,
-            **_attention_bytes(case, qk, extra), **mla_bytes(case)}
+            **_attention_bytes(case, qk, extra), **mla_bytes(case), "kv-step": kv_write + qkv_gemm_bytes(case)}
+
+
+def qkv_gemm_bytes(case: Case) -> int:
+    """kv-step's QKV projection: x [T, Hq * D] and W_qkv [Hq * D, (Hq + 2 Hk) * D] read, qkv [T, (Hq + 2 Hk) * D]
+    written, in the case's dtype."""
+    hidden, width = case.hq * case.head_dim, (case.hq + 2 * case.hk) * case.head_dim
+    return (case.tokens * hidden + hidden * width + case.tokens * width) * DTYPES[case.dtype].itemsize
 
 
 def _attention_bytes(case: Case, qk: int, extra: int) -> dict[str, int]:
@@ -334,6 +341,7 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     * ``attn-fwd`` (``rope_attention``): q, k and v read once, o ``[B, Hq, S, Dv]`` written, plus the position data
       and ``inv_freq`` (the S x S scores never leave the chip; the row statistics are not counted).
     * ``mla-decode``, ``mla-prefill`` (``mla_rope_kv_write``): :func:`mla_bytes`.
+    * ``kv-step``: ``kv-decode``'s and the QKV projection's (:func:`qkv_gemm_bytes`).
     * ``hidden-norm-fwd`` (``qk_norm_rope(norm_over="hidden", v=v)``): q, k and v read once and written once (v's
       copy), the weights [H * D], the position data and ``inv_freq``.
     * ``attn-fwdbwd``: three times the tensors' bytes (the backward reads q, k, v, o and the gradient of o and writes
@@ -356,4 +364,5 @@ def bytes_model(inp: Inputs) -> dict[str, int]:
     fwd = 2 * qk + extra
     return {"fwd": fwd, "fwdbwd": 2 * fwd, "decode": fwd, "host": fwd, "kv-decode": kv_write, "kv-prefill": kv_write,
             "norm-fwdbwd": 5 * qk + 2 * extra + 3 * weights, "hidden-norm-fwd": 2 * (qk + k) + extra + weights,
-            **_attention_bytes(inp.case, qk, extra), **mla_bytes(inp.case)}
+            **_attention_bytes(inp.case, qk, extra), **mla_bytes(inp.case),
+            "kv-step": kv_write + qkv_gemm_bytes(inp.case)}

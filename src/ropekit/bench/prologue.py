@@ -5,6 +5,8 @@ op must move; one copy of 5 passes over q and k) and the unfused code a user has
 KV modes (``kv-decode``, ``kv-prefill``): every implementation writes into the case's caches; the check against
 ``ropekit-kv-write`` compares the returned q and the cache rows the tokens go to (the caches are filled with NaN
 first, so a row left unwritten counts as a mismatch).
+
+``kv-step``: the QKV projection GEMM, then the prologue, in one CUDA graph (:func:`build_kv_step`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ PAGE_ROWS = 16  # rows per page of the paged formats (vLLM's default block_size)
 PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "ropekit-kv-write-fp8q", "ropekit-kv-write-fp8q-dynamic", *PAGED_KV_FORMATS,
                      "unfused-kv")
 PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
+# kv-step: the QKV projection GEMM, then the prologue. "gemm" is its baseline and "gemm+copy-kv" its floor.
+KV_STEP_IMPLS = ("gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl", "gemm+unfused-kv")
+KV_STEP_BASELINES = ("gemm", "gemm+copy-kv")
 # With the hidden-norm mode's fused op (built by .hidden): the implementations the short table has columns for.
 PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS + ("ropekit-hidden-norm",)
 
@@ -240,6 +245,74 @@ def _kv_note(inp: Inputs) -> str:
     cache = (f"fp8 e4m3 caches, 0-d tensor scale (rows agree within one e4m3 step: max_rel_diff <= "
              f"{FP8_MISMATCH})") if c.cache == "fp8" else f"{c.cache} caches"
     return f"bshd {cache}" + ("; per-head RMSNorm" if c.qk_norm else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decode step: QKV projection GEMM, then the prologue (kv-step)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _qkv_projection(inp: Inputs) -> Callable[[], Tensor]:
+    """``torch.mm(x, W_qkv, out=qkv)``: x [T, Hq * D] (the hidden state; 4096 for Llama-3-8B and Qwen3-8B) and
+    W_qkv [Hq * D, (Hq + 2 Hk) * D] in the case's dtype, seeded by the input set (every implementation of a set
+    computes the same q, k and v), written into the packed buffer the case's q, k and v are views of."""
+    c = inp.case
+    width = (c.hq + 2 * c.hk) * c.head_dim
+    k_at = inp.q.data_ptr() + c.hq * c.head_dim * inp.q.element_size()
+    if inp.v is None or inp.q.stride()[:2] != (c.seqlen * width, width) or inp.k.data_ptr() != k_at:
+        raise Unsupported("kv-step writes q, k and v as views of one packed [T, (Hq + 2 Hk) D] buffer")
+    qkv = inp.q.as_strided((c.tokens, width), (width, 1))  # q's storage from its first element: the whole buffer
+    gen = torch.Generator(device=inp.device).manual_seed(int(inp.pos_grid.sum()))  # another input set: others
+    hidden = c.hq * c.head_dim
+    x = torch.randn(c.tokens, hidden, generator=gen, device=inp.device, dtype=inp.dtype)
+    w = torch.randn(hidden, width, generator=gen, device=inp.device, dtype=inp.dtype) / hidden ** 0.5  # N(0, 1) out
+    return lambda: torch.mm(x, w, out=qkv)
+
+
+def build_kv_step(name: str, inp: Inputs) -> Bench:
+    """``kv-step``: the QKV projection GEMM (:func:`_qkv_projection`) alone (``gemm``, the baseline), or followed
+    by ``rope_kv_write`` (``-pdl``: with ``ropekit._config.pdl_launches``), the copy of its bytes (``copy-kv``, the
+    floor) or the unfused chain. The check runs the whole step."""
+    if inp.k_cache is None:
+        raise Unsupported("KV modes only (the case has no caches)")
+    pdl = name.endswith("-pdl")
+    if pdl and inp.device.type == "cuda":
+        from ropekit.triton import runtime
+
+        if not runtime.pdl_supported(inp.device):
+            raise Unsupported("programmatic dependent launch needs compute capability 9.0+ and a Triton with "
+                              "launch_pdl")
+    gemm = _qkv_projection(inp)
+    if name == "gemm":
+        c = inp.case
+        hidden, width = c.hq * c.head_dim, (c.hq + 2 * c.hk) * c.head_dim
+        return Bench(run=gemm, bytes=(c.tokens * hidden + hidden * width + c.tokens * width) * inp.q.element_size(),
+                     note=f"torch.mm(x, W_qkv, out=qkv): x [T, {hidden}], W_qkv [{hidden}, {width}], into the "
+                          "buffer q, k and v are views of")
+    prologue = build_prologue(name.removeprefix("gemm+").removesuffix("-pdl"), inp, "kv-decode") \
+        if name != "gemm+copy-kv" else build_copy_kv(inp)
+
+    def step():
+        gemm()
+        if not pdl:
+            return prologue.run()
+        from ropekit import _config
+
+        previous, _config.pdl_launches = _config.pdl_launches, True
+        try:
+            return prologue.run()
+        finally:
+            _config.pdl_launches = previous
+
+    def result() -> tuple[Tensor, ...]:
+        inp.k_cache.fill_(float("nan"))
+        inp.v_cache.fill_(float("nan"))
+        q_out = step()
+        return (q_out.reshape(inp.case.tokens, inp.case.hq, inp.case.head_dim), *inp.cache_rows())
+
+    how = ("; launched with PDL (ropekit._config.pdl_launches)" if inp.device.type == "cuda"
+           else "; PDL asked for (ignored off CUDA)") if pdl else ""
+    return Bench(run=step, result=None if name == "gemm+copy-kv" else result, tolerances=prologue.tolerances,
+                 note=f"the QKV GEMM, then {prologue.note}{how}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -53,6 +53,8 @@ Values:
                              sequence at a random position), replayed from a CUDA graph
                "kv-prefill"  rope_kv_write of [B, S, H, D] tokens (e.g. positions "offset"), cold L2, one call
                "norm-fwdbwd" qk_norm_rope forward + backward through autograd (gradients of q, k and both weights)
+               "kv-step"     kv-decode after the QKV projection GEMM, one CUDA graph; baseline "gemm"; "-pdl":
+                             a programmatic dependent launch (ropekit._config.pdl_launches)
                RoPE fused into attention (ropekit.rope_attention; q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]
                in layout "bhsd"; positions other than "thd"), against torch's SDPA (cuDNN, flash) and
                flex_attention, each alone and after ropekit.apply_rope; baseline "rope+sdpa-cudnn":
@@ -181,6 +183,8 @@ PRESETS = {
          "caches": ["bf16"], "sizes": [[1, 1], [64, 1]], "modes": ["kv-decode"]},
         {"name": "prologue-prefill", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["offset"],
          "caches": ["fp8"], "sizes": [[1, 8192]], "modes": ["kv-prefill"]},
+        {"name": "prologue-step", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["batch"],
+         "caches": ["bf16"], "sizes": [[1, 1], [64, 1]], "modes": ["kv-step"]},
         {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"],
          "sizes": [[8, 4096]], "modes": ["norm-fwdbwd"]},
         {"name": "mla-prologue-decode", **_MLA, "positions": ["batch"], "caches": ["bf16"],
@@ -224,6 +228,9 @@ PRESETS = {
          "sizes": "decode", "modes": ["kv-decode"]},
         {"name": "prologue-prefill", **_PROLOGUE, "positions": ["offset"], "caches": ["bf16", "fp8"],
          "sizes": "prefill-1seq", "modes": ["kv-prefill"]},
+        # A decode step as the model runs it: the QKV projection GEMM, then rope_kv_write, in one CUDA graph.
+        {"name": "prologue-step", **_PROLOGUE, "positions": ["batch"], "caches": ["bf16"], "sizes": "decode",
+         "modes": ["kv-step"]},
         {"name": "qk-norm-fwdbwd", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"], "sizes": "train",
          "modes": ["norm-fwdbwd"]},
         # The MLA prologue: mla_rope_kv_write against a one-kernel copy of its bytes and the unfused chain.
@@ -254,6 +261,8 @@ PRESETS = {
          "positions": ["batch"], "sizes": [[2, 1]], "modes": ["decode", "host"]},
         {"name": "smoke-kv-decode", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"],
          "positions": ["batch"], "caches": ["bf16", "fp8"], "sizes": [[3, 1]], "modes": ["kv-decode"]},
+        {"name": "smoke-kv-step", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"],
+         "positions": ["batch"], "caches": ["bf16"], "sizes": [[3, 1]], "modes": ["kv-step"]},
         {"name": "smoke-kv-prefill", "models": ["tiny"], "dtypes": ["fp16"], "styles": ["neox"],
          "positions": ["offset"], "caches": ["fp8"], "sizes": [[1, 16]], "modes": ["kv-prefill"]},
         {"name": "smoke-qk-norm", "models": ["tiny-qknorm"], "dtypes": ["bf16"], "styles": ["neox"],
@@ -292,6 +301,10 @@ TARGETS = [
      "what": "rope_kv_write decode 1-64 tokens, 32/8 heads D128, vs the unfused chain (<= 0.5: >= 2x faster)",
      "limit": 0.5, "mode": "kv-decode", "impl": "ropekit-kv-write", "versus": "unfused-kv",
      "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
+    {"key": "prologue-step",
+     "what": "decode step (CUDA graph): QKV GEMM + rope_kv_write, 32/8 heads D128, vs GEMM + copy-kv",
+     "limit": 1.10, "mode": "kv-step", "impl": "gemm+ropekit-kv-write", "versus": "gemm+copy-kv",
+     "where": {"hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
     {"key": "prologue-prefill", "what": "rope_kv_write prefill 2k-32k tokens, cold L2, vs copy-kv", "limit": 1.05,
      "mode": "kv-prefill", "impl": "ropekit-kv-write", "where": {"tokens": [2048, 32768]}},
     {"key": "prologue-decode-fp8q",

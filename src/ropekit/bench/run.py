@@ -27,7 +27,8 @@ from .peers import Peers
 from .timing import Timer, cycling
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
-GRAPH_MODES = ("decode", "kv-decode", "mla-decode")  # timed under CUDA-graph replay, a mode's implementations in turn
+# timed under CUDA-graph replay, a mode's implementations in turn
+GRAPH_MODES = ("decode", "kv-decode", "mla-decode", "kv-step")
 # Input sets the captured calls of a graph mode cycle over (GRAPH_CALLS a multiple of it): where a decode call's
 # few-kB buffers lie moves its time by up to 2% (benchmarks/probes/placement_probe.py), so one set per process
 # made a ratio of two implementations read a different placement in every run.
