@@ -50,7 +50,11 @@ from ropekit.triton.kernel import (
 
 try:  # programmatic dependent launch (Triton >= 3.4 or so); ropekit launches with PDL only where it exists
     from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover - older Triton: never called, PDL stays off
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: never called, PDL stays off (the launcher reads HAS_GDC)
+    HAS_GDC = False
+
     @triton.jit
     def gdc_wait():
         pass

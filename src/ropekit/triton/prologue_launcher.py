@@ -21,6 +21,7 @@ from ropekit.triton.prologue_kernels import (
     CACHE_TABLE,
     FP8_E4M3,
     FP8_E5M2,
+    HAS_GDC,
     norm_rope_bwd_kernel,
     prologue_kernel,
 )
@@ -191,7 +192,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     constexprs.update(NORM=q_weight is not None, ROUND_FP8=q.device.type != "cuda",
                       D_BLOCK=heuristics.next_pow2(rope_constexprs["HEAD_DIM"]), Q_FP8=_fp8_kind(q_out.dtype),
                       Q_SCALE_PTR=q_scale_mode, Q_DYNAMIC=dynamic,
-                      PDL=_config.pdl_launches and runtime.pdl_supported(q.device))
+                      PDL=_config.pdl_launches and HAS_GDC and runtime.pdl_supported(q.device))
     runtime.launch(PROLOGUE, grid, args, constexprs, num_warps, q.device)
 
 
