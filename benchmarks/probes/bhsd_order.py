@@ -7,6 +7,8 @@ CUDA GPU.
     python benchmarks/probes/bhsd_order.py
 """
 
+import argparse
+
 import torch
 import triton
 
@@ -24,6 +26,7 @@ def bench(fn) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     dev, dt, hq, hk, d = "cuda", torch.bfloat16, 32, 8, 128
     inv_freq = 1.0 / (5e5 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
