@@ -47,10 +47,12 @@ FP8_DYNAMIC = "ropekit-fp8qk-dynamic"  # apply_rope to float8 q and k, a scale p
 ROPEKIT_IMPLS = ("ropekit", "ropekit-table", "ropekit_", "ropekit-launcher", "ropekit-hf", "ropekit-1d", FP8_DYNAMIC)
 _UNQUANTISED = ROPEKIT_IMPLS[:-1]
 PEER_IMPLS = ("hf", "hf-compile", "liger", "flash-attn")
+FORWARD_PEER_IMPLS = ("helion",)  # forward only: our own Helion kernels (.helion_peers)
 MODE_IMPLS = {
-    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d", FP8_DYNAMIC) + PEER_IMPLS,
+    "fwd": ("ropekit", "ropekit-table", "ropekit_", "ropekit-hf", "ropekit-1d", FP8_DYNAMIC) + PEER_IMPLS
+    + FORWARD_PEER_IMPLS,
     "fwdbwd": ("ropekit", "ropekit-table", "ropekit-hf") + PEER_IMPLS,
-    "decode": _UNQUANTISED + PEER_IMPLS,
+    "decode": _UNQUANTISED + PEER_IMPLS + FORWARD_PEER_IMPLS,
     "host": _UNQUANTISED + PEER_IMPLS,
     "kv-decode": PROLOGUE_KV_IMPLS,
     "kv-prefill": PROLOGUE_KV_IMPLS,
@@ -357,7 +359,30 @@ def build_peer(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:
             return b
         fn = lambda: (apply_rotary(inp.q, **kw), apply_rotary(inp.k, **kw))  # noqa: E731
         return Bench(run=fn, result=fn, note=note)
+    if name == "helion":
+        return _helion_bench(inp, peers)
     raise ValueError(name)
+
+
+def _helion_bench(inp: Inputs, peers: Peers) -> Bench:
+    """Our own Helion NeoX kernel (q and k in one launch, fixed config); cos/sin gathered per token before timing,
+    as the transformers-style peers get their tables."""
+    c = inp.case
+    if peers.helion is None:
+        raise Unsupported(peers.missing.get("helion", "absent"))
+    if c.style != "neox" or c.rotary_at != "front" or inp.cos_tab.shape[-1] * 2 != c.head_dim:
+        raise Unsupported("the Helion peer rotates whole heads in NeoX pairs only")
+    if inp.layout != "bshd" or c.positions == "mrope" or not (inp.q.is_contiguous() and inp.k.is_contiguous()):
+        raise Unsupported("the Helion peer takes contiguous bshd q/k and one position per token")
+    rows = inp.pos_grid.reshape(-1).to(inp.cos_tab.device)
+    if rows.numel() * c.hq * c.head_dim != inp.q.numel():
+        raise Unsupported("the Helion peer needs one position per token of q")
+    cos, sin = inp.cos_tab[rows].contiguous(), inp.sin_tab[rows].contiguous()
+    fn = lambda: peers.helion.helion_apply_rope(inp.q, inp.k, cos, sin)  # noqa: E731
+    fn()  # compile outside the timed region
+    _sync(inp.device)
+    return Bench(run=fn, result=fn, note="one launch, fixed config; cos/sin [B*S, D/2] fp32 per token, gathered "
+                 "before timing")
 
 
 def build(name: str, inp: Inputs, mode: str, peers: Peers) -> Bench:

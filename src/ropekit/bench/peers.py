@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .cases import find_repo_root
 
@@ -25,6 +26,7 @@ class Peers:
     liger_mrope: Callable | None = None  # Liger's Qwen2-VL M-RoPE (per-axis cos/sin and mrope_section)
     flash: Callable | None = None  # flash-attn's apply_rotary
     ropekit_hf: Callable | None = None
+    helion: Any = None  # our own Helion kernels (the module .helion_peers), when helion imports
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     missing: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -66,6 +68,12 @@ def load_peers(wanted: set[str], flash_path: str | None) -> Peers:
         if peers.flash is None:
             peers.missing["flash-attn"] = why
             del peers.versions["flash-attn"]
+    if "helion" in wanted:
+        try:  # the kernels compile on first call; a failure there is the bench row's, not the import's
+            peers.helion = importlib.import_module(".helion_peers", __package__)
+            peers.versions["helion"] = _dist_version("helion")
+        except Exception as exc:  # noqa: BLE001 - an optional peer that fails to import is reported missing
+            peers.missing["helion"] = f"helion not importable: {type(exc).__name__}: {exc}"
     if "ropekit-hf" in wanted:
         try:
             from ropekit.integrations.transformers import apply_rotary_pos_emb as ropekit_hf

@@ -14,7 +14,7 @@ from typing import Any
 from .attention import ATTN_BASELINE, ATTN_IMPLS
 from .cases import ATTN_MODES
 from .env import PERF_LABEL
-from .impls import BASELINE, EXTRA_BASELINES, PEER_IMPLS, PROLOGUE_IMPLS, ROPEKIT_IMPLS
+from .impls import BASELINE, EXTRA_BASELINES, FORWARD_PEER_IMPLS, PEER_IMPLS, PROLOGUE_IMPLS, ROPEKIT_IMPLS
 
 NO_TARGETS_LINE = "Targets not evaluated: CPU timings are not performance figures (targets need a CUDA GPU)."
 
@@ -126,7 +126,8 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
     TFLOP/s); then the targets."""
     attn_rows = [r for r in rows if r["mode"] in ATTN_MODES]
     rows = [r for r in rows if r["mode"] not in ATTN_MODES]
-    order = [*ROPEKIT_IMPLS, *PROLOGUE_IMPLS, *PEER_IMPLS, *(n for v in EXTRA_BASELINES.values() for n in v)]
+    order = [*ROPEKIT_IMPLS, *PROLOGUE_IMPLS, *PEER_IMPLS, *FORWARD_PEER_IMPLS,
+             *(n for v in EXTRA_BASELINES.values() for n in v)]
     timed = {r["impl"] for r in rows if r["median_us"]}
     impls = [i for i in order if i in timed]  # "copy" is also decode's reference row
     header = ["case", "mode", "tokens", "MB", "baseline us", *impls, "exact/table"]

@@ -147,7 +147,7 @@ def _impl_version(name: str, peers: Peers, env: dict[str, Any]) -> str:
         return f"triton {env['triton']}"
     if name in ("hf", "hf-compile"):
         return f"transformers {peers.versions.get('transformers', '')}".strip()
-    if name in ("liger", "flash-attn"):
+    if name in ("liger", "flash-attn", "helion"):
         return peers.versions.get(name, "")
     return f"torch {env['torch']}" if name != "triton-launch" else f"triton {env['triton']}"
 
