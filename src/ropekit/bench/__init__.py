@@ -11,7 +11,8 @@ and every mode it asks for, one run times:
   drop-in (``ropekit-hf``);
 * the peers that are present: transformers' ``apply_rotary_pos_emb`` eager (``hf``) and under ``torch.compile``
   (``hf-compile``), Liger's ``liger_rotary_pos_emb`` (``liger``), flash-attn's Triton ``apply_rotary``
-  (``flash-attn``). An absent peer, or one that cannot do a case, gets a row saying why;
+  (``flash-attn``), our own Helion NeoX kernel (``helion``, forward: modes ``fwd`` and ``decode``).
+  An absent peer, or one that cannot do a case, gets a row saying why;
 * the attention prologue: ``rope_kv_write`` (``ropekit-kv-write``; modes ``kv-decode`` under graph replay and
   ``kv-prefill`` with a cold L2) against ``copy-kv`` (one Triton kernel moving the bytes it must move) and the
   unfused chain (``unfused-kv``: torch ``rms_norm``, ``apply_rope``, the cache scatter by indexing), and

@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ropekit bench",
         description="Time ropekit against a copy of the same bytes and against the peer implementations present "
-                    "(transformers eager and torch.compile, Liger, flash-attn's Triton rotary), and rope_attention "
+                    "(transformers eager and torch.compile, Liger, flash-attn's Triton rotary, our Helion kernel), "
+                    "and rope_attention "
                     "against apply_rope + torch's SDPA (cuDNN, flash) or flex_attention (--preset attention). "
                     "Needs a CUDA GPU; "
                     "--preset smoke or --device cpu runs a CPU smoke run of the harness instead (set "
