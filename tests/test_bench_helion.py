@@ -55,12 +55,10 @@ def _check_helion(helion_peers, dtype, device, backend):
     assert_close_to_ref(ko, _reference(rms_norm_reference(k, kw, 0.0, EPS), tables), dtype, backend)
 
 
-@pytest.mark.skipif(not HAS_HELION, reason="needs helion")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_helion_peers_cpu_reference_mode(dtype, monkeypatch):
-    # Helion's eager reference mode (HELION_INTERPRET=1) runs the kernel bodies on CPU tensors; it refuses to start
-    # beside the Triton interpreter, and reads the setting when a kernel is decorated: a private copy of the module
-    # is loaded with the Triton interpreter off for this test alone.
+def _eager_helion_peers(monkeypatch):
+    """Helion's eager reference mode (HELION_INTERPRET=1) runs the kernel bodies on CPU tensors; it refuses to start
+    beside the Triton interpreter, and reads the setting when a kernel is decorated: a private copy of the module,
+    loaded with the Triton interpreter off for this test alone."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("HELION_INTERPRET", "1")
     import ropekit.bench
@@ -69,7 +67,33 @@ def test_helion_peers_cpu_reference_mode(dtype, monkeypatch):
     spec = importlib.util.spec_from_file_location("ropekit_test_helion_peers_eager", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    _check_helion(module, dtype, "cpu", "kernels")
+    return module
+
+
+@pytest.mark.skipif(not HAS_HELION, reason="needs helion")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_helion_peers_cpu_reference_mode(dtype, monkeypatch):
+    _check_helion(_eager_helion_peers(monkeypatch), dtype, "cpu", "kernels")
+
+
+@pytest.mark.skipif(not HAS_HELION, reason="needs helion")
+def test_helion_bench_row_gathers_each_tokens_angles(monkeypatch):
+    """The bench's helion row on the smoke decode case (a position per sequence): its outputs against the float64
+    reference at the case's own positions."""
+    from ropekit.bench import cases as bench_cases
+    from ropekit.bench.impls import build_peer
+    from ropekit.bench.inputs import make_inputs
+    from ropekit.bench.peers import Peers
+
+    registry = bench_cases.load_registry(os.path.join(os.path.dirname(bench_cases.__file__), "registry.py"))
+    case = next(c for c in bench_cases.expand_preset(registry, "smoke")
+                if "decode" in c.modes and c.positions == "batch" and c.style == "neox")
+    inp = make_inputs(case, torch.device("cpu"))
+    qo, ko = build_peer("helion", inp, "decode", Peers(helion=_eager_helion_peers(monkeypatch))).result()
+    tables = rotation_tables(inp.pos_grid, half=case.head_dim // 2, neox=True, freq_mode="inv_freq",
+                             inv_freq=inp.inv_freq)
+    assert_close_to_ref(qo, _reference(inp.q, tables), inp.dtype, "kernels")
+    assert_close_to_ref(ko, _reference(inp.k, tables), inp.dtype, "kernels")
 
 
 @pytest.mark.gpu
