@@ -41,7 +41,7 @@ PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
 KV_STEP_IMPLS = ("gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl", "gemm+unfused-kv")
 KV_STEP_BASELINES = ("gemm", "gemm+copy-kv")
 # With the hidden-norm mode's fused op (built by .hidden): the implementations the short table has columns for.
-PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS + ("ropekit-hidden-norm",)
+PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS + ("ropekit-hidden-norm",) + KV_STEP_IMPLS
 
 
 # ---------------------------------------------------------------------------------------------------------------
