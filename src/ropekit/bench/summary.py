@@ -34,7 +34,7 @@ _CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 # history and in BENCHMARKS.md's header for the card).
 LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps", "ratio_vs_copy", "baseline",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
-PLOT_DPI = 80  # the kept plots, drawn without antialiasing: small files, the text still legible
+PLOT_DPI = 64  # the kept plots, drawn without antialiasing: small files, the text still legible
 MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
               "mla-decode", "mla-prefill", "hidden-norm-fwd")
 
