@@ -413,18 +413,27 @@ def test_bad_input_raises_and_writes_nothing(case, fn):
             assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()))
 
 
-def test_eager_plans_only_for_plain_cuda_tensors():
-    """The fast path of repeated eager calls (ropekit._fastpath) never engages on CPU, for tensor subclasses, or
-    under tracing; those calls always take the validated path. (Its CUDA behaviour: tests/test_fast_path.py.)"""
+def test_eager_plans_only_for_plain_tensors_of_the_kernels_or_the_cpu_float32_path():
+    """The fast path of repeated eager calls (ropekit._fastpath) engages for plain CUDA tensors and, without
+    autograd, for CPU tensors of the float32 path; never for float64 (the reference), tensor subclasses, CPU calls
+    that need autograd, or under tracing -- those calls always take the validated path. (Its behaviour:
+    tests/test_fast_path.py, tests/test_float32_plans.py.)"""
     from ropekit import _fastpath
     from ropekit._spec import FORWARD, RopeArgs
 
     q, k = make_qk(1, 3, 2, 2, 8)
-    assert _fastpath.signature(q, k, FORWARD, RopeArgs()) is None
+    assert _fastpath.signature(q, k, FORWARD, RopeArgs()) is not None
+    assert _fastpath.signature(q.double(), k.double(), FORWARD, RopeArgs()) is None
     assert _fastpath.signature(torch.nn.Parameter(q), None, FORWARD, RopeArgs()) is None
-    before = len(_fastpath._PLANS)
-    ropekit.apply_rope(q, k, positions=3)
-    assert len(_fastpath._PLANS) == before
+    assert _fastpath.signature(q.requires_grad_(), k, FORWARD, RopeArgs()) is None
+    _fastpath.clear()
+    for _ in range(2):
+        ropekit.apply_rope(q.double(), k.double(), positions=3)
+        ropekit.apply_rope(q, k, positions=3)
+    assert len(_fastpath._PLANS) == 0
+    for _ in range(2):
+        ropekit.apply_rope(q.detach(), k, positions=3)
+    assert len(_fastpath._PLANS) == 1
 
 
 @pytest.mark.parametrize("name", ["apply_rope", "apply_rope_", "rope_backward"])

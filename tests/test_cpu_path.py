@@ -12,7 +12,7 @@ import torch
 
 import ropekit
 from helpers import INTERPRETED
-from ropekit import reference
+from ropekit import float32_path, reference
 from ropekit.testing import assert_close_to_ref, kernels_on_cpu, make_qk, reference_on_cpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -23,14 +23,15 @@ B, S, HQ, HK, D = 2, 9, 4, 2, 32
 def routes(monkeypatch):
     """Which torch path rotated each call: the names of the functions that ran, in order."""
     seen: list[str] = []
-    for name in ("rope_float32_into", "rope_float32", "rope_reference"):
-        original = getattr(reference, name)
+    for module, name in ((float32_path, "rope_float32_into"), (float32_path, "rope_float32"),
+                         (reference, "rope_reference")):
+        original = getattr(module, name)
 
         def recording(*args, _name=name, _original=original, **kwargs):
             seen.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(reference, name, recording)
+        monkeypatch.setattr(module, name, recording)
     return seen
 
 
@@ -152,7 +153,7 @@ def test_cpu_path_matches_float64_reference(case, dtype, strided):
 @pytest.mark.parametrize("inplace", [False, True])
 def test_blocks_of_tokens_cover_every_token(monkeypatch, inplace):
     """Long inputs are rotated a block of tokens at a time: blocks of one and of several tokens, a last short one."""
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 3 * B * HQ * D)
+    monkeypatch.setattr(float32_path, "_CHUNK_ELEMENTS", 3 * B * HQ * D)
     q, k = make_qk(B, 3 * 4 + 2, HQ, HK, D, dtype=torch.bfloat16)
     ids = _ids(B, q.shape[1])
     want = ropekit.apply_rope(q.double(), k.double(), positions=ids, rotary_dim=24)
@@ -183,7 +184,7 @@ BLOCKED = {
 def test_blocks_of_sequences_cover_every_sequence(monkeypatch, case, dtype, inplace):
     """A call whose single token per sequence already exceeds a block over all sequences is cut into blocks of
     whole sequences (two, two, then one; k's: four, then one), each within the float32 path's tolerance."""
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * HQ * D)
+    monkeypatch.setattr(float32_path, "_CHUNK_ELEMENTS", 2 * HQ * D)
     factory, tokens = BLOCKED[case]
     q, k = make_qk(5, tokens, HQ, HK, D, dtype=dtype)
     kwargs = factory(5, tokens)
@@ -207,7 +208,7 @@ def test_invalid_positions_make_whole_tokens_nan(dtype):
     spec = validate(q, k, positions=torch.tensor([[0, 1, 2, 3]]), cos=torch.rand(8, 4), sin=torch.rand(8, 4),
                     rotary_dim=8, q_scale=0.5)
     spec.positions[0, 2] = 100
-    q_out, k_out = reference.rope_float32(q, k, spec)
+    q_out, k_out = float32_path.rope_float32(q, k, spec)
     for out in (q_out, k_out):
         assert torch.isnan(out[0, 2]).all() and not torch.isnan(out[0, [0, 1, 3]]).any()
 
@@ -264,6 +265,6 @@ def test_tables_of_many_tokens_match_the_one_product_tables(monkeypatch, style, 
     kwargs = dict(positions=_ids(B, S), style=style, q_scale=0.5, rotary_scale=1.25)
     want = rotate(q.double(), k.double(), **kwargs)
     for rows in (1 << 20, 0):  # every call in one product, then none
-        monkeypatch.setattr(reference, "_ONE_PRODUCT_ROWS", rows)
+        monkeypatch.setattr(float32_path, "_ONE_PRODUCT_ROWS", rows)
         for g, w in zip(rotate(q, k, **kwargs), want):
             assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")

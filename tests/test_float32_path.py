@@ -72,7 +72,7 @@ def test_invalid_device_positions_give_nan_tokens():
     q, _ = make_qk(1, 4, 2, 1, 16)
     with float32_path_on_cpu():
         from ropekit._validation import validate
-        from ropekit.reference import rope_float32
+        from ropekit.float32_path import rope_float32
 
         spec = validate(q, None, positions=torch.tensor([[0, 1, 2, 3]]), cos=torch.rand(8, 8), sin=torch.rand(8, 8))
         spec.positions[0, 2] = 100

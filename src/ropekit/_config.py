@@ -1,6 +1,7 @@
 """Process-wide switches, read at call time by the dispatch layers (no imports from the rest of ropekit).
 
-* ``fast_path``: eager launch plans (:mod:`ropekit._fastpath`). On by default; ``ROPEKIT_DISABLE_FAST_PATH=1`` in the
+* ``fast_path``: eager launch plans (:mod:`ropekit._fastpath`) and the float32 path's kept tables
+  (:data:`ropekit.float32_path.RECENT_TABLES`). On by default; ``ROPEKIT_DISABLE_FAST_PATH=1`` in the
   environment when ropekit is imported, or :func:`ropekit.set_fast_path`, turns them off to rule them out when
   debugging -- every call then takes the validated full path.
 * ``kernels_on_cpu``: CPU tensors run the Triton kernels under the Triton interpreter (``TRITON_INTERPRET=1``)

@@ -5,7 +5,7 @@ attention prologue's ``ropekit::qk_norm_rope`` (with ``ropekit::qk_norm_rope_bac
 Both take ``q``, ``k`` and the fields of a validated :class:`ropekit._spec.RopeSpec`, in the order of the schema
 that :func:`ropekit._spec.op_schema` generates from it. CUDA tensors run the Triton kernel (float64 ones the
 reference, which keeps float64 math); float16/bfloat16/float32 tensors on the CPU and on other devices (MPS, XPU,
-...) the float32 torch path with host-exact angles (:func:`ropekit.reference.rope_float32_into`; on the CPU the
+...) the float32 torch path with host-exact angles (:func:`ropekit.float32_path.rope_float32_into`; on the CPU the
 Triton interpreter under :func:`ropekit.testing.kernels_on_cpu`, the float64 reference under
 :func:`ropekit.testing.reference_on_cpu`); float64 tensors everywhere the float64 reference.
 
@@ -30,7 +30,7 @@ def uses_kernels(x: Tensor) -> bool:
 
 
 def uses_float32_path(x: Tensor) -> bool:
-    """Whether ``x`` is rotated by the float32 torch path (:func:`ropekit.reference.rope_float32_into`): float16,
+    """Whether ``x`` is rotated by the float32 torch path (:func:`ropekit.float32_path.rope_float32_into`): float16,
     bfloat16 and float32 tensors on the CPU (unless :func:`ropekit.testing.kernels_on_cpu` or
     :func:`ropekit.testing.reference_on_cpu` routes them elsewhere) and on devices other than CUDA, which may lack
     float64 (MPS, XPU, ...). float64 inputs keep float64 math wherever they exist."""
@@ -62,7 +62,7 @@ def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec:
                 torch.autograd.graph.increment_version(k)
         return
     if uses_float32_path(q):  # straight into the outputs (in place when they are the inputs)
-        from ropekit.reference import rope_float32_into
+        from ropekit.float32_path import rope_float32_into
 
         rope_float32_into(q, k, q_out, k_out, spec)
         return
@@ -148,7 +148,8 @@ def _rope_fp8_dynamic_fake(q, k, *spec):
 
 def _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec: RopeSpec) -> list[Tensor]:
     """The torch path of norm + RoPE (float64; float32 on devices without Triton kernels): [q_out, k_out]."""
-    from ropekit.reference import rms_norm_reference, rope_float32, rope_reference
+    from ropekit.float32_path import rope_float32
+    from ropekit.reference import rms_norm_reference, rope_reference
 
     f32 = uses_float32_path(q)
     dtype = torch.float32 if f32 else torch.float64
@@ -184,7 +185,8 @@ def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: flo
         grad_k = grad_k if grad_k.stride(-1) == 1 else grad_k.contiguous()
         dq, dk, dqw, dkw = launch_norm_rope_bwd(grad_q, q, grad_k, k, spec, q_weight, k_weight, weight_offset, eps)
     else:  # the transposed rotation, then the norm's backward, in the torch path's precision
-        from ropekit.reference import rms_norm_backward_reference, rope_float32, rope_reference
+        from ropekit.float32_path import rope_float32
+        from ropekit.reference import rms_norm_backward_reference, rope_reference
 
         dtype = torch.float32 if uses_float32_path(q) else torch.float64
         rotate = rope_float32 if dtype == torch.float32 else rope_reference
@@ -269,7 +271,8 @@ def norm_rotate_float8(q, k, q_weight, k_weight, weight_offset: float, eps: floa
                         weight_offset=weight_offset, eps=eps, quant=quant, q_scales=outs[2] if quant.dynamic else None,
                         k_scales=outs[3] if quant.dynamic else None)
         return outs
-    from ropekit.reference import rms_norm_reference, rope_float32, rope_reference
+    from ropekit.float32_path import rope_float32
+    from ropekit.reference import rms_norm_reference, rope_reference
 
     dtype = torch.float32 if uses_float32_path(q) else torch.float64
     qn, kn = rms_norm_reference(q, q_weight, weight_offset, eps, dtype), rms_norm_reference(k, k_weight,
@@ -609,7 +612,8 @@ def hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset: float, eps: f
         launch_hidden_norm_rope(q, k, outs[0], outs[1], spec, q_weight, k_weight, weight_offset, eps, v=v,
                                 v_out=outs[2] if v is not None else None)
         return outs
-    from ropekit.reference import rope_float32, rope_reference
+    from ropekit.float32_path import rope_float32
+    from ropekit.reference import rope_reference
 
     f32 = uses_float32_path(q)
     dtype = torch.float32 if f32 else torch.float64

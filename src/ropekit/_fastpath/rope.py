@@ -21,6 +21,7 @@ from ropekit._fastpath.plans import (
 )
 from ropekit._memory import span_bytes
 from ropekit._spec import (
+    FP8_MAX,
     TENSOR_ARGS,
     TENSOR_FIELDS,
     Mode,
@@ -31,7 +32,7 @@ from ropekit._spec import (
 )
 from ropekit._validation import validate_args
 from ropekit.autograd import rotate as rotate_spec
-from ropekit.ops import uses_kernels
+from ropekit.ops import uses_float32_path, uses_kernels
 
 # Where RopeArgs' tensor fields sit in it (a call's key is built from its values in field order).
 _TENSOR_SLOTS = tuple(sorted(RopeArgs._fields.index(name) for name in TENSOR_ARGS))
@@ -57,16 +58,19 @@ def rotate(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
     return outs[0] if k is None else outs
 
 def signature(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
-    """(key, handles) of a call, or None when the fast path does not apply: not a kernel call (CUDA, or CPU under
-    ``kernels_on_cpu``; float64 runs the reference), tensor subclasses, in-place calls that need autograd. Never
-    called while torch.compile traces (:func:`_plans_apply`).
+    """(key, handles) of a call, or None when the fast path does not apply: neither a kernel call (CUDA, or CPU
+    under ``kernels_on_cpu``) nor a CPU float32-path call without autograd (float64 runs the reference), tensor
+    subclasses, in-place calls that need autograd. Never called while torch.compile traces (:func:`_plans_apply`).
 
     The handles are q's, k's and the tensor options' data pointers in that order (0 for an absent k) -- the
     tensors themselves on CPU, where the interpreter needs them. Calls that need autograd get keys (and plans) of
     their own."""
-    if type(q) is not Tensor or (k is not None and type(k) is not Tensor) or not uses_kernels(q):
+    if type(q) is not Tensor or (k is not None and type(k) is not Tensor):
         return None
+    kernels = uses_kernels(q)
     grad = needs_grad(q, k)
+    if not kernels and (grad or q.device.type != "cpu" or not uses_float32_path(q)):
+        return None  # plans of the float32 path: CPU calls without autograd (Float32Plan)
     if grad and mode.inplace:  # in place with autograd: the full path (mark_dirty and its checks)
         return None
     raw = q.is_cuda
@@ -93,7 +97,7 @@ def signature(q: Tensor, k: Tensor | None, mode: Mode, args: RopeArgs):
             return None
         elif i == _POSITIONS_SLOT:  # an int position offset is checked per call: its type is the key
             values[i] = type(v)
-    parts = [mode, grad, q_part, k_part, *values]
+    parts = [mode, grad, kernels, q_part, k_part, *values]
     if mode.inplace:  # torch refuses in-place writes to inference tensors outside inference mode: so does the full path
         parts.append((q.is_inference(), k is not None and k.is_inference(), torch.is_inference_mode_enabled()))
     return tuple(parts), handles
@@ -197,6 +201,9 @@ class PlannedRope(torch.autograd.Function):
 def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, outs: tuple, mode: Mode) -> None:
     """Keep a plan for ``key`` after a call of it ran the full path successfully with ``spec`` and produced
     ``outs``; skip signatures a plan cannot replay (a spec tensor that is a copy of the user's, not a view)."""
+    if not key[2]:  # the float32 path
+        _keep(_PLANS, key, Float32Plan.of(q, k, args, spec, outs, mode))
+        return
     from ropekit.triton import launcher, runtime
 
     # The call's handle index of each tensor option, as signature() lays them out.
@@ -253,3 +260,76 @@ def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, 
     plan.k_out = (k_out.shape, k_out.dtype) if k_out is not None else None
     _keep(_PLANS, key, plan)
 
+
+class Float32Plan:
+    """A recorded CPU call of the float32 path (float16/bfloat16/float32 CPU tensors, no autograd): the validated
+    spec's scalars and where its tensors come from in a later call's args (:func:`spec_recipe`), so that a repeated
+    call -- a model's next layer, or its next decode step -- skips validation; and, at decode sizes, the float32
+    tables of its last call, reused while the call's tensor arguments (positions, frequencies) hold the same
+    values (one ``torch.equal`` each). Per call it re-checks what can change within a signature: the int position
+    offset, the overlap of q and k in place, and the position values (a call with a position the full path
+    refuses goes back to it)."""
+
+    __slots__ = ("scalars", "spec", "saved", "int_offset", "max_offset", "q_out", "k_out", "q_span", "k_span",
+                 "qk_delta", "last")
+
+    # Table elements up to which a plan keeps its last call's tables (decode sizes: up to 64 tokens of head_dim
+    # 128), so that a thousand plans hold at most about 128 MiB.
+    KEPT_TABLE_ELEMENTS = 1 << 15
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, outs: tuple, mode: Mode):
+        """The plan of a call the full path ran with ``spec``, or None where a replay could not rebuild it: float8
+        outputs (another route), packed sequences (whose boundaries validation reads), spec tensors that are
+        copies of the call's."""
+        saved = spec_recipe(spec, args)
+        if saved is None or spec.cu_seqlens is not None or spec.out_dtype in FP8_MAX:
+            return None
+        plan = cls()
+        plan.scalars, plan.saved = spec.scalars, saved
+        plan.spec = RopeSpec.from_parts((None,) * len(spec.tensors), spec.scalars)  # what the rotation reads
+        positions = args.positions
+        # an int offset, or a 0-d CPU tensor (which validation reads as one): checked and passed per call
+        plan.int_offset = positions is not None and (not isinstance(positions, Tensor) or positions.dim() == 0)
+        plan.max_offset = _offset_bound(spec, to_canonical(q, spec.layout).shape[1])
+        plan.q_span = plan.k_span = plan.qk_delta = 0
+        if mode.inplace and k is not None:
+            plan.q_span, plan.k_span = span_bytes(q), span_bytes(k)
+            plan.qk_delta = k.data_ptr() - q.data_ptr()
+        plan.q_out = outs[0].dtype
+        plan.k_out = None if k is None else outs[1].dtype
+        plan.last = None
+        return plan
+
+    _disjoint = Plan._disjoint
+
+    def __call__(self, q: Tensor, k: Tensor | None, handles: list, args: RopeArgs, mode: Mode):
+        """Rotate and return what the full path would, or None to send the call down the full path."""
+        from ropekit.float32_path import float32_tables, rotate_with_tables
+
+        offset = 0
+        if self.int_offset:
+            offset = _checked_offset(args.positions, self.max_offset)
+            if offset == -1:
+                return None
+        if mode.inplace and k is not None and not self._disjoint(q, k):
+            return None
+        tensors = handles[2:]  # the call's tensor arguments (CPU handles are the tensors)
+        last = self.last
+        if last is not None and last[0] == offset and all(map(torch.equal, last[1], tensors)):
+            made = last[2]
+        else:
+            scalars = (offset, *self.scalars[1:]) if self.int_offset else self.scalars  # pos_offset leads
+            made, all_valid = float32_tables(q, k, RopeSpec.from_parts(tuple(spec_views(self.saved, args)), scalars))
+            if not all_valid:
+                return None
+            kept = sum(t.numel() for tables in made.values() for t in tables) <= self.KEPT_TABLE_ELEMENTS and \
+                sum(t.numel() for t in tensors) <= self.KEPT_TABLE_ELEMENTS  # compared per call
+            self.last = (offset, [t.clone() for t in tensors], made) if kept else None
+        if mode.inplace:
+            rotate_with_tables(q, k, q, k, made, self.spec)
+            return q if k is None else (q, k)
+        q_out = torch.empty(q.shape, dtype=self.q_out)
+        k_out = None if k is None else torch.empty(k.shape, dtype=self.k_out)
+        rotate_with_tables(q, k, q_out, k_out, made, self.spec)
+        return q_out if k is None else (q_out, k_out)

@@ -1,0 +1,355 @@
+"""The float32 torch path: ropekit's rotation for float16/bfloat16/float32 tensors on the CPU and on devices
+without Triton kernels (MPS, XPU, ...). Angles are exact (formed in float64 on the host, as the kernels' are
+exact), the rotation is float32 math with one rounding to the output's dtype: the kernels' precision, in a few
+torch ops per call. float64 tensors keep the float64 reference (:mod:`ropekit.reference`), whose table builder
+this path shares."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+
+import torch
+
+from ropekit import _config
+from ropekit._angle_tables import rotation_tables, token_positions
+from ropekit._spec import MAX_POSITION, RopeSpec, to_canonical
+
+
+def rope_float32(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> list[torch.Tensor]:
+    """The rotation of :func:`ropekit.reference.rope_reference` with float32 math, into new tensors (in q's and
+    k's layout and shape; ``spec.out_dtype``, None: each input's dtype); see :func:`rope_float32_into`."""
+    outs = []
+    for x in (q, k):
+        if x is not None:
+            outs.append(torch.empty(x.shape, dtype=x.dtype if spec.out_dtype is None else spec.out_dtype,
+                                    device=x.device))
+    rope_float32_into(q, k, outs[0], outs[1] if k is not None else None, spec)
+    return outs
+
+
+# Elements of one tensor rotated per step of :func:`_rotate_float32`: the step's float32 working copy (1 MiB) and
+# its half-width temporary stay in the cache between the few elementwise ops of the step, and a step still has
+# enough elements for torch to split it over threads.
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def rope_float32_into(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
+                      spec: RopeSpec) -> None:
+    """Rotate ``q`` (and ``k``) as ``spec`` says into ``q_out`` (and ``k_out``) -- which may be the inputs
+    themselves (in place) -- with float32 math: the CPU path for float16/bfloat16/float32 tensors, and the path of
+    devices without Triton kernels or float64 (MPS, XPU, ...).
+
+    Positions and angles are formed in float64 on the CPU, once per call at the size of positions x frequencies
+    (one row for all sequences when they share their positions; exact at any position; reading device positions
+    is a host sync), and their cos/sin rounded to float32 tables with the rotation's scales folded in
+    (:func:`float32_tables`; on the CPU a call whose positions and frequencies hold the values of a recent call's
+    -- the next layer of a model, which shares one positions tensor across its layers -- reuses its tables).
+    The rotation then runs on the tensors' device in float32 torch ops, a block of tokens at a time, with one
+    rounding to the output's dtype: the kernels' precision. ``q``/``k`` [in ``spec.layout``] of any strides;
+    outputs of the inputs' shapes, any floating dtype (``spec.out_dtype`` is not read: the outputs' dtypes are
+    the rotation's). Tokens without a valid position come out NaN, as on the kernels."""
+    rotate_with_tables(q, k, q_out, k_out, float32_tables(q, k, spec)[0], spec)
+
+
+def float32_tables(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> tuple[dict, bool]:
+    """({scale: the float32 tables (C, T) of :func:`_float32_tables`}, whether every token's position is valid)
+    for rotating ``q`` (and ``k``) as ``spec`` says: built, or on the CPU taken from :data:`RECENT_TABLES`."""
+    B, S = to_canonical(q, spec.layout).shape[:2]
+    D = q.shape[-1]
+    scales = (spec.q_scale,) if k is None else (spec.q_scale, spec.k_scale)
+    found = RECENT_TABLES.get(spec, B, S, D, scales, q.device)
+    if found is None:
+        found = _tables_of(spec, B, S, D, scales, q.device)
+        RECENT_TABLES.keep(spec, B, S, D, scales, q.device, *found)
+    return found
+
+
+def rotate_with_tables(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Tensor, k_out: torch.Tensor | None,
+                       made: dict, spec: RopeSpec) -> None:
+    """The rotation of :func:`rope_float32_into` with the tables ``made`` of :func:`float32_tables` (only the
+    spec's scalars are read)."""
+    layout, neox = spec.layout, spec.style == "neox"
+    for x, out, scale in ((q, q_out, spec.q_scale), (k, k_out, spec.k_scale)):
+        if x is not None:
+            _rotate_float32(to_canonical(x, layout), to_canonical(out, layout), made[scale], spec.rotary_start,
+                            spec.rotary_dim, neox, inplace=out is x)
+
+
+def _tables_of(spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device) -> tuple[dict, bool]:
+    """({scale: the float32 tables (C, T) of :func:`_float32_tables`}, whether every token's position is valid):
+    q and k share their tables when their scales agree."""
+    neox = spec.style == "neox"
+    pos, valid = _float32_path_positions(spec, B, S)
+    if spec.freq_mode == "inv_freq" and pos.dim() == 2:
+        # rotation_tables' angles, without reduced_angle: its fmod by the float64 2*pi is off by up to 2e-7 near
+        # position 2**31 (and slow), while torch's float64 cos/sin are accurate at any such angle
+        angle = torch.mul(pos.unsqueeze(-1), spec.inv_freq.to(device=pos.device, dtype=torch.float64))
+        cosine, sine = torch.cos(angle), torch.sin(angle)
+        tables = (cosine, cosine, sine, sine)
+    else:
+        tables = rotation_tables(pos, half=spec.rotary_dim // 2, neox=neox, freq_mode=spec.freq_mode,
+                                 inv_freq=spec.inv_freq, cos=spec.cos, sin=spec.sin,
+                                 table_by_token=spec.table_by_token, sections=spec.sections,
+                                 section_layout=spec.section_layout)
+    if valid is not None:  # NaN cos/sin make the token's rotated columns NaN; its other columns by ``passed`` below
+        tables = tuple(torch.where(valid[..., None], t, math.nan) for t in tables)
+    made: dict[float, tuple] = {}
+    for scale in scales:
+        if scale not in made:
+            passed = scale if valid is None else torch.where(valid, scale, math.nan)[:, :, None, None]
+            made[scale] = _float32_tables(tables, scale * spec.rotary_scale, spec.conjugate, passed, D,
+                                          spec.rotary_start, spec.rotary_dim, neox, device)
+    return made, valid is None
+
+
+class RecentTables:
+    """The float32 tables of the last ``size`` CPU calls, each under its call's scalars (offset, layout, style,
+    dims, scales, ...) and shape, and found again only when every tensor of the spec -- positions, frequencies --
+    holds the same values: compared by value (one ``torch.equal`` each), since a CPU tensor can change without
+    autograd seeing it (through numpy). Calls whose spec tensors are large (position-indexed cos/sin tables) or
+    whose tables would be are not kept."""
+
+    def __init__(self, size: int = 4, max_spec_elements: int = 1 << 16, max_table_elements: int = 1 << 19):
+        self.size, self.max_spec_elements, self.max_table_elements = size, max_spec_elements, max_table_elements
+        self._entries: OrderedDict = OrderedDict()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _key(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device):
+        if device.type != "cpu" or not self.size or not _config.fast_path:
+            return None
+        key = (spec.scalars, B, S, D, scales)
+        try:
+            hash(key)
+        except TypeError:  # sections as a list (through the dispatcher): not kept
+            return None
+        return key
+
+    def get(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device):
+        """(tables, all positions valid) of an earlier call with the same values, or None."""
+        key = self._key(spec, B, S, D, scales, device)
+        entry = None if key is None else self._entries.get(key)
+        if entry is None:
+            return None
+        saved, made, all_valid = entry
+        for kept, t in zip(saved, spec.tensors):
+            if kept is None or t is None:
+                if kept is not t:
+                    return None
+            elif kept.shape != t.shape or kept.dtype != t.dtype or t.device.type != "cpu" or not torch.equal(kept, t):
+                return None
+        self._entries.move_to_end(key)
+        return made, all_valid
+
+    def keep(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device, made: dict,
+             all_valid: bool) -> None:
+        key = self._key(spec, B, S, D, scales, device)
+        if key is None:
+            return
+        tensors = [t for t in spec.tensors if t is not None]
+        if any(t.device.type != "cpu" for t in tensors) or \
+                sum(t.numel() for t in tensors) > self.max_spec_elements or \
+                sum(t.numel() for tables in made.values() for t in tables) > self.max_table_elements:
+            return
+        saved = tuple(None if t is None else t.clone() for t in spec.tensors)
+        self._entries[key] = (saved, made, all_valid)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+
+RECENT_TABLES = RecentTables()
+"""The float32 path's table cache (:class:`RecentTables`); off with the fast path (:func:`ropekit.set_fast_path`,
+``ROPEKIT_DISABLE_FAST_PATH=1``) or ``RECENT_TABLES.size = 0``."""
+
+
+def _float32_path_positions(spec: RopeSpec, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(int64 CPU positions of the canonical grid -- one row for all sequences when they share their positions
+    and frequencies -- and None when every position is usable, else the per-token validity mask). An offset's
+    range is known without a tensor op, a position tensor's is read by one aminmax; the mask is built only
+    when some position is negative or past ``MAX_POSITION`` or a position-indexed table."""
+    rows = None if spec.freq_mode == "inv_freq" or spec.table_by_token else spec.cos.shape[1]
+    tables_by_sequence = spec.freq_mode != "inv_freq" and spec.cos.shape[0] != 1
+    if spec.positions is None and spec.seq_offsets is None and spec.cu_seqlens is None:  # 0.. S-1 plus an offset
+        first = spec.pos_offset
+        pos = torch.arange(first, first + S, dtype=torch.int64)[None]
+        pos = pos.expand(B, S) if tables_by_sequence else pos
+        last = first + S - 1
+        if S == 0 or (first >= 0 and last <= MAX_POSITION and (rows is None or last < rows)):
+            return pos, None
+    else:
+        pos = token_positions(B, S, positions=spec.positions, seq_offsets=spec.seq_offsets,
+                              pos_offset=spec.pos_offset, cu_seqlens=spec.cu_seqlens, device=torch.device("cpu"))
+        if pos.dim() == 2 and pos.shape[0] > 1 and pos.stride(0) == 0 and not tables_by_sequence:
+            pos = pos[:1]  # every sequence has the same positions and frequencies: one row of angles serves all
+        if pos.numel() == 0:
+            return pos, None
+        lo, hi = (int(v) for v in torch.aminmax(pos))
+        if lo >= 0 and hi <= MAX_POSITION and (rows is None or hi < rows):
+            return pos, None
+    valid = (pos >= 0) & (pos <= MAX_POSITION)
+    if pos.dim() == 3:  # multi-axis: a token is valid when every axis is
+        valid = valid.all(0)
+    if rows is not None:
+        valid &= pos < rows
+    return pos, valid
+
+
+# Tokens up to which :func:`_float32_tables` builds both tables in one product.
+_ONE_PRODUCT_ROWS = 1024
+
+
+@functools.lru_cache(maxsize=64)
+def _table_factors(factor: float, conjugate: bool, neox: bool) -> torch.Tensor:
+    """float64 factors of ``(cos, sin)`` into ``(C, T)`` per pair column (lo, hi): C ``(factor, factor)``, T
+    ``(-factor, +factor)`` forward, ``(+factor, -factor)`` for the conjugate; [2, 2, 1] for ``neox`` (columns in
+    halves), else [2, 1, 2]. A constant of its arguments, never written."""
+    sines = [factor, -factor] if conjugate else [-factor, factor]
+    factors = torch.tensor([[factor, factor], sines], dtype=torch.float64)
+    return factors[:, :, None] if neox else factors[:, None, :]
+
+
+def _paired(y: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``y``'s last dim [R] as pairs: [..., 2, R/2] (``neox``: lo half, hi half) or [..., R/2, 2] (interleaved)."""
+    half = y.shape[-1] // 2
+    return y.unflatten(-1, (2, half) if neox else (half, 2))
+
+
+def _float32_tables(tables: tuple, factor: float, conjugate: bool, passed, D: int, rotary_start: int,
+                    rotary_dim: int, neox: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 tables ``(C, T)`` of :func:`_rotate_float32` from the float64 ``(cos_lo, cos_hi, sin_lo,
+    sin_hi)`` [Bt, S, R/2], each value rounded once with ``factor`` (the tensor's scale times ``rotary_scale``)
+    folded in. ``C`` [Bt, S, 1, D] holds ``cos * factor`` at the rotary columns and ``passed`` (the scale, or
+    [Bt, S, 1, 1] with NaN for invalid tokens) at the others. ``T`` [Bt, S, 1, R] holds each rotary column's
+    signed sine: with ``swap(x)`` exchanging the lo and hi column of every pair, the rotation is
+    ``x * C + swap(x) * T`` on the rotary columns: ``T = (-sin_lo, +sin_hi) * factor`` forward,
+    ``(+sin_hi, -sin_lo) * factor`` for the conjugate (the transpose)."""
+    c_lo, c_hi, s_lo, s_hi = tables
+    Bt, S, half = c_lo.shape
+    if c_lo is c_hi and s_lo is s_hi and rotary_dim == D and Bt * S <= _ONE_PRODUCT_ROWS:
+        # one product rounds both tables: fewest ops for decode's few tokens (torch's float64 -> float32 store
+        # in a product is slower per element than a copy, so many tokens take the copy and a half-size product)
+        both = torch.empty(Bt, S, 1, 2, D, dtype=torch.float32, device=device)  # [.., (C, T), D]
+        cos_sin = torch.stack((c_lo, s_lo), 2)  # [Bt, S, (cos, sin), R/2], float64
+        if neox:  # [.., (C, T), (lo, hi), R/2]
+            cos_sin, out = cos_sin.view(Bt, S, 1, 2, 1, half), both.view(Bt, S, 1, 2, 2, half)
+        else:  # [.., (C, T), R/2, (lo, hi)]
+            cos_sin, out = cos_sin.view(Bt, S, 1, 2, half, 1), both.view(Bt, S, 1, 2, half, 2)
+        torch.mul(cos_sin, _table_factors(float(factor), conjugate, neox).to(device), out=out)
+        return both.select(3, 0), both.select(3, 1)
+    C = torch.empty(Bt, S, 1, D, dtype=torch.float32, device=device)
+    T = torch.empty(Bt, S, 1, rotary_dim, dtype=torch.float32, device=device)
+    axis = -2 if neox else -1  # the pair axis of _paired's views
+    cp = _paired(C if rotary_dim == D else C.narrow(-1, rotary_start, rotary_dim), neox)
+    tp = _paired(T, neox)
+    # Each copy or product computes in float64 and rounds once into the float32 table.
+    cosines = ((cp, c_lo.unsqueeze(2).unsqueeze(axis)),) if c_lo is c_hi else (
+        (cp.select(axis, 0), c_lo[:, :, None, :]), (cp.select(axis, 1), c_hi[:, :, None, :]))
+    for dst, src in cosines:
+        if factor == 1.0:
+            dst.copy_(src)
+        else:
+            torch.mul(src.expand(dst.shape), factor, out=dst)
+    if s_lo is s_hi:  # the positive column rounded once (a copy, or a half-size product), the other its negation
+        positive, negative = tp.unbind(axis) if conjugate else tp.unbind(axis)[::-1]
+        if factor == 1.0:
+            positive.copy_(s_lo[:, :, None, :])
+        else:
+            torch.mul(s_lo[:, :, None, :], factor, out=positive)
+        torch.neg(positive, out=negative)  # exact
+    else:  # T's lo column takes the pair's hi sine for the conjugate, its lo sine forward
+        sines = ((s_hi, factor), (s_lo, -factor)) if conjugate else ((s_lo, -factor), (s_hi, factor))
+        for i, (src, signed) in enumerate(sines):
+            dst = tp.select(axis, i)
+            torch.mul(src[:, :, None, :].expand(dst.shape), signed, out=dst)
+    for cols in (slice(0, rotary_start), slice(rotary_start + rotary_dim, D)):
+        if cols.start < cols.stop:
+            if isinstance(passed, torch.Tensor):
+                C[..., cols].copy_(passed.to(device))
+            else:
+                C[..., cols].fill_(passed)
+    return C, T
+
+
+def _swapped(x: torch.Tensor, neox: bool) -> torch.Tensor:
+    """A new tensor of ``x``'s rotary columns [..., R] with the lo and hi column of every pair exchanged."""
+    if neox:
+        return torch.roll(x, x.shape[-1] // 2, -1)
+    return _paired(x, False).flip(-1).flatten(-2)
+
+
+def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_start: int, rotary_dim: int,
+                    neox: bool, *, inplace: bool) -> None:
+    """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32 with the
+    tables ``(C, T)`` of :func:`_float32_tables`: ``x * C``, plus ``swap(x) * T`` on the rotary columns, then one
+    rounding to ``out``'s dtype. A call that fits one block (decode sizes) takes three to five torch ops, so that
+    per-call host time stays low; larger calls go a block of tokens at a time through two reused float32 buffers
+    (the working copy and the result) that stay in the cache, and float32 out of place writes straight into
+    ``out``."""
+    C, T = tables
+    B, S, H, D = x.shape
+    if B * S * H * D <= _CHUNK_ELEMENTS:  # one block: few ops on float32 operands (mixed-dtype ops are slow)
+        if S == 0:
+            return
+        src = x if x.dtype == torch.float32 else x.to(torch.float32)
+        swapped = _swapped(src if rotary_dim == D else src.narrow(-1, rotary_start, rotary_dim), neox)
+        # the products land in a float32 tensor already at hand (out, or src when it is a copy), so that the call
+        # allocates at most two float32 temporaries: fresh memory costs page faults at these sizes
+        dst = out if out.dtype == torch.float32 else src if src is not x else torch.empty_like(src)
+        torch.mul(src, C, out=dst)  # in place (dst is src, or out is x) is fine: swapped was read already
+        (dst if rotary_dim == D else dst.narrow(-1, rotary_start, rotary_dim)).addcmul_(swapped, T)
+        if dst is not out:
+            out.copy_(dst)  # the one rounding to the output's dtype
+        return
+    # Blocks of s_step tokens of b_step sequences: all sequences at once unless one token of each is too much.
+    s_step = max(1, min(S, _CHUNK_ELEMENTS // (B * H * D)))
+    b_step = B if s_step > 1 else max(1, min(B, _CHUNK_ELEMENTS // (H * D)))
+    direct = x.dtype == torch.float32 and out.dtype == torch.float32 and not inplace
+    copy_in = x.dtype != torch.float32
+    work = None if direct else torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device)
+    copy = torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
+    t_lo, t_hi = _pairs(T, 0, rotary_dim, neox)
+    tables = (C, t_lo, t_hi)  # below: the full buffers' pair views, made once (views cost host time)
+    copy_pairs = _pairs(copy, rotary_start, rotary_dim, neox) if copy_in else None
+    work_pairs = _pairs(work, rotary_start, rotary_dim, neox) if work is not None else None
+    for b0 in range(0, B, b_step):
+        nb = min(b_step, B - b0)
+        for s0 in range(0, S, s_step):
+            n = min(s_step, S - s0)
+            full = nb == b_step and n == s_step  # the buffers need no narrowing
+            xs, os_ = _block(x, b0, nb, s0, n), _block(out, b0, nb, s0, n)
+            c, ta, tb = (_block(t, b0 if t.shape[0] > 1 else 0, min(nb, t.shape[0]), s0, n) for t in tables)
+            if copy_in:
+                xs = (copy if full else _block(copy, 0, nb, 0, n)).copy_(xs)
+                lo, hi = copy_pairs if full else _pairs(xs, rotary_start, rotary_dim, neox)
+            else:
+                lo, hi = _pairs(xs, rotary_start, rotary_dim, neox)
+            if direct:
+                res = os_
+                rlo, rhi = _pairs(res, rotary_start, rotary_dim, neox)
+            else:
+                res = work if full else _block(work, 0, nb, 0, n)
+                rlo, rhi = work_pairs if full else _pairs(res, rotary_start, rotary_dim, neox)
+            torch.mul(xs, c, out=res)
+            rlo.addcmul_(hi, ta)
+            rhi.addcmul_(lo, tb)
+            if not direct:
+                os_.copy_(res)  # the one rounding to the output's dtype (in place: after the block is read)
+
+
+def _block(t: torch.Tensor, b0: int, nb: int, s0: int, n: int) -> torch.Tensor:
+    """``t[b0:b0 + nb, s0:s0 + n]``, narrowing only the dims the block does not cover whole."""
+    t = t if nb == t.shape[0] else t.narrow(0, b0, nb)
+    return t if n == t.shape[1] else t.narrow(1, s0, n)
+
+
+def _pairs(y: torch.Tensor, rotary_start: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) views of the rotary part of ``y``'s last dim: halves for ``neox``, even/odd columns else."""
+    half = rotary_dim // 2
+    if neox:
+        return y.narrow(-1, rotary_start, half), y.narrow(-1, rotary_start + half, half)
+    rot = y.narrow(-1, rotary_start, rotary_dim)
+    return rot[..., 0::2], rot[..., 1::2]
