@@ -281,6 +281,25 @@ def _swapped(x: torch.Tensor, neox: bool) -> torch.Tensor:
     return _paired(x, False).flip(-1).flatten(-2)
 
 
+def rotated_copy(x: torch.Tensor, tables: tuple, neox: bool) -> torch.Tensor | None:
+    """``x`` (contiguous, in the canonical layout, every column rotary) rotated into a new contiguous tensor of its
+    dtype with the tables ``(C, T)`` of :func:`_float32_tables` -- bit for bit :func:`_rotate_float32`'s result --
+    in the fewest torch ops (float32: the product, the swap, their sum; else also the float32 copy and the
+    rounding copy, which allocates the output); None where ``x`` is larger than one block."""
+    if x.numel() > _CHUNK_ELEMENTS:
+        return None
+    C, T = tables
+    if x.dtype == torch.float32:
+        out = torch.mul(x, C)
+        out.addcmul_(_swapped(x, neox), T)
+        return out
+    src = x.to(torch.float32)
+    swapped = _swapped(src, neox)
+    torch.mul(src, C, out=src)
+    src.addcmul_(swapped, T)
+    return src.to(x.dtype)
+
+
 def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_start: int, rotary_dim: int,
                     neox: bool, *, inplace: bool) -> None:
     """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32 with the

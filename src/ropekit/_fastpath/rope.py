@@ -271,7 +271,7 @@ class Float32Plan:
     refuses goes back to it)."""
 
     __slots__ = ("scalars", "spec", "saved", "int_offset", "max_offset", "q_out", "k_out", "q_span", "k_span",
-                 "qk_delta", "last")
+                 "qk_delta", "last", "copies")
 
     # Table elements up to which a plan keeps its last call's tables (decode sizes: up to 64 tokens of head_dim
     # 128), so that a thousand plans hold at most about 128 MiB.
@@ -299,13 +299,17 @@ class Float32Plan:
         plan.q_out = outs[0].dtype
         plan.k_out = None if k is None else outs[1].dtype
         plan.last = None
+        # out of place, bshd, every column rotary, outputs of the inputs' dtypes: contiguous inputs of one block's
+        # size rotate into new tensors in the fewest ops (rotated_copy)
+        plan.copies = not mode.inplace and spec.layout == "bshd" and spec.rotary_dim == q.shape[-1] and \
+            plan.q_out == q.dtype and (k is None or plan.k_out == k.dtype)
         return plan
 
     _disjoint = Plan._disjoint
 
     def __call__(self, q: Tensor, k: Tensor | None, handles: list, args: RopeArgs, mode: Mode):
         """Rotate and return what the full path would, or None to send the call down the full path."""
-        from ropekit.float32_path import float32_tables, rotate_with_tables
+        from ropekit.float32_path import float32_tables, rotate_with_tables, rotated_copy
 
         offset = 0
         if self.int_offset:
@@ -329,6 +333,17 @@ class Float32Plan:
         if mode.inplace:
             rotate_with_tables(q, k, q, k, made, self.spec)
             return q if k is None else (q, k)
+        if self.copies and q.is_contiguous() and (k is None or k.is_contiguous()):
+            spec = self.spec
+            neox = spec.style == "neox"
+            q_out = rotated_copy(q, made[spec.q_scale], neox)
+            if k is None:
+                if q_out is not None:
+                    return q_out
+            else:
+                k_out = rotated_copy(k, made[spec.k_scale], neox) if q_out is not None else None
+                if k_out is not None:
+                    return q_out, k_out
         q_out = torch.empty(q.shape, dtype=self.q_out)
         k_out = None if k is None else torch.empty(k.shape, dtype=self.k_out)
         rotate_with_tables(q, k, q_out, k_out, made, self.spec)
