@@ -153,7 +153,7 @@ def test_cpu_path_matches_float64_reference(case, dtype, strided):
 @pytest.mark.parametrize("inplace", [False, True])
 def test_blocks_of_tokens_cover_every_token(monkeypatch, inplace):
     """Long inputs are rotated a block of tokens at a time: blocks of one and of several tokens, a last short one."""
-    monkeypatch.setattr(float32_path, "_CHUNK_ELEMENTS", 3 * B * HQ * D)
+    monkeypatch.setattr(float32_path, "_block_elements", lambda x: 3 * B * HQ * D)
     q, k = make_qk(B, 3 * 4 + 2, HQ, HK, D, dtype=torch.bfloat16)
     ids = _ids(B, q.shape[1])
     want = ropekit.apply_rope(q.double(), k.double(), positions=ids, rotary_dim=24)
@@ -184,7 +184,7 @@ BLOCKED = {
 def test_blocks_of_sequences_cover_every_sequence(monkeypatch, case, dtype, inplace):
     """A call whose single token per sequence already exceeds a block over all sequences is cut into blocks of
     whole sequences (two, two, then one; k's: four, then one), each within the float32 path's tolerance."""
-    monkeypatch.setattr(float32_path, "_CHUNK_ELEMENTS", 2 * HQ * D)
+    monkeypatch.setattr(float32_path, "_block_elements", lambda x: 2 * HQ * D)
     factory, tokens = BLOCKED[case]
     q, k = make_qk(5, tokens, HQ, HK, D, dtype=dtype)
     kwargs = factory(5, tokens)
@@ -268,3 +268,19 @@ def test_tables_of_many_tokens_match_the_one_product_tables(monkeypatch, style, 
         monkeypatch.setattr(float32_path, "_ONE_PRODUCT_ROWS", rows)
         for g, w in zip(rotate(q, k, **kwargs), want):
             assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")
+
+
+def test_steps_grow_with_threads_except_for_small_16_bit_tensors():
+    """Large tensors are rotated in steps that grow with torch's threads; 16-bit tensors below four such steps
+    keep the 1 MiB step (their float32 working copies are fresh memory every call)."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(8)
+        step, scaled = float32_path._CHUNK_ELEMENTS, 4 * float32_path._CHUNK_ELEMENTS
+        assert float32_path._block_elements(torch.empty(0)) == scaled
+        assert float32_path._block_elements(torch.empty(16 * scaled, dtype=torch.bfloat16)) == scaled
+        assert float32_path._block_elements(torch.empty(4 * scaled, dtype=torch.bfloat16)) == step
+        torch.set_num_threads(1)
+        assert float32_path._block_elements(torch.empty(0)) == step
+    finally:
+        torch.set_num_threads(previous)
