@@ -106,7 +106,14 @@ def test_registry_presets_expand():
                        "tiny-dit": "contiguous"}
     assert {c.style for c in full} == {"neox", "interleaved"}
     assert {c.positions for c in full} == set(bench_cases.POSITION_KINDS)
-    assert {m for c in full for m in c.modes} == set(bench_cases.MODES)
+    # every mode but the CPU one, which runs on its own (--preset cpu)
+    assert {m for c in full for m in c.modes} == set(bench_cases.MODES) - {bench_cases.CPU_MODE}
+    cpu = bench_cases.expand_preset(registry, "cpu")
+    assert {c.modes for c in cpu} == {(bench_cases.CPU_MODE,)}
+    assert {(c.dtype, c.positions, c.batch, c.seqlen) for c in cpu} == {
+        (d, p, b, s) for d in ("bf16", "fp32") for p in ("ids", "offset")
+        for b, s in ((1, 1), (8, 1), (32, 1), (256, 1), (2, 4096))}
+    assert {(c.hq, c.hk, c.head_dim) for c in cpu} == {(32, 8, 128)}
     prefill = [c.tokens for c in full if "fwd" in c.modes]
     assert min(prefill) == 2048 and max(prefill) == 131072
     decode = [c.tokens for c in full if "decode" in c.modes]
@@ -213,14 +220,22 @@ def _targets():
     return bench_targets.targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
 
 
+def _mode_bytes(case, mode):
+    """The bytes of ``case`` in ``mode`` (the CPU mode: as the fwd mode's, as its rows say)."""
+    nbytes = inputs.case_bytes(case)
+    return nbytes.get(mode, nbytes["fwd"])
+
+
 def test_quick_preset_has_a_case_for_every_target():
-    """quick has a case for every target but the attention modes', which have a preset of their own."""
+    """quick has a case for every target but the attention modes' and the CPU mode's, which have presets of their
+    own."""
     registry = bench_cases.load_registry(str(REGISTRY))
     env = {k: "x" for k in ("gpu", "date", "torch", "triton", "ropekit", "commit", "label")}
     for target in _targets():
-        preset = "attention" if target.mode in bench_cases.ATTN_MODES else "quick"
+        preset = "attention" if target.mode in bench_cases.ATTN_MODES else \
+            "cpu" if target.mode == bench_cases.CPU_MODE else "quick"
         cases = bench_cases.expand_preset(registry, preset)
-        rows = [run._row(env, c, m, target.impl, inputs.case_bytes(c)[m], impls.BASELINE[m])
+        rows = [run._row(env, c, m, target.impl, _mode_bytes(c, m), impls.BASELINE.get(m, "hf"))
                 for c in cases for m in c.modes]
         assert any(r["mode"] == target.mode and target.select(r) for r in rows), target.key
     assert not any(set(c.modes) & set(bench_cases.ATTN_MODES) for c in bench_cases.expand_preset(registry, "quick"))
@@ -484,6 +499,7 @@ def test_targets_come_from_the_registry_data(tmp_path):
                                            "prologue-prefill-paged", "fwd-fp8-dynamic", "qk-norm-fwdbwd",
                                            "hidden-norm-fwd", "hidden-norm-vs-compile",
                                            "qk-norm-vs-compile", "mla-decode", "mla-prefill", "prologue-step",
+                                           "cpu-vs-hf", "cpu-first-layer-vs-hf",
                                            *(f"attn-{m}-vs-{v}" for m in ("fwd", "fwdbwd")
                                              for v in ("rope-flex", "rope-flash", "rope-cudnn", "cudnn"))}
     # Another registry file with other targets: the harness evaluates those, nothing built in.
@@ -708,13 +724,14 @@ def test_smoke_csv_and_json_rows(smoke_run):
     assert [{k: r[k] for k in report.ROW_FIELDS} for r in history] == rows
     assert {r["source"] for r in history} == {_one(out, "bench-*-cpu-smoke.csv").name}
     assert data["meta"]["label"] == bench_env.SMOKE_LABEL and data["meta"]["commit"] == "test"
-    assert {t["target"] for t in data["targets"]} == {t.key for t in _targets()}
+    # a GPU preset's run (here on CPU) has the targets of every mode but the CPU one (--preset cpu)
+    assert {t["target"] for t in data["targets"]} == {t.key for t in _targets() if t.mode != bench_cases.CPU_MODE}
     for row in rows:
         assert set(REQUIRED_FIELDS) <= set(row)
         assert row["label"] == bench_env.SMOKE_LABEL
         assert row["gpu"].startswith("none (CPU") and row["commit"] == "test"
     modes = {r["mode"] for r in rows}
-    assert modes == set(bench_cases.MODES)
+    assert modes == set(bench_cases.MODES) - {bench_cases.CPU_MODE}
     for (case, mode) in {(r["case"], r["mode"]) for r in rows}:
         group = {r["impl"]: r for r in rows if r["case"] == case and r["mode"] == mode}
         base = group[impls.BASELINE[mode]]

@@ -19,7 +19,11 @@ REGISTRY_FILE = Path(__file__).with_name("registry.py")
 REGISTRY_KEYS = ("MODELS", "SIZES", "PRESETS", "TARGETS")
 
 MODES = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
-         "mla-decode", "mla-prefill", "hidden-norm-fwd", "kv-step")
+         "mla-decode", "mla-prefill", "hidden-norm-fwd", "kv-step", "cpu")
+# apply_rope on CPU tensors (the float32 path) against transformers' apply_rotary_pos_emb (ropekit.bench.cpu): timed
+# on the host whatever --device says, in a run of its own (--preset cpu)
+CPU_MODE = "cpu"
+CPU_POSITION_KINDS = ("ids", "offset")  # the positions a model hands apply_rope: [B, S] ids or an int offset
 # rope_kv_write: the case has K/V caches (its ``cache`` dtype); kv-step: after the QKV projection GEMM
 KV_MODES = ("kv-decode", "kv-prefill", "kv-step")
 MLA_MODES = ("mla-decode", "mla-prefill")  # mla_rope_kv_write: the case has a paged latent cache (its ``cache``)
@@ -159,6 +163,7 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
         for mode in modes:
             if mode not in MODES:
                 raise ValueError(f"group {group['name']!r}: unknown mode {mode!r} (modes: {MODES})")
+        _check_cpu_group(group, modes)
         kv = _check_cache_group(group, modes)
         masks = _check_attn_group(group, modes)
         for model_name in group["models"]:
@@ -210,6 +215,19 @@ def expand_preset(registry: dict[str, Any], preset: str) -> list[Case]:
                                 if fresh:
                                     cases.append(dataclasses.replace(case, modes=fresh))
     return cases
+
+
+def _check_cpu_group(group: dict[str, Any], modes: tuple[str, ...]) -> None:
+    """The CPU mode goes in a group of its own (its cases run on the host, in a run of their own), with the
+    positions a model hands apply_rope."""
+    if CPU_MODE not in modes:
+        return
+    if modes != (CPU_MODE,):
+        raise ValueError(f"group {group['name']!r}: mode {CPU_MODE!r} goes in a group of its own")
+    wrong = [p for p in group["positions"] if p not in CPU_POSITION_KINDS]
+    if wrong:
+        raise ValueError(f"group {group['name']!r}: mode {CPU_MODE!r} takes positions {CPU_POSITION_KINDS}, "
+                         f"not {wrong[0]!r}")
 
 
 def _check_cache_group(group: dict[str, Any], modes: tuple[str, ...]) -> str | None:

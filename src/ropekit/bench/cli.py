@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .cases import MODES, Case, RegistryNotFound, expand_preset, load_registry, select_cases
+from .cases import CPU_MODE, MODES, Case, RegistryNotFound, expand_preset, load_registry, select_cases
 from .compare import compare, run_base
 from .env import SMOKE_LABEL, _interpreting, environment
 from .impls import MODE_IMPLS
@@ -56,8 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                     "against apply_rope + torch's SDPA (cuDNN, flash) or flex_attention (--preset attention). "
                     "Needs a CUDA GPU; "
                     "--preset smoke or --device cpu runs a CPU smoke run of the harness instead (set "
-                    "TRITON_INTERPRET=1 for the Triton rows), not a performance figure.")
-    p.add_argument("--preset", help="registry preset (default: quick on CUDA, smoke with --device cpu)")
+                    "TRITON_INTERPRET=1 for the Triton rows), not a performance figure. --preset cpu times "
+                    "apply_rope on CPU tensors (its float32 path) against transformers' apply_rotary_pos_emb: a "
+                    "figure of the CPU, whose rows name it and torch's thread count.")
+    p.add_argument("--preset", help="registry preset (default: quick on CUDA, smoke with --device cpu; cpu: the CPU "
+                                    "measurement)")
     p.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
     p.add_argument("--full", action="store_const", const="full", dest="preset", help="same as --preset full")
     p.add_argument("--cases", help="comma-separated globs on group names (or case names) of the preset")
@@ -80,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                         "holding a checkout) in this run, and print this version against it")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement (ms)")
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time (ms)")
+    p.add_argument("--cpu-budget-s", type=float, default=0.5,
+                   help="the CPU mode (--preset cpu): seconds of calls taken in turn per case (default 0.5)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads before the run (the CPU mode's rows name the "
+                                               "thread count; default: torch's)")
     p.add_argument("--time-budget", type=float, help="seconds after which no new case starts (results so far are "
                                                       "written)")
     p.add_argument("--history", metavar="FILE",
@@ -105,34 +112,54 @@ def main(argv: list[str] | None = None) -> int:
         registry = _registry(args.registry)
         return 2 if registry is None else _replot(args.from_json, out_dir, args.plot, registry)
 
-    if args.device is None and args.preset != "smoke" and not args.list and not torch.cuda.is_available():
+    if args.device is None and args.preset not in ("smoke", CPU_MODE) and not args.list \
+            and not torch.cuda.is_available():
         # a CPU run is a smoke test of the harness: only when asked for, never in place of a benchmark
         print(NO_CUDA_MESSAGE, file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    default_device = "cuda" if torch.cuda.is_available() and args.preset != CPU_MODE else "cpu"
+    device = torch.device(args.device or default_device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu", file=sys.stderr)
         return 2
     registry = _registry(args.registry)
     if registry is None:
         return 2
-    targets_wanted = targets_from_registry(registry)
     preset = args.preset or ("quick" if device.type == "cuda" else "smoke")
     cases = select_cases(expand_preset(registry, preset), groups=args.cases, pattern=args.filter, modes=args.modes,
                          shard=args.shard)
+    # the CPU mode times CPU tensors on the host: a run of its own, whose targets are the CPU mode's alone
+    cpu_run = bool(cases) and all(c.modes == (CPU_MODE,) for c in cases)
+    if any(CPU_MODE in c.modes for c in cases) and not cpu_run:
+        print(f"ropekit bench: the {CPU_MODE!r} mode runs on its own (--preset cpu), not beside the GPU modes",
+              file=sys.stderr)
+        return 2
+    if cpu_run and device.type != "cpu":
+        print(f"ropekit bench: the {CPU_MODE!r} mode times CPU tensors: --device cpu (or no --device)", file=sys.stderr)
+        return 2
+    targets_wanted = tuple(t for t in targets_from_registry(registry) if (t.mode == CPU_MODE) == cpu_run)
     if args.list:
         for c in cases:
-            print(f"{c.group:24s} {c.name:56s} {case_bytes(c)[c.modes[0]] / 1e6:9.1f} MB  {','.join(c.modes)}")
+            nbytes = case_bytes(c)
+            print(f"{c.group:24s} {c.name:56s} {nbytes.get(c.modes[0], nbytes['fwd']) / 1e6:9.1f} MB  "
+                  f"{','.join(c.modes)}")
         print(f"{len(cases)} cases from {registry['source']}, preset {preset}")
         return 0
     if not cases:
         print("no case selected", file=sys.stderr)
         return 2
 
-    env = environment(device, args.commit)
+    env = environment(device, args.commit, cpu_measurement=cpu_run)
     impl_globs = [g.strip() for g in args.impls.split(",") if g.strip()] if args.impls else None
     wanted = {n for names in MODE_IMPLS.values() for n in names
               if impl_globs is None or any(fnmatch.fnmatch(n, g) for g in impl_globs)}
+    run_one = run_case
+    if cpu_run:  # host timings of CPU tensors against transformers, the baseline (always run)
+        wanted = {"hf"}
+        # imported here: ``python -m ropekit.bench.cpu`` runs that module, which the package must not import first
+        from .cpu import bench_rows as run_one
     peers = load_peers(wanted, args.flash_attn_rotary)
     meta = dict(env, preset=preset, registry=_shown_path(registry["source"]), peers=peers.versions,
                 peers_missing=peers.missing, argv=list(sys.argv[1:] if argv is None else argv),
@@ -143,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(dynamo_config, knob):
                 setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), 256))
         timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    elif cpu_run:
+        timer = Timer(device, interleaved_budget_s=args.cpu_budget_s)
+        print(f"CPU measurement on {env['gpu']}: apply_rope's float32 path against transformers' "
+              "apply_rotary_pos_emb")
     else:
         timer = Timer(device, host_rounds=3, host_round_s=0.005, host_warm_calls=2)
         print(f"{SMOKE_LABEL}: running on CPU tensors"
               + ("" if _interpreting() else " (set TRITON_INTERPRET=1 to run the Triton launcher too)"))
 
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    kind = "cpu-smoke" if device.type != "cuda" else preset
+    kind = CPU_MODE if cpu_run else "cpu-smoke" if device.type != "cuda" else preset
     stem = out_dir / f"bench-{stamp}-{kind}" if not args.shard else \
         out_dir / f"bench-{stamp}-{kind}-shard{args.shard.replace('/', 'of')}"
     print(f"{len(cases)} cases, preset {preset}, registry {registry['source']}; peers: "
@@ -167,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         print(f"[{i}/{len(cases)}] {case.name} ({','.join(case.modes)})", flush=True)
         try:
-            rows += run_case(case, device, timer, peers, env, impl_globs, lambda s: print(s, flush=True))
+            rows += run_one(case, device, timer, peers, env, impl_globs, lambda s: print(s, flush=True))
         except torch.cuda.OutOfMemoryError as exc:  # making the inputs themselves
             print(f"  out of memory, case skipped: {str(exc).splitlines()[0]}")
         _recover(device)  # the case's inputs are gone: give their memory back
@@ -237,7 +268,8 @@ def _replot(files: list[str], out_dir: Path, plot: bool, registry: dict[str, Any
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     stem = out_dir / f"bench-{stamp}-merged"
     meta = dict(meta, merged_from=[str(f) for f in files])
-    targets = evaluate_targets(rows, targets_from_registry(registry))
+    cpu_run = all(r["mode"] == CPU_MODE for r in rows)  # as a run: the CPU mode's targets, or the others
+    targets = evaluate_targets(rows, [t for t in targets_from_registry(registry) if (t.mode == CPU_MODE) == cpu_run])
     out = write_results(stem, rows, meta, targets)
     if plot:
         out += _try_plot(stem, rows, meta)

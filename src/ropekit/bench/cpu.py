@@ -1,45 +1,40 @@
-"""``python -m ropekit.bench.cpu``: ``apply_rope`` on CPU tensors (the float32 path) against transformers'
-``apply_rotary_pos_emb`` on the same tensors, from decode (one token per sequence) to prefill.
+"""``apply_rope`` on CPU tensors (the float32 path) against transformers' ``apply_rotary_pos_emb`` on the same
+tensors, from decode (one token per sequence) to prefill: the rows of ``ropekit bench --preset cpu`` (the mode
+"cpu", :func:`bench_rows`) and the table of ``python -m ropekit.bench.cpu``.
 
 transformers gets what a model hands it: cos/sin already computed for the positions (once per forward, shared by
 every layer, so not timed) and q/k as [B, H, S, D] views of the [B, S, H, D] projections. ropekit gets the positions
-([B, S] ids, or an int offset) and forms its angles in float64 on every call. Each time is the median of repeated
-calls after warm-up calls, in microseconds; the functions of one size take turns, one call each, so that a change in
-the machine's load reaches them alike. The ratio is ropekit's time over transformers' (below 1: ropekit is faster).
-Without transformers only ropekit's times are printed.
+([B, S] ids, or an int offset) and forms its angles in float64 from them: ``ropekit`` with the positions of the
+calls before (a model hands every layer of a forward the same positions, so a later layer may reuse work), and
+``ropekit-first-layer`` with positions new to every call (a forward's first layer, which cannot). Each time is the
+median of repeated calls after warm-up calls, in microseconds; the functions of one size take turns, one call each,
+so that a change in the machine's load reaches them alike. The ratio is ropekit's time over transformers' (below 1:
+ropekit is faster). Without transformers only ropekit's times are taken.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-# (sequences, tokens per sequence): decode sizes, then prefill
+from .cases import CPU_MODE, POSITION_OFFSET
+from .timing import Timer, interleaved_median_us
+
+# (sequences, tokens per sequence): decode sizes, then prefill (the registry's SIZES["cpu"])
 SIZES = ((1, 1), (8, 1), (32, 1), (256, 1), (2, 4096))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OFFSET = 1000  # the int offset: a decode step's position
-
-
-def median_us(fns: Sequence[Callable[[], object]], *, warmup: int, min_calls: int,
-              budget_s: float) -> list[float]:
-    """Median time of one call of each of ``fns`` in microseconds: ``warmup`` untimed calls of each, then rounds
-    of one timed call of each (so that a change in the machine's load reaches every function alike), at least
-    ``min_calls`` rounds and more while ``budget_s`` lasts."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    deadline = time.perf_counter() + budget_s
-    while len(times[0]) < min_calls or time.perf_counter() < deadline:
-        for fn, spent in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            spent.append(time.perf_counter() - start)
-    return [statistics.median(spent) * 1e6 for spent in times]
+OFFSET = POSITION_OFFSET  # the int offset: a decode step's position
+BASELINE = "hf"  # the CPU mode's baseline: transformers' apply_rotary_pos_emb
+IMPLS = ("ropekit", "ropekit-first-layer")
+# The first-layer calls cycle over sets of positions, each one step further than the one before, so that no call
+# finds its positions among those of the calls just before it: up to this many position ids in all (8 MB of int64),
+# at most FIRST_LAYER_SETS sets.
+FIRST_LAYER_IDS = 1 << 20
+FIRST_LAYER_SETS = 1024
 
 
 def hf_rotation() -> Callable | None:
@@ -51,48 +46,148 @@ def hf_rotation() -> Callable | None:
     return apply_rotary_pos_emb
 
 
+def make_tensors(batch: int, seqlen: int, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
+                 base: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """q [B, S, heads, D] and k [B, S, kv_heads, D] of ``dtype`` (random), ids [B, S] (``OFFSET`` + 0..S-1 in every
+    sequence) and transformers' cos/sin [B, S, D] of ``dtype`` for those ids (computed in float64, as a model's
+    rotary embedding does once per forward)."""
+    q = torch.randn(batch, seqlen, heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(batch, seqlen, kv_heads, head_dim, generator=generator).to(dtype)
+    ids = (torch.arange(seqlen) + OFFSET).expand(batch, seqlen).contiguous()
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = ids[..., None].double() * inv_freq
+    cos = torch.cat([angles, angles], -1).cos().to(dtype)
+    sin = torch.cat([angles, angles], -1).sin().to(dtype)
+    return dict(q=q, k=k, ids=ids, cos=cos, sin=sin)
+
+
+def rotations(t: dict[str, torch.Tensor], positions: str, base: float,
+              apply_rotary_pos_emb: Callable | None) -> dict[str, Callable[[], Any]]:
+    """The timed calls of one size and positions kind (``ids`` or ``offset``) on the tensors of
+    :func:`make_tensors`: ``hf`` (when ``apply_rotary_pos_emb`` is given), ``ropekit`` (the same positions every
+    call) and ``ropekit-first-layer`` (positions new to every call, cycled over sets made beforehand)."""
+    import ropekit
+
+    if positions not in ("ids", "offset"):
+        raise ValueError(f"positions must be 'ids' or 'offset', got {positions!r}")
+    q, k, ids = t["q"], t["k"], t["ids"]
+    sets = max(8, min(FIRST_LAYER_SETS, FIRST_LAYER_IDS // max(1, ids.numel())))
+    shared: torch.Tensor | int = ids if positions == "ids" else OFFSET
+    fresh = itertools.cycle([ids + step for step in range(1, sets + 1)] if positions == "ids"
+                            else [OFFSET + step for step in range(1, sets + 1)])
+    calls: dict[str, Callable[[], Any]] = {}
+    if apply_rotary_pos_emb is not None:
+        cos, sin = t["cos"], t["sin"]
+        calls[BASELINE] = lambda: apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    calls["ropekit"] = lambda: ropekit.apply_rope(q, k, positions=shared, base=base)
+    calls["ropekit-first-layer"] = lambda: ropekit.apply_rope(q, k, positions=next(fresh), base=base)
+    return calls
+
+
+def check_float32_path(q: torch.Tensor) -> None:
+    """Raise unless apply_rope rotates ``q`` by the float32 torch path (not the Triton interpreter under
+    ``ropekit.testing.kernels_on_cpu``, nor the float64 reference under ``reference_on_cpu``)."""
+    from ropekit.ops import uses_float32_path
+
+    if not uses_float32_path(q):
+        raise RuntimeError("the CPU measurement times ropekit's float32 path, but CPU tensors are routed elsewhere "
+                           "here (ropekit.testing.kernels_on_cpu or reference_on_cpu is in effect)")
+
+
 def measure(sizes: Sequence[tuple[int, int]], dtypes: Sequence[torch.dtype], *, heads: int = 32, kv_heads: int = 8,
             head_dim: int = 128, base: float = 10000.0, warmup: int = 5, min_calls: int = 5,
             budget_s: float = 0.5, seed: int = 0) -> list[dict]:
-    """One row per dtype x size x positions kind (``ids`` [B, S], ``offset`` int): ropekit's and (when installed)
-    transformers' median microseconds and their ratio."""
-    import ropekit
-
+    """One row per dtype x size x positions kind (``ids`` [B, S], ``offset`` int) x layer (``first_layer``:
+    positions new to every call): ropekit's and (when installed) transformers' median microseconds (of one timing
+    of the size and kind) and their ratio."""
     apply_rotary_pos_emb = hf_rotation()
     generator = torch.Generator().manual_seed(seed)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     rows = []
     for dtype in dtypes:
         for batch, seqlen in sizes:
-            q = torch.randn(batch, seqlen, heads, head_dim, generator=generator).to(dtype)
-            k = torch.randn(batch, seqlen, kv_heads, head_dim, generator=generator).to(dtype)
-            ids = (torch.arange(seqlen) + OFFSET).expand(batch, seqlen).contiguous()
-            angles = ids[..., None].double() * inv_freq  # what a model's rotary embedding computes once per forward
-            cos = torch.cat([angles, angles], -1).cos().to(dtype)
-            sin = torch.cat([angles, angles], -1).sin().to(dtype)
-            fns = [lambda q=q, k=k, p=positions: ropekit.apply_rope(q, k, positions=p, base=base)
-                   for positions in (ids, OFFSET)]
-            if apply_rotary_pos_emb is not None:
-                fns.append(lambda q=q, k=k, cos=cos, sin=sin: apply_rotary_pos_emb(
-                    q.transpose(1, 2), k.transpose(1, 2), cos, sin))
-            times = median_us(fns, warmup=warmup, min_calls=min_calls, budget_s=budget_s)
-            hf_us = times[2] if apply_rotary_pos_emb is not None else None
-            for kind, us in zip(("ids", "offset"), times):
-                rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen=seqlen,
-                                 positions=kind, ropekit_us=us, hf_us=hf_us,
-                                 ratio=None if hf_us is None else us / hf_us))
+            t = make_tensors(batch, seqlen, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim, base=base,
+                             generator=generator)
+            check_float32_path(t["q"])
+            for kind in ("ids", "offset"):
+                calls = rotations(t, kind, base, apply_rotary_pos_emb)
+                times = dict(zip(calls, interleaved_median_us(list(calls.values()), warmup=warmup,
+                                                              min_calls=min_calls, budget_s=budget_s)))
+                hf_us = times.get(BASELINE)
+                for impl in IMPLS:
+                    us = times[impl]
+                    rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen=seqlen,
+                                     positions=kind, first_layer=impl == "ropekit-first-layer", ropekit_us=us,
+                                     hf_us=hf_us, ratio=None if hf_us is None else us / hf_us))
     return rows
 
 
 def format_rows(rows: Sequence[dict]) -> str:
     """The rows as an aligned text table."""
-    lines = [f"{'dtype':9} {'B x S':>9} {'positions':9} {'ropekit us':>11} {'hf us':>11} {'ropekit/hf':>10}"]
+    lines = [f"{'dtype':9} {'B x S':>9} {'positions':9} {'layer':6} {'ropekit us':>11} {'hf us':>11} "
+             f"{'ropekit/hf':>10}"]
     for r in rows:
         hf = "-" if r["hf_us"] is None else f"{r['hf_us']:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(f"{r['dtype']:9} {r['batch']:>4}x{r['seqlen']:<4} {r['positions']:9} {r['ropekit_us']:>11.1f} "
-                     f"{hf:>11} {ratio:>10}")
+        layer = "first" if r["first_layer"] else "later"
+        lines.append(f"{r['dtype']:9} {r['batch']:>4}x{r['seqlen']:<4} {r['positions']:9} {layer:6} "
+                     f"{r['ropekit_us']:>11.1f} {hf:>11} {ratio:>10}")
     return "\n".join(lines)
+
+
+NOTES = {
+    BASELINE: "cos/sin computed beforehand (untimed), q/k as [B, H, S, D] views",
+    "ropekit": "float32 path; the positions of the calls before (a later layer)",
+    "ropekit-first-layer": "float32 path; positions new to every call (a forward's first layer)",
+}
+
+
+def bench_rows(case: Any, device: torch.device, timer: Timer, peers: Any, env: dict[str, Any],
+               impl_globs: list[str] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The rows of one case of the CPU mode (``ropekit bench --preset cpu``), on CPU tensors whatever the run's
+    device: ``hf`` (the baseline: transformers' Llama ``apply_rotary_pos_emb`` from ``peers``; a row without a time
+    saying why when transformers is absent), ``ropekit`` and ``ropekit-first-layer``, timed in turn
+    (:meth:`Timer.interleaved`). ``ratio_vs_copy`` is the time over hf's, ``max_rel_diff`` hf's output against
+    ropekit's. Called as :func:`ropekit.bench.run.run_case` is; ``device`` must be the CPU."""
+    if device.type != "cpu":
+        raise ValueError(f"the {CPU_MODE!r} mode times CPU tensors, not {device.type} ones")
+    import fnmatch
+
+    from ropekit.testing import max_relative_error
+
+    from .inputs import case_bytes
+    from .run import MISMATCH, _impl_version, _row
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    t = make_tensors(case.batch, case.seqlen, dtype, heads=case.hq, kv_heads=case.hk, head_dim=case.head_dim,
+                     base=case.base, generator=torch.Generator().manual_seed(0))
+    check_float32_path(t["q"])
+    names = [n for n in (BASELINE, *IMPLS) if n == BASELINE or impl_globs is None
+             or any(fnmatch.fnmatch(n, g) for g in impl_globs)]
+    nbytes = case_bytes(case)["fwd"]  # q and k read and written, and the positions: as the fwd mode's
+    calls = rotations(t, case.positions, case.base, peers.hf_neox)
+    rows = {}
+    for name in names:
+        row = _row(env, case, CPU_MODE, name, nbytes, BASELINE)
+        row["impl_version"] = _impl_version(name, peers, env)
+        row["note"] = NOTES[name] if name in calls else \
+            f"skipped: {peers.missing.get('hf', 'transformers not loaded')}"
+        rows[name] = row
+    timed = {name: fn for name, fn in calls.items() if name in rows}
+    if BASELINE in timed:
+        diff = max_relative_error([x.transpose(1, 2) for x in calls[BASELINE]()], calls["ropekit"]())
+        rows[BASELINE]["max_rel_diff"] = f"{diff:.2e}"
+        if diff > MISMATCH:
+            rows[BASELINE]["note"] = f"MISMATCH vs ropekit; {rows[BASELINE]['note']}"
+    times = timer.interleaved(timed)
+    base = times.get(BASELINE)
+    for name, us in times.items():
+        row = rows[name]
+        row["median_us"] = f"{us:.3f}"
+        row["gbps"] = f"{nbytes / us / 1e3:.4g}"
+        if base:
+            row["ratio_vs_copy"] = f"{us / base:.4f}"
+    log(f"  {CPU_MODE:7s} " + ", ".join(f"{n} {us:.1f}" for n, us in times.items()) + " (us)")
+    return list(rows.values())
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -116,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     hf = "transformers' apply_rotary_pos_emb" if hf_rotation() else "no transformers installed: ropekit only"
     print(f"ropekit apply_rope on CPU vs {hf}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}; median of repeated calls after warm-up")
+          f"{args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}; median of repeated calls after warm-up; "
+          "layer: later = the positions of the calls before, first = positions new to every call")
     rows = measure(args.sizes, args.dtypes, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                    budget_s=args.budget_s)
     print(format_rows(rows))

@@ -16,6 +16,7 @@ from .cases import find_repo_root
 
 SMOKE_LABEL = "CPU smoke — not a performance figure"
 PERF_LABEL = "performance"
+CPU_PERF_LABEL = "CPU performance"  # the CPU mode's rows (--preset cpu): host timings, a figure of that CPU
 
 
 def _git_commit(root: Path | None) -> str:
@@ -33,11 +34,33 @@ def _git_commit(root: Path | None) -> str:
         return "unknown"
 
 
-def environment(device: torch.device, commit: str | None) -> dict[str, Any]:
-    """GPU, date, versions and commit stamped on every row."""
+def cpu_name() -> str:
+    """The CPU's model name: /proc/cpuinfo's "model name" (Linux), else ``platform.processor()``, else the
+    machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model") and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_card() -> str:
+    """The ``gpu`` field of the CPU mode's rows: the CPU and the threads torch uses, which its times depend on."""
+    return f"CPU: {cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def environment(device: torch.device, commit: str | None, cpu_measurement: bool = False) -> dict[str, Any]:
+    """GPU, date, versions and commit stamped on every row. ``cpu_measurement``: a run of the CPU mode, whose rows
+    name the CPU (:func:`cpu_card`) and are a figure of it, not a smoke run."""
     from ropekit._version import __version__
 
-    if device.type == "cuda":
+    if cpu_measurement:
+        gpu = cpu_card()
+    elif device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
     else:
         gpu = f"none (CPU {platform.machine()})"
@@ -50,7 +73,7 @@ def environment(device: torch.device, commit: str | None) -> dict[str, Any]:
         "commit": commit or _git_commit(find_repo_root()),
         "cuda": torch.version.cuda or "none",
         "python": platform.python_version(),
-        "label": PERF_LABEL if device.type == "cuda" else SMOKE_LABEL,
+        "label": CPU_PERF_LABEL if cpu_measurement else PERF_LABEL if device.type == "cuda" else SMOKE_LABEL,
     }
 
 

@@ -28,8 +28,8 @@ directory; ``--registry FILE`` runs another file of the same form instead (start
     ``layout`` ("bshd", the default, or "bhsd": contiguous head-major q/k) sets the layout of the fwd, fwdbwd and
     decode modes; the case name then says ``bhsd``.
 ``TARGETS``
-    list of goals the printed table ends with (GPU runs only). Each is the worst ratio over the rows that qualify
-    and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
+    list of goals the printed table ends with (not in the CPU smoke run). Each is the worst ratio over the rows
+    that qualify and must not exceed ``limit``: ``key`` (a short id), ``what`` (the line printed), ``limit``, ``mode``,
     ``impl`` (default "ropekit"), ``where`` (optional: column -> ``[low, high]``, inclusive, ``None`` for no bound;
     a row qualifies when every named column of it is in range; columns are those of the results CSV, e.g.
     ``bytes``, ``tokens``, ``hq``) and ``versus`` (optional: divide by that impl's time in the same case and mode
@@ -77,6 +77,12 @@ Values:
                projections), against "copy-qkv" (one copy of its bytes) and the unfused PyTorch code (eager and
                torch.compile):
                "hidden-norm-fwd" the forward, cold L2, one call
+               "cpu"    ropekit.apply_rope on CPU tensors (the float32 path), in a group and a run of its own
+                        (--preset cpu; positions "ids" or "offset"), against transformers' apply_rotary_pos_emb
+                        (baseline "hf": cos/sin computed beforehand, untimed; q/k as [B, H, S, D] views); impls
+                        "ropekit" (the positions of an earlier call: a later layer of a forward) and
+                        "ropekit-first-layer" (positions new to every call: a forward's first layer); each time
+                        the median of calls taken in turn (ropekit.bench.cpu)
     caches     "bf16", "fp16", "fp32" (the inputs' dtype), "fp8" (float8_e4m3fn with a 0-d fp32 tensor scale)
     causal     True (query i attends to keys 0..i, top-left aligned as SDPA's is_causal), False (no mask)
 """
@@ -149,6 +155,8 @@ SIZES = {
     "attention": [[8, 1024], [4, 4096], [1, 16384]],
     # a diffusion transformer's video latents: 4k-16k tokens, one sequence
     "dit": [[1, 4096], [1, 8192], [1, 16384]],
+    # the CPU mode: decode (1-256 sequences, one token each), then the prefill of two 4k-token sequences
+    "cpu": [[1, 1], [8, 1], [32, 1], [256, 1], [2, 4096]],
 }
 
 _BF16_NEOX = {"dtypes": ["bf16"], "styles": ["neox"]}
@@ -245,6 +253,12 @@ PRESETS = {
     ],
     # RoPE fused into attention alone (the "attention" group of "full"): 18 cases x 2 modes, 7 implementations each.
     "attention": [_ATTENTION],
+    # apply_rope on CPU tensors (the float32 path) against transformers' apply_rotary_pos_emb: a measurement of
+    # the host, run on its own (ropekit bench --preset cpu); the rows name the CPU and torch's thread count.
+    "cpu": [
+        {"name": "cpu", "models": ["llama3-8b"], "dtypes": ["bf16", "fp32"], "styles": ["neox"],
+         "positions": ["ids", "offset"], "sizes": "cpu", "modes": ["cpu"]},
+    ],
     # CPU smoke run of the harness itself (TRITON_INTERPRET=1): tiny shapes, not a performance figure.
     "smoke": [
         {"name": "smoke-mrope", "models": ["tiny", "tiny-interleaved"], "dtypes": ["bf16"], "styles": ["neox"],
@@ -360,4 +374,9 @@ TARGETS = [
      "limit": 1.0, "mode": "attn-fwdbwd", "versus": "rope+sdpa-cudnn"},
     {"key": "attn-fwdbwd-vs-cudnn", "what": "moonshot: rope_attention fwd+bwd vs SDPA cuDNN without RoPE",
      "limit": 1.0, "mode": "attn-fwdbwd", "versus": "sdpa-cudnn"},
+    # The CPU (--preset cpu): apply_rope's float32 path against transformers' apply_rotary_pos_emb (the baseline).
+    {"key": "cpu-vs-hf", "what": "CPU: apply_rope, later layers (the positions of the calls before), vs "
+     "transformers' apply_rotary_pos_emb", "limit": 1.0, "mode": "cpu", "impl": "ropekit"},
+    {"key": "cpu-first-layer-vs-hf", "what": "CPU: apply_rope, positions new to it (a forward's first layer), vs "
+     "transformers' apply_rotary_pos_emb", "limit": 1.0, "mode": "cpu", "impl": "ropekit-first-layer"},
 ]

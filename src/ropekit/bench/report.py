@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .attention import ATTN_BASELINE, ATTN_IMPLS
-from .cases import ATTN_MODES
-from .env import PERF_LABEL
+from .cases import ATTN_MODES, CPU_MODE
+from .env import CPU_PERF_LABEL, PERF_LABEL
 from .impls import BASELINE, EXTRA_BASELINES, FORWARD_PEER_IMPLS, PEER_IMPLS, PROLOGUE_IMPLS, ROPEKIT_IMPLS
 
 NO_TARGETS_LINE = "Targets not evaluated: CPU timings are not performance figures (targets need a CUDA GPU)."
@@ -125,7 +125,8 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
     with its ratio to that baseline (Markdown: time and ratio); the attention modes in a grid of their own (with
     TFLOP/s); then the targets."""
     attn_rows = [r for r in rows if r["mode"] in ATTN_MODES]
-    rows = [r for r in rows if r["mode"] not in ATTN_MODES]
+    cpu_rows = [r for r in rows if r["mode"] == CPU_MODE]
+    rows = [r for r in rows if r["mode"] not in ATTN_MODES and r["mode"] != CPU_MODE]
     order = [*ROPEKIT_IMPLS, *PROLOGUE_IMPLS, *PEER_IMPLS, *FORWARD_PEER_IMPLS,
              *(n for v in EXTRA_BASELINES.values() for n in v)]
     timed = {r["impl"] for r in rows if r["median_us"]}
@@ -167,21 +168,55 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
              "mla-decode, mla-prefill: copy-mla; hidden-norm-fwd: copy-qkv; the float8 fwd row: copy-fp8out); "
              "Nx = time / baseline time; exact/table = ropekit / ropekit-table")
     label = f"**{meta['label']}**" if markdown else f"*** {meta['label']} ***"
-    out = [label] if meta["label"] != PERF_LABEL else []
+    performance = meta["label"] in (PERF_LABEL, CPU_PERF_LABEL)
+    out = [label] if not performance else []
     out.append(head)
-    if rows or not attn_rows:
+    if rows or not (attn_rows or cpu_rows):
         out += [intro, ""]
         out += _grid(header, lines_data, markdown)
     if attn_rows:
         out += (["", ATTN_INTRO, ""] if rows else [ATTN_INTRO, ""]) + _attention_grid(attn_rows, markdown)
-    if meta["label"] == PERF_LABEL:
+    if cpu_rows:
+        out += ["", CPU_INTRO, ""] + _cpu_grid(cpu_rows, markdown)
+    if performance:
         out += ["", "Targets (worst ratio over the qualifying ropekit rows):", ""]
         out += _grid(t_header, t_rows, markdown)
     else:  # ratios of CPU timings against targets set for a GPU mean nothing (they read "NO (300x)")
         out += ["", NO_TARGETS_LINE]
-    if meta["label"] != PERF_LABEL:
+    if not performance:
         out += ["", label]
     return "\n".join(out) + "\n"
+
+
+CPU_INTRO = ("cpu mode: hf us = median microseconds of transformers' apply_rotary_pos_emb (cos/sin computed "
+             "beforehand); ropekit: apply_rope with the positions of the calls before (a later layer), "
+             "ropekit-first-layer: positions new to every call; Nx = time / hf's time")
+
+
+def _cpu_grid(rows: list[dict[str, Any]], markdown: bool) -> list[str]:
+    """A line per case of the CPU mode: hf's time, then ropekit's implementations' ratios to it (Markdown: time
+    and ratio; without hf, the time)."""
+    impls = ["ropekit", "ropekit-first-layer"]
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["case"], {})[r["impl"]] = r
+    data = []
+    for case, by_impl in groups.items():
+        hf = by_impl.get("hf")
+        cells = [case, str(next(iter(by_impl.values()))["tokens"]),
+                 f"{float(hf['median_us']):.1f}" if hf and hf["median_us"] else "-"]
+        for impl in impls:
+            r = by_impl.get(impl)
+            if r is None or not r["median_us"]:
+                cells.append("-")
+            elif not r["ratio_vs_copy"]:
+                cells.append(f"{float(r['median_us']):.1f}us")
+            elif markdown:
+                cells.append(f"{float(r['median_us']):.1f} ({float(r['ratio_vs_copy']):.3f}x)")
+            else:
+                cells.append(f"{float(r['ratio_vs_copy']):.3f}x")
+        data.append(cells)
+    return _grid(["case", "tokens", "hf us", *impls], data, markdown)
 
 
 def _tf(value: Any) -> str:

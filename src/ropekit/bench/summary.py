@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .attention import ATTN_BASELINE, ATTN_IMPLS
-from .cases import ATTN_MODES, RegistryNotFound, load_registry
+from .cases import ATTN_MODES, CPU_MODE, RegistryNotFound, load_registry
 from .report import read_history
 from .targets import Target, evaluate_targets, targets_from_registry
 
@@ -36,7 +36,7 @@ LATEST_FIELDS = ("case", "mode", "impl", "tokens", "bytes", "median_us", "gbps",
                  "max_rel_diff", "note", "commit", "date", "torch", "triton")
 PLOT_DPI = 64  # the kept plots, drawn without antialiasing: small files, the text still legible
 MODE_ORDER = ("fwd", "fwdbwd", "decode", "host", "kv-decode", "kv-prefill", "norm-fwdbwd", "attn-fwd", "attn-fwdbwd",
-              "mla-decode", "mla-prefill", "hidden-norm-fwd")
+              "mla-decode", "mla-prefill", "hidden-norm-fwd", CPU_MODE)
 
 
 def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -49,7 +49,12 @@ def latest_fields(rows: list[dict[str, Any]]) -> tuple[str, ...]:
 
 
 def card_slug(gpu: str) -> str:
-    """A folder name for a card: the model number where the name has one ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    """A folder name for a card: the model number where the name has one ("NVIDIA H100 80GB HBM3" -> "h100"); for
+    the CPU mode's rows, the CPU and its thread count ("CPU: Intel(R) Xeon(R) Platinum 8480C, 16 threads" ->
+    "cpu-intel-xeon-platinum-8480c-16-threads")."""
+    if gpu.startswith("CPU: "):
+        name = re.sub(r"\((r|tm)\)", "", gpu.lower())
+        return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
     model = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", gpu)
     return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
 
@@ -162,7 +167,10 @@ def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ..
                   f"{max(rows, key=lambda r: r['date'])['commit']}); torch {_span(rows, 'torch')}, triton "
                   f"{_span(rows, 'triton')}. Rows and plots: [{latest_rel}/{slug}/]({latest_rel}/{slug}/).", ""]
         results = evaluate_targets(rows, targets)
-        for mode in sorted({t.mode for t in targets}, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 99):
+        # a card of the CPU mode's rows (the CPU named) has that mode's targets alone, and the GPUs' cards not it
+        cpu_card = {r["mode"] for r in rows} == {CPU_MODE}
+        for mode in sorted({t.mode for t in targets if (t.mode == CPU_MODE) == cpu_card},
+                           key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 99):
             mode_results = [(t, res) for t, res in zip(targets, results) if t.mode == mode]
             lines += [f"### {mode}", "", "| target | limit | worst | at | rows | status |", "|---|---|---|---|---|---|"]
             for t, res in mode_results:
@@ -177,6 +185,8 @@ def markdown(by_card: dict[str, list[dict[str, Any]]], targets: tuple[Target, ..
             lines.append("")
             if mode in ATTN_MODES:
                 lines += _throughput_table([r for r in rows if r["mode"] == mode])
+            if mode == CPU_MODE:
+                lines += _cpu_table([r for r in rows if r["mode"] == mode])
     lines += _e2e_tables(e2e or [])
     return "\n".join(lines)
 
@@ -248,6 +258,37 @@ def _plus_minus(value, percent: bool = False) -> str:
     if value in (None, ""):
         return ""
     return f" ± {float(value) * 100:.1f} %" if percent else f" ± {float(value):.3f}"
+
+
+CPU_KINDS = (("ids", "ropekit", "ids, later layers"), ("ids", "ropekit-first-layer", "ids, first layer"),
+             ("offset", "ropekit", "offset, later layers"), ("offset", "ropekit-first-layer", "offset, first layer"))
+
+
+def _cpu_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The CPU mode's rows of one card: a line per dtype and size, a column per positions kind ([B, S] ids or an
+    int offset) and layer (later layers: the positions of the calls before; the first: positions new to every call),
+    each cell ropekit's time over hf's (measured in the same run and case) with both times."""
+    cells: dict[tuple[str, int, int], dict[tuple[str, str], str]] = {}
+    for r in rows:
+        line = cells.setdefault((r["dtype"], int(r["batch"]), int(r["seqlen"])), {})
+        hf = next((h for h in rows if h["case"] == r["case"] and h["impl"] == "hf" and h["source"] == r["source"]
+                   and h["median_us"]), None)
+        if not r["median_us"] or r["impl"] == "hf":
+            continue
+        us = float(r["median_us"])
+        line[(r["positions"], r["impl"])] = f"{us:.1f} us" if hf is None else \
+            f"{us / float(hf['median_us']):.2f} ({us:.1f} / {float(hf['median_us']):.1f} us)"
+    lines = ["CPU: apply_rope against transformers' apply_rotary_pos_emb: ropekit / hf (ropekit us / hf us; below 1: "
+             "ropekit is faster). hf gets cos/sin computed beforehand (untimed, as a model computes them once per "
+             "forward) and q/k as [B, H, S, D] views; ropekit gets the positions. Later layers: apply_rope with the "
+             "positions of the calls before (a forward hands every layer the same ones); first layer: positions new "
+             "to every call.", "",
+             "| dtype | B x S | " + " | ".join(kind[2] for kind in CPU_KINDS) + " |",
+             "|---|---|" + "---|" * len(CPU_KINDS)]
+    for (dtype, batch, seqlen), line in sorted(cells.items(), key=lambda item: (item[0][0], item[0][1] * item[0][2])):
+        lines.append(f"| {dtype} | {batch}x{seqlen} | "
+                     + " | ".join(line.get(kind[:2], "-") for kind in CPU_KINDS) + " |")
+    return lines + [""]
 
 
 def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -1,5 +1,6 @@
 """Timers: ``do_bench`` (cold L2), CUDA-graph replay (several implementations in turn) and host time per eager call
-on CUDA; ``timeit`` on CPU."""
+on CUDA; ``timeit`` on CPU (the smoke run), and the median of calls taken in turn (:func:`interleaved_median_us`) for
+the CPU measurement."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import itertools
 import statistics
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +87,24 @@ def _replay_in_turn(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replay
     return {name: statistics.median(times[name]) for name in names}
 
 
+def interleaved_median_us(fns: Sequence[Callable[[], Any]], *, warmup: int, min_calls: int,
+                          budget_s: float) -> list[float]:
+    """Median time of one call of each of ``fns`` in microseconds: ``warmup`` untimed calls of each, then rounds
+    of one timed call of each (so that a change in the machine's load reaches every function alike), at least
+    ``min_calls`` rounds and more while ``budget_s`` lasts."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    deadline = time.perf_counter() + budget_s
+    while len(times[0]) < min_calls or time.perf_counter() < deadline:
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) * 1e6 for spent in times]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -94,7 +113,7 @@ def _sync(device: torch.device) -> None:
 @dataclasses.dataclass
 class Timer:
     """Medians in microseconds. CUDA: ``do_bench`` (cold L2) and graph replay in turn (:meth:`graphs`); CPU:
-    ``timeit``."""
+    ``timeit`` (the smoke run), and calls in turn for the CPU measurement (:meth:`interleaved`)."""
 
     device: torch.device
     warmup_ms: float = 25.0
@@ -104,6 +123,16 @@ class Timer:
     host_rounds: int = 7
     host_round_s: float = 0.05
     host_warm_calls: int = 20
+    interleaved_warmup: int = 5
+    interleaved_min_calls: int = 5
+    interleaved_budget_s: float = 0.5
+
+    def interleaved(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        """Microseconds per call of each entry, the entries called in turn (:func:`interleaved_median_us`) for
+        ``interleaved_budget_s`` seconds after ``interleaved_warmup`` calls each: host-side work, no device sync."""
+        times = interleaved_median_us(list(fns.values()), warmup=self.interleaved_warmup,
+                                      min_calls=self.interleaved_min_calls, budget_s=self.interleaved_budget_s)
+        return dict(zip(fns, times))
 
     def kernel(self, fn: Callable[[], Any]) -> float:
         if self.device.type == "cuda":
