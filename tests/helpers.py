@@ -75,6 +75,18 @@ ROUTE_BACKENDS = {"cpu": "float32-path", "cpu-kernels": "triton-interpreter", "c
 
 
 @contextlib.contextmanager
+def fast_path(enabled: bool):
+    """Within the block the eager fast path (plans, the float32 path's kept tables) is ``enabled``."""
+    import ropekit
+
+    previous = ropekit.set_fast_path(enabled)
+    try:
+        yield
+    finally:
+        ropekit.set_fast_path(previous)
+
+
+@contextlib.contextmanager
 def on_route(route: str, *, clear_plans: bool = False):
     """The context of a route; yields the torch device of its tensors. ``clear_plans``: launch plans start empty."""
     if clear_plans:

@@ -14,21 +14,12 @@ from torch.utils.checkpoint import checkpoint
 
 import ropekit
 import ropekit.attention
-from helpers import INTERPRETED, same_bits, snapshot
+from helpers import INTERPRETED, fast_path, same_bits, snapshot
 from ropekit import _fastpath, ops
 from ropekit._fastpath.plans import _ATTENTION_PLANS
 from ropekit.testing import kernels_on_cpu
 
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
-
-
-@contextlib.contextmanager
-def fast_path(enabled: bool):
-    previous = ropekit.set_fast_path(enabled)
-    try:
-        yield
-    finally:
-        ropekit.set_fast_path(previous)
 
 
 @pytest.fixture

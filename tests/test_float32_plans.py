@@ -12,28 +12,19 @@ refuses are refused the same way after a plan exists, and leave in-place inputs 
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
 import torch
 
 import ropekit
+from helpers import fast_path
 from ropekit import _fastpath, float32_path
 from ropekit._fastpath.rope import Float32Plan
 
 SHAPE = (2, 5, 4, 2, 16)  # B, S, HQ, HK, D
 ROWS = 128  # cos/sin/angle table rows: past every position the grid draws
 NUM_CASES = 60
-
-
-@contextlib.contextmanager
-def fast_path(enabled: bool):
-    previous = ropekit.set_fast_path(enabled)
-    try:
-        yield
-    finally:
-        ropekit.set_fast_path(previous)
 
 
 @pytest.fixture
