@@ -130,11 +130,18 @@ def test_cpu_mode_without_transformers_has_ropekit_rows_and_says_why():
         assert float(by_impl[impl]["median_us"]) > 0 and by_impl[impl]["ratio_vs_copy"] == ""
 
 
-def test_cpu_mode_refuses_the_interpreter_route():
-    from ropekit.testing import kernels_on_cpu
+@pytest.mark.parametrize("route", ["kernels_on_cpu", "reference_on_cpu"])
+def test_cpu_mode_refuses_another_route_than_the_float32_path(monkeypatch, route):
+    """Under ropekit.testing.kernels_on_cpu (the Triton interpreter) or reference_on_cpu (float64) the CPU rows
+    would time another path than the float32 one: refused before anything is timed (the switch set directly, so
+    that the test needs no TRITON_INTERPRET)."""
+    from ropekit import _config
 
-    with kernels_on_cpu(), pytest.raises(RuntimeError, match="float32 path"):
+    monkeypatch.setattr(_config, route, True)
+    with pytest.raises(RuntimeError, match="float32 path"):
         cpu.bench_rows(_cpu_case(), torch.device("cpu"), _timer(), Peers(), {}, None, lambda s: None)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        cpu.bench_rows(_cpu_case(), torch.device("cuda"), _timer(), Peers(), {}, None, lambda s: None)
 
 
 def test_cpu_group_rules():
