@@ -5,7 +5,9 @@
 run, so that every ratio and every "versus" comparison is within one run -- goes to
 ``benchmarks/results/latest/<card>/results.csv.xz`` (with plots where matplotlib is importable), and BENCHMARKS.md is
 written from those rows: per card, one table per mode, one line per registry target (the attention modes add a
-table of every implementation's TFLOP/s). Analysis lives in docs/perf-notes.md, not in the generated file.
+table of every implementation's TFLOP/s). The CPU mode's rows (``ropekit bench --preset cpu``) make a card of their
+own, named by the CPU and its thread count, with that mode's targets and a table of ropekit / transformers per dtype,
+size and positions kind. Analysis lives in docs/perf-notes.md, not in the generated file.
 
     python -m ropekit.bench.summary            # from a checkout: rewrite latest/ and BENCHMARKS.md
 """
