@@ -39,9 +39,11 @@ attention: o, or the gradients of q, k and v, where it rotates) is compared with
 ``max|out - ropekit| / max|ropekit|``; above :data:`run.MISMATCH` (fp8 cache rows: :data:`prologue.FP8_MISMATCH`)
 the row's note says ``MISMATCH``.
 
-On a machine without CUDA the same code runs on CPU tensors (ropekit's float64 reference path; the Triton launcher
-needs ``TRITON_INTERPRET=1``) with a ``timeit`` timer: a smoke run of the harness, labelled
-:data:`env.SMOKE_LABEL` everywhere, never a performance figure.
+On a machine without CUDA the GPU presets run on CPU tensors (the Triton launcher needs ``TRITON_INTERPRET=1``)
+with a ``timeit`` timer: a smoke run of the harness, labelled :data:`env.SMOKE_LABEL` everywhere, never a
+performance figure. The ``cpu`` preset is the CPU's own performance run: ``apply_rope``'s float32 path against
+transformers' ``apply_rotary_pos_emb`` on CPU tensors (:mod:`.cpu`), labelled :data:`env.CPU_PERF_LABEL`, its card
+the CPU and torch's thread count.
 
 Output: CSV, JSON and Markdown files with one row per (case, mode, impl), PNG plots (GB/s against tokens, one
 line per implementation) and a short table printed last; with ``--history FILE`` the rows are also appended to an
