@@ -230,3 +230,22 @@ def test_replayed_calls_refuse_what_the_full_path_refuses(served, bad, inplace):
     with pytest.raises(type(want.value), match=str(want.value).split(",")[0]):
         rotate(q, positions=wrong, cos=cos, sin=sin)
     assert torch.equal(q, before)
+
+
+@pytest.mark.parametrize("positions", ["ids", "offset"])
+@pytest.mark.parametrize("tokens", [1, 300])  # kept by the plan, and only by RECENT_TABLES (too many for a plan)
+def test_positions_taking_turns_keep_their_tables(served, monkeypatch, positions, tokens):
+    """Calls of one signature whose positions take turns (a forward's later layers between next steps' first
+    layers) each find their own tables again: the angles of each set are formed once."""
+    built = []
+    original = float32_path._tables_of
+    monkeypatch.setattr(float32_path, "_tables_of", lambda *a: built.append(1) or original(*a))
+    q, k = torch.randn(tokens, 1, 4, 16, dtype=torch.bfloat16), torch.randn(tokens, 1, 2, 16, dtype=torch.bfloat16)
+    sets = [torch.full((tokens, 1), 30), torch.full((tokens, 1), 31)] if positions == "ids" else [30, 31]
+    wants = [full_path(dict(mode="out"), q, k, dict(positions=p)) for p in sets]
+    built.clear()
+    for _ in range(4):
+        for p, want in zip(sets, wants):
+            assert_same(call(dict(mode="out"), q, k, dict(positions=p)), want, "turns")
+    assert len(built) == 2
+    assert served["served"] > 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
 
 import torch
 
@@ -117,15 +116,16 @@ def _tables_of(spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: to
 
 
 class RecentTables:
-    """The float32 tables of the last ``size`` CPU calls, each under its call's scalars (offset, layout, style,
-    dims, scales, ...) and shape, and found again only when every tensor of the spec -- positions, frequencies --
-    holds the same values: compared by value (one ``torch.equal`` each), since a CPU tensor can change without
-    autograd seeing it (through numpy). Calls whose spec tensors are large (position-indexed cos/sin tables) or
-    whose tables would be are not kept."""
+    """The float32 tables of the last ``size`` CPU calls, each with its call's scalars (offset, layout, style, dims,
+    scales, ...) and shape, and found again only when every tensor of the spec -- positions, frequencies -- holds
+    the same values: compared by value (one ``torch.equal`` each), since a CPU tensor can change without autograd
+    seeing it (through numpy). Calls with the same scalars and other positions each keep their own entry (a
+    forward's layers and the next step's first layer, or two sets of positions taking turns). Calls whose spec
+    tensors are large (position-indexed cos/sin tables) or whose tables would be are not kept."""
 
     def __init__(self, size: int = 4, max_spec_elements: int = 1 << 16, max_table_elements: int = 1 << 19):
         self.size, self.max_spec_elements, self.max_table_elements = size, max_spec_elements, max_table_elements
-        self._entries: OrderedDict = OrderedDict()
+        self._entries: list = []  # (key, the spec's tensors, tables, all valid), the most recent last
 
     def clear(self) -> None:
         self._entries.clear()
@@ -133,28 +133,21 @@ class RecentTables:
     def _key(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device):
         if device.type != "cpu" or not self.size or not _config.fast_path:
             return None
-        key = (spec.scalars, B, S, D, scales)
-        try:
-            hash(key)
-        except TypeError:  # sections as a list (through the dispatcher): not kept
-            return None
-        return key
+        return (spec.scalars, B, S, D, scales)
 
     def get(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device):
         """(tables, all positions valid) of an earlier call with the same values, or None."""
         key = self._key(spec, B, S, D, scales, device)
-        entry = None if key is None else self._entries.get(key)
-        if entry is None:
+        if key is None:
             return None
-        saved, made, all_valid = entry
-        for kept, t in zip(saved, spec.tensors):
-            if kept is None or t is None:
-                if kept is not t:
-                    return None
-            elif kept.shape != t.shape or kept.dtype != t.dtype or t.device.type != "cpu" or not torch.equal(kept, t):
-                return None
-        self._entries.move_to_end(key)
-        return made, all_valid
+        tensors = spec.tensors
+        for i in range(len(self._entries) - 1, -1, -1):
+            entry = self._entries[i]
+            if entry[0] == key and _same_values(entry[1], tensors):
+                if i != len(self._entries) - 1:
+                    self._entries.append(self._entries.pop(i))
+                return entry[2], entry[3]
+        return None
 
     def keep(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device, made: dict,
              all_valid: bool) -> None:
@@ -166,11 +159,19 @@ class RecentTables:
                 sum(t.numel() for t in tensors) > self.max_spec_elements or \
                 sum(t.numel() for tables in made.values() for t in tables) > self.max_table_elements:
             return
-        saved = tuple(None if t is None else t.clone() for t in spec.tensors)
-        self._entries[key] = (saved, made, all_valid)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        self._entries.append((key, tuple(None if t is None else t.clone() for t in spec.tensors), made, all_valid))
+        del self._entries[:-self.size]
+
+
+def _same_values(kept: tuple, tensors: tuple) -> bool:
+    """Whether ``tensors`` (None or CPU tensors) hold the values of ``kept`` (None or copies), one by one."""
+    for saved, t in zip(kept, tensors):
+        if saved is None or t is None:
+            if saved is not t:
+                return False
+        elif saved.shape != t.shape or saved.dtype != t.dtype or t.device.type != "cpu" or not torch.equal(saved, t):
+            return False
+    return True
 
 
 RECENT_TABLES = RecentTables()

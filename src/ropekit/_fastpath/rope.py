@@ -265,7 +265,7 @@ class Float32Plan:
     """A recorded CPU call of the float32 path (float16/bfloat16/float32 CPU tensors, no autograd): the validated
     spec's scalars and where its tensors come from in a later call's args (:func:`spec_recipe`), so that a repeated
     call -- a model's next layer, or its next decode step -- skips validation; and, at decode sizes, the float32
-    tables of its last call, reused while the call's tensor arguments (positions, frequencies) hold the same
+    tables of its last two calls, reused while the call's tensor arguments (positions, frequencies) hold the same
     values (one ``torch.equal`` each). Per call it re-checks what can change within a signature: the int position
     offset, the overlap of q and k in place, and the position values (a call with a position the full path
     refuses goes back to it)."""
@@ -273,9 +273,9 @@ class Float32Plan:
     __slots__ = ("scalars", "spec", "saved", "int_offset", "max_offset", "q_out", "k_out", "q_span", "k_span",
                  "qk_delta", "last", "copies")
 
-    # Table elements up to which a plan keeps its last call's tables (decode sizes: up to 64 tokens of head_dim
-    # 128), so that a thousand plans hold at most about 128 MiB.
-    KEPT_TABLE_ELEMENTS = 1 << 15
+    # Table elements up to which a plan keeps a call's tables (decode sizes: up to 64 tokens of head_dim 128), so
+    # that a thousand plans hold at most about 128 MiB.
+    KEPT_TABLE_ELEMENTS = 1 << 14
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, outs: tuple, mode: Mode):
@@ -298,7 +298,7 @@ class Float32Plan:
             plan.qk_delta = k.data_ptr() - q.data_ptr()
         plan.q_out = outs[0].dtype
         plan.k_out = None if k is None else outs[1].dtype
-        plan.last = None
+        plan.last = ()
         # out of place, bshd, every column rotary, outputs of the inputs' dtypes: contiguous inputs of one block's
         # size rotate into new tensors in the fewest ops (rotated_copy)
         plan.copies = not mode.inplace and spec.layout == "bshd" and spec.rotary_dim == q.shape[-1] and \
@@ -319,17 +319,19 @@ class Float32Plan:
         if mode.inplace and k is not None and not self._disjoint(q, k):
             return None
         tensors = handles[2:]  # the call's tensor arguments (CPU handles are the tensors)
-        last = self.last
-        if last is not None and last[0] == offset and all(map(torch.equal, last[1], tensors)):
-            made = last[2]
+        for kept in self.last:
+            if kept[0] == offset and all(map(torch.equal, kept[1], tensors)):
+                made = kept[2]
+                break
         else:
             scalars = (offset, *self.scalars[1:]) if self.int_offset else self.scalars  # pos_offset leads
             made, all_valid = float32_tables(q, k, RopeSpec.from_parts(tuple(spec_views(self.saved, args)), scalars))
             if not all_valid:
                 return None
-            kept = sum(t.numel() for tables in made.values() for t in tables) <= self.KEPT_TABLE_ELEMENTS and \
+            small = sum(t.numel() for tables in made.values() for t in tables) <= self.KEPT_TABLE_ELEMENTS and \
                 sum(t.numel() for t in tensors) <= self.KEPT_TABLE_ELEMENTS  # compared per call
-            self.last = (offset, [t.clone() for t in tensors], made) if kept else None
+            if small:  # the two most recent: a forward's layers and the next one's first layer take turns
+                self.last = ((offset, [t.clone() for t in tensors], made), *self.last[:1])
         if mode.inplace:
             rotate_with_tables(q, k, q, k, made, self.spec)
             return q if k is None else (q, k)
