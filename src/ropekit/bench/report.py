@@ -143,16 +143,7 @@ def format_table(rows: list[dict[str, Any]], meta: dict[str, Any], targets: list
         base_cell = f"{BASELINE[mode]} {float(base['median_us']):.1f}" if base and base["median_us"] else \
             f"{BASELINE[mode]} -"
         cells = [case, mode, str(first["tokens"]), mb, base_cell]
-        for impl in impls:
-            r = by_impl.get(impl)
-            if r is None or not r["median_us"]:
-                cells.append("-")
-            elif not r["ratio_vs_copy"]:
-                cells.append(f"{float(r['median_us']):.1f}us")
-            elif markdown:
-                cells.append(f"{float(r['median_us']):.1f} ({float(r['ratio_vs_copy']):.3f}x)")
-            else:
-                cells.append(f"{float(r['ratio_vs_copy']):.3f}x")
+        cells += [_impl_cell(by_impl.get(impl), markdown) for impl in impls]
         a, b = by_impl.get("ropekit"), by_impl.get("ropekit-table")
         cells.append(f"{float(a['median_us']) / float(b['median_us']):.3f}"
                      if a and b and a["median_us"] and b["median_us"] else "-")
@@ -205,18 +196,21 @@ def _cpu_grid(rows: list[dict[str, Any]], markdown: bool) -> list[str]:
         hf = by_impl.get("hf")
         cells = [case, str(next(iter(by_impl.values()))["tokens"]),
                  f"{float(hf['median_us']):.1f}" if hf and hf["median_us"] else "-"]
-        for impl in impls:
-            r = by_impl.get(impl)
-            if r is None or not r["median_us"]:
-                cells.append("-")
-            elif not r["ratio_vs_copy"]:
-                cells.append(f"{float(r['median_us']):.1f}us")
-            elif markdown:
-                cells.append(f"{float(r['median_us']):.1f} ({float(r['ratio_vs_copy']):.3f}x)")
-            else:
-                cells.append(f"{float(r['ratio_vs_copy']):.3f}x")
+        cells += [_impl_cell(by_impl.get(impl), markdown) for impl in impls]
         data.append(cells)
     return _grid(["case", "tokens", "hf us", *impls], data, markdown)
+
+
+def _impl_cell(r: dict[str, Any] | None, markdown: bool) -> str:
+    """An implementation's cell of the printed table: its ratio (with its time in Markdown), its time where it has
+    no ratio, or "-"."""
+    if r is None or not r["median_us"]:
+        return "-"
+    if not r["ratio_vs_copy"]:
+        return f"{float(r['median_us']):.1f}us"
+    if markdown:
+        return f"{float(r['median_us']):.1f} ({float(r['ratio_vs_copy']):.3f}x)"
+    return f"{float(r['ratio_vs_copy']):.3f}x"
 
 
 def _tf(value: Any) -> str:
