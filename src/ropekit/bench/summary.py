@@ -1,8 +1,9 @@
 """The results the project keeps, and BENCHMARKS.md generated from them.
 
-``benchmarks/results/all_runs.csv.xz`` holds every row of every run (append-only: each run appends an xz stream;
-``--history``). From it, per card, the newest run of every (case, mode) -- all its implementations from that one
-run, so that every ratio and every "versus" comparison is within one run -- goes to
+``benchmarks/results/all_runs.csv.xz`` holds the rows of the runs that give the newest results (each run appends an
+xz stream, ``--history``; superseded rows are pruned now and then, and stay in git history). From it, per card, the
+newest run of every (case, mode) -- all its implementations from that one run, so that every ratio and every
+"versus" comparison is within one run -- goes to
 ``benchmarks/results/latest/<card>/results.csv.xz`` (with plots where matplotlib is importable), and BENCHMARKS.md is
 written from those rows: per card, one table per mode, one line per registry target (the attention modes add a
 table of every implementation's TFLOP/s). The CPU mode's rows (``ropekit bench --preset cpu``) make a card of their
