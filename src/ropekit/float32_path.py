@@ -294,13 +294,16 @@ def _swapped(x: torch.Tensor, neox: bool) -> torch.Tensor:
     return _paired(x, False).flip(-1).flatten(-2)
 
 
-def rotated_copy(x: torch.Tensor, tables: tuple, neox: bool) -> torch.Tensor | None:
-    """``x`` (contiguous, in the canonical layout, every column rotary) rotated into a new contiguous tensor of its
-    dtype with the tables ``(C, T)`` of :func:`_float32_tables` -- bit for bit :func:`_rotate_float32`'s result --
-    in the fewest torch ops (float32: the product, the swap, their sum; else also the float32 copy and the
-    rounding copy, which allocates the output); None where ``x`` is larger than one block."""
-    if x.numel() > _block_elements(x):
-        return None
+def fits_rotated_copy(x: torch.Tensor) -> bool:
+    """Whether :func:`rotated_copy` takes ``x``: contiguous, and no larger than one block."""
+    return x.is_contiguous() and x.numel() <= _block_elements(x)
+
+
+def rotated_copy(x: torch.Tensor, tables: tuple, neox: bool) -> torch.Tensor:
+    """``x`` (:func:`fits_rotated_copy`, in the canonical layout, every column rotary) rotated into a new
+    contiguous tensor of its dtype with the tables ``(C, T)`` of :func:`_float32_tables` -- bit for bit
+    :func:`_rotate_float32`'s result -- in the fewest torch ops (float32: the product, the swap, their sum; else
+    also the float32 copy and the rounding copy, which allocates the output)."""
     C, T = tables
     if x.dtype == torch.float32:
         out = torch.mul(x, C)

@@ -270,8 +270,8 @@ class Float32Plan:
     offset, the overlap of q and k in place, and the position values (a call with a position the full path
     refuses goes back to it)."""
 
-    __slots__ = ("scalars", "spec", "saved", "int_offset", "max_offset", "q_out", "k_out", "q_span", "k_span",
-                 "qk_delta", "last", "copies")
+    __slots__ = ("spec", "saved", "int_offset", "max_offset", "q_out", "k_out", "q_span", "k_span", "qk_delta",
+                 "last", "copies")
 
     # Table elements up to which a plan keeps a call's tables (decode sizes: up to 64 tokens of head_dim 128), so
     # that a thousand plans hold at most about 128 MiB.
@@ -286,8 +286,8 @@ class Float32Plan:
         if saved is None or spec.cu_seqlens is not None or spec.out_dtype in FP8_MAX:
             return None
         plan = cls()
-        plan.scalars, plan.saved = spec.scalars, saved
-        plan.spec = RopeSpec.from_parts((None,) * len(spec.tensors), spec.scalars)  # what the rotation reads
+        plan.saved = saved  # where the spec's tensors come from in a call; plan.spec keeps only its scalars
+        plan.spec = RopeSpec.from_parts((None,) * len(spec.tensors), spec.scalars)
         positions = args.positions
         # an int offset, or a 0-d CPU tensor (which validation reads as one): checked and passed per call
         plan.int_offset = positions is not None and (not isinstance(positions, Tensor) or positions.dim() == 0)
@@ -299,8 +299,8 @@ class Float32Plan:
         plan.q_out = outs[0].dtype
         plan.k_out = None if k is None else outs[1].dtype
         plan.last = ()
-        # out of place, bshd, every column rotary, outputs of the inputs' dtypes: contiguous inputs of one block's
-        # size rotate into new tensors in the fewest ops (rotated_copy)
+        # out of place, bshd, every column rotary, outputs of the inputs' dtypes: inputs that fits_rotated_copy takes
+        # rotate into new tensors in the fewest ops
         plan.copies = not mode.inplace and spec.layout == "bshd" and spec.rotary_dim == q.shape[-1] and \
             plan.q_out == q.dtype and (k is None or plan.k_out == k.dtype)
         return plan
@@ -309,7 +309,7 @@ class Float32Plan:
 
     def __call__(self, q: Tensor, k: Tensor | None, handles: list, args: RopeArgs, mode: Mode):
         """Rotate and return what the full path would, or None to send the call down the full path."""
-        from ropekit.float32_path import float32_tables, rotate_with_tables, rotated_copy
+        from ropekit.float32_path import fits_rotated_copy, float32_tables, rotate_with_tables, rotated_copy
 
         offset = 0
         if self.int_offset:
@@ -324,7 +324,9 @@ class Float32Plan:
                 made = kept[2]
                 break
         else:
-            scalars = (offset, *self.scalars[1:]) if self.int_offset else self.scalars  # pos_offset leads
+            scalars = self.spec.scalars
+            if self.int_offset:
+                scalars = (offset, *scalars[1:])  # pos_offset leads
             made, all_valid = float32_tables(q, k, RopeSpec.from_parts(tuple(spec_views(self.saved, args)), scalars))
             if not all_valid:
                 return None
@@ -332,21 +334,15 @@ class Float32Plan:
                 sum(t.numel() for t in tensors) <= self.KEPT_TABLE_ELEMENTS  # compared per call
             if small:  # the two most recent: a forward's layers and the next one's first layer take turns
                 self.last = ((offset, [t.clone() for t in tensors], made), *self.last[:1])
+        spec = self.spec
         if mode.inplace:
-            rotate_with_tables(q, k, q, k, made, self.spec)
+            rotate_with_tables(q, k, q, k, made, spec)
             return q if k is None else (q, k)
-        if self.copies and q.is_contiguous() and (k is None or k.is_contiguous()):
-            spec = self.spec
+        if self.copies and fits_rotated_copy(q) and (k is None or fits_rotated_copy(k)):
             neox = spec.style == "neox"
             q_out = rotated_copy(q, made[spec.q_scale], neox)
-            if k is None:
-                if q_out is not None:
-                    return q_out
-            else:
-                k_out = rotated_copy(k, made[spec.k_scale], neox) if q_out is not None else None
-                if k_out is not None:
-                    return q_out, k_out
+            return q_out if k is None else (q_out, rotated_copy(k, made[spec.k_scale], neox))
         q_out = torch.empty(q.shape, dtype=self.q_out)
         k_out = None if k is None else torch.empty(k.shape, dtype=self.k_out)
-        rotate_with_tables(q, k, q_out, k_out, made, self.spec)
+        rotate_with_tables(q, k, q_out, k_out, made, spec)
         return q_out if k is None else (q_out, k_out)
