@@ -97,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_targets(registry: dict[str, Any], cpu_run: bool) -> tuple:
+    """The registry's targets a run evaluates: the CPU mode's for a CPU run, the others for the rest."""
+    return tuple(t for t in targets_from_registry(registry) if (t.mode == CPU_MODE) == cpu_run)
+
+
 def _shown_path(path: str) -> str:
     """``path`` as result files record it: relative to the working directory when inside it (a checkout's
     ``benchmarks/registry.py``), else its file name -- results name no machine's directories."""
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_run and device.type != "cpu":
         print(f"ropekit bench: the {CPU_MODE!r} mode times CPU tensors: --device cpu (or no --device)", file=sys.stderr)
         return 2
-    targets_wanted = tuple(t for t in targets_from_registry(registry) if (t.mode == CPU_MODE) == cpu_run)
+    targets_wanted = _run_targets(registry, cpu_run)
     if args.list:
         for c in cases:
             nbytes = case_bytes(c)
@@ -269,7 +274,7 @@ def _replot(files: list[str], out_dir: Path, plot: bool, registry: dict[str, Any
     stem = out_dir / f"bench-{stamp}-merged"
     meta = dict(meta, merged_from=[str(f) for f in files])
     cpu_run = all(r["mode"] == CPU_MODE for r in rows)  # as a run: the CPU mode's targets, or the others
-    targets = evaluate_targets(rows, [t for t in targets_from_registry(registry) if (t.mode == CPU_MODE) == cpu_run])
+    targets = evaluate_targets(rows, _run_targets(registry, cpu_run))
     out = write_results(stem, rows, meta, targets)
     if plot:
         out += _try_plot(stem, rows, meta)
