@@ -166,6 +166,48 @@ def test_backward_weight_gradient_is_the_same_split_over_any_number_of_programs(
         assert torch.equal(outs[0][0], outs[1000][0])  # dq is per element: the same bits
 
 
+def test_sum_tree_holds_every_level_below_the_root_and_a_counter_per_node():
+    from ropekit.triton.heuristics import SumTree, sum_tree
+
+    assert sum_tree(1, 16) == SumTree(levels=1, rows=1, counters=1)
+    assert sum_tree(16, 16) == SumTree(1, 16, 1)
+    assert sum_tree(17, 16) == SumTree(2, 17 + 2, 2 + 1)
+    assert sum_tree(8448, 16) == SumTree(4, 8448 + 528 + 33 + 3, 528 + 33 + 3 + 1)
+
+
+@pytest.mark.parametrize("device", KERNEL_ROUTES)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_backward_weight_gradient_tree_of_several_levels_matches_float64(device, weight_dtype, monkeypatch):
+    # One program per token block and head (9 partial rows for q's weight, 3 for k's), added up by the kernel's
+    # programs in trees of 2 rows a node: four levels for q with partial nodes on the way, two for k, the root
+    # rounding once to the weight's dtype. Against the float64 gradients, and the same bits on a second launch
+    # (the sums' order is fixed, whichever program does them).
+    from ropekit.reference import rms_norm_reference
+    from ropekit.triton import heuristics, prologue_launcher
+
+    monkeypatch.setattr(heuristics, "BWD_PROGRAMS_PER_SM", 10**6)
+    monkeypatch.setattr(heuristics, "WEIGHT_SUM_FAN_IN", 2)
+    with _context(device):
+        dev = _dev(device)
+        B, S, HQ, HK, D = 1, 3, 3, 1, 16
+        assert [heuristics.sum_tree(S * h, 2).levels for h in (HQ, HK)] == [4, 2]
+        q, k = torch.randn(B, S, HQ, D, device=dev), torch.randn(B, S, HK, D, device=dev)
+        qw, kw = ((torch.rand(D, device=dev) + 0.5).to(weight_dtype) for _ in range(2))
+        gq, gk = torch.randn_like(q), torch.randn_like(k)
+        leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, qw, kw)]
+        ref = ropekit.apply_rope(rms_norm_reference(leaves[0], leaves[2], 0.0, 1e-6),
+                                 rms_norm_reference(leaves[1], leaves[3], 0.0, 1e-6), positions=5)
+        want = torch.autograd.grad(ref, leaves, (gq.double().cpu(), gk.double().cpu()))
+        spec = validate(q, k, positions=5)
+        got = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=(1, 1, 1, 1))
+        assert got[2].dtype == got[3].dtype == weight_dtype and got[2].shape == (D,)
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[weight_dtype]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu().double(), w, rtol=tol, atol=tol)
+        again = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=(1, 1, 1, 1))
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
 def test_readme_decode_example_runs_and_writes_each_sequences_row():
     # The README's rope_kv_write example, run on CPU tensors (float32): it must keep working as written.
     from pathlib import Path

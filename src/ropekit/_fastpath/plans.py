@@ -211,13 +211,14 @@ class _Replay:
     """A prologue-kernel launch the full path made (recorded by :func:`_recording`) as a
     :class:`ropekit.triton.runtime.Replay`, and where a later call's values for its open slots come from: each
     pointer argument from the call's tensors (the index, in ``sources``, of the one it pointed at when recorded),
-    allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name), or kept (the default
-    frequencies of ``base=``, which validation caches); the int position offset, where the signature has one."""
+    allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name; those in ``zeroed``
+    filled with zeros), or kept (the default frequencies of ``base=``, which validation caches); the int position
+    offset, where the signature has one."""
 
     __slots__ = ("launch", "sources", "scratch", "roles", "constexprs", "pos_offset")
 
     @classmethod
-    def record(cls, launch, sources: list, keep_freq: bool, scratch: tuple = ()):
+    def record(cls, launch, sources: list, keep_freq: bool, scratch: tuple = (), zeroed: tuple = ()):
         """The replay of ``launch`` (a :class:`ropekit.triton.runtime.Launch`), or None where a pointer argument is
         a copy validation made of a call's tensor (no later call could refill it) or the kernel is not compiled."""
         from ropekit.triton import runtime
@@ -232,7 +233,7 @@ class _Replay:
             name = roles.fn.arg_names[i]
             if name in scratch:
                 open_slots.append(name)
-                fresh.append((tuple(args[i].shape), args[i].dtype))
+                fresh.append((tuple(args[i].shape), args[i].dtype, name in zeroed))
                 continue
             j = by_ptr.get(args[i].data_ptr())
             if j is not None:
@@ -256,7 +257,8 @@ class _Replay:
         """Launch with ``sources`` (and this call's int position offset, where the signature has one: else the
         recorded one); returns the scratch tensors it allocated."""
         device = sources[0].device
-        scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.scratch]
+        scratch = [(torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+                   for shape, dtype, zero in self.scratch]
         handle = self.launch.handle
         if pos_offset is None:
             pos_offset = self.pos_offset

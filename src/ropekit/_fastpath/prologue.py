@@ -276,6 +276,9 @@ def _norm_rotate_float8(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, sc
 # qk_norm_rope's arguments that may be tensors, in the order a plan's sources index them (then the fresh outputs).
 _NORM_TENSORS = ("q", "k", "q_weight", "k_weight", *TENSOR_ARGS)
 _MAX_BACKWARDS = 8  # gradient layouts kept per plan
+# what the backward's launcher allocates per call: the weights' partial rows, their sum tree's counters (zeroed),
+# then the weight gradients, which a replay returns
+_NORM_BWD_SCRATCH = ("dwq_ptr", "dwk_ptr", "cnt_ptr", "dwqo_ptr", "dwko_ptr")
 
 
 class NormCall(NamedTuple):
@@ -323,8 +326,8 @@ def _norm_full(call: NormCall, sig, launches: list | None) -> tuple:
 class NormPlan:
     """The forward launch of one qk_norm_rope signature (:class:`_Replay`; sources: the call's tensors in
     ``_NORM_TENSORS`` order, then the fresh q and k outputs) and, per layout of the backward's tensors, the
-    backward's (sources: the two gradients, the call's tensors, then the fresh dq and dk; its partial weight-
-    gradient rows allocated per call). ``saved``: :func:`spec_recipe` of the forward's spec (what the full path
+    backward's (sources: the two gradients, the call's tensors, then the fresh dq and dk; ``_NORM_BWD_SCRATCH``
+    allocated per call). ``saved``: :func:`spec_recipe` of the forward's spec (what the full path
     saves for the backward besides q, k and the weights)."""
 
     __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "saved", "backwards")
@@ -379,8 +382,8 @@ class NormPlan:
         replay = self.backwards.get(key)
         if replay is not None:
             dq, dk = torch.empty_like(q), torch.empty_like(k)
-            dwq, dwk = replay([*sources, dq, dk], offset)
-            return dq, dk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
+            *_, dwq, dwk = replay([*sources, dq, dk], offset)  # after the partial rows and the counters
+            return dq, dk, dwq, dwk
         from ropekit import ops
 
         spec = validate_args(q, k, args)
@@ -388,7 +391,8 @@ class NormPlan:
             grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, spec)
             if len(launches) == 1:
                 _keep(self.backwards, key, _Replay.record(launches[0], [*sources, *grads[:2]], self.keep_freq,
-                                                          scratch=("dwq_ptr", "dwk_ptr")), _MAX_BACKWARDS)
+                                                          scratch=_NORM_BWD_SCRATCH, zeroed=("cnt_ptr",)),
+                      _MAX_BACKWARDS)
         return tuple(grads)
 
 

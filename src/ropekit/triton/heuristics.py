@@ -9,6 +9,7 @@ pass the numbers.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -64,6 +65,10 @@ NORM_HEAD_TILE_ELEMS = 2048
 # Backward programs per program wanted: each loops over token blocks and writes one weight-gradient row; fewer leave
 # SMs idle, more make the rows' sum longer.
 BWD_PROGRAMS_PER_SM = 16
+# Children per node of the tree in which the backward's programs add up those rows (sum_tree): a [16, D] fp32 tile
+# per node is 64 registers a thread at one warp and D 128, no more than the main loop holds; four levels cover the
+# 8448 rows of an H100's or H200's grid.
+WEIGHT_SUM_FAN_IN = 16
 
 
 def cdiv(a: int, b: int) -> int:
@@ -249,6 +254,27 @@ def prologue_config(dims: tuple, min_programs: int, *, norm: bool, cache: bool, 
     if config is not None or not norm:
         return config
     return norm_block_config(*dims, min_programs, "default" if cache or gathered else "forward", partial=partial)
+
+
+class SumTree(NamedTuple):
+    """The deterministic tree in which ``norm_rope_bwd_kernel`` adds up one weight's partial gradient rows:
+    ``levels`` of nodes above the rows, ``rows`` stored (the partial rows and every level below the root), one
+    arrival counter per node (``counters``)."""
+
+    levels: int
+    rows: int
+    counters: int
+
+
+def sum_tree(n_rows: int, fan_in: int) -> SumTree:
+    """The :class:`SumTree` of ``n_rows`` partial rows with ``fan_in`` children per node."""
+    levels, rows, counters, n = 0, n_rows, 0, n_rows
+    while True:
+        n, levels = cdiv(n, fan_in), levels + 1
+        counters += n
+        if n == 1:
+            return SumTree(levels, rows, counters)
+        rows += n
 
 
 def bwd_program_groups(n_token_blocks: int, n_head_blocks: int, device: torch.device) -> int:

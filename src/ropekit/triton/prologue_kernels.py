@@ -458,19 +458,21 @@ def _norm_rope_bwd_block(
 @triton.jit
 def _norm_rope_bwd_heads(
     g_ptr, g_sb, g_ss, g_sh, x_ptr, x_sb, x_ss, x_sh, dx_ptr, dx_sb, dx_ss, dx_sh, w_ptr, w_offset, eps, scale,
-    dw_ptr, dw_row, h0, H, S, num_tokens, n_token_blocks,
+    dw_ptr, dw_row, dw_rows, cnt_ptr, dwo_ptr, h0, H, S, num_tokens, n_token_blocks,
     pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr, TABLE_BY_TOKEN: tl.constexpr,
     TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr,
     AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+    FAN_IN: tl.constexpr, SUM_LEVELS: tl.constexpr,
 ):
     """One block of heads over every ``num_programs(1)``-th token block from ``program_id(1)`` on: the gradients
-    of its rows, and the sum of their weight-gradient terms, stored once as row ``dw_row`` of ``dw_ptr``. The
-    program loops (rather than one program per token block writing a partial row) so that the partial rows are a
-    few hundred, not one per token block, and their sum is deterministic."""
+    of its rows, and the sum of their weight-gradient terms, stored once as row ``dw_row`` of the ``dw_rows``
+    partial rows at ``dw_ptr``, which :func:`_sum_weight_rows` then adds into the weight's gradient ``dwo_ptr``.
+    The program loops (rather than one program per token block writing a partial row) so that the partial rows
+    are a few thousand at most, not one per token block."""
     HAS_PASS: tl.constexpr = HEAD_DIM != ROT_DIM
     HALF: tl.constexpr = ROT_DIM // 2
     # per-row accumulators, in the tiles' own layout: summed over tokens and heads once, after the loop
@@ -502,48 +504,95 @@ def _norm_rope_bwd_heads(
         p, mp = _pass_columns(tl.full([1, 1, 1], 1, tl.int1), HEAD_DIM, ROT_DIM, ROT_START, PASS_BLOCK)
         tl.store(row + tl.reshape(p, [PASS_BLOCK]), tl.sum(tl.sum(acc_p, axis=1), axis=0),
                  mask=tl.reshape(mp, [PASS_BLOCK]))
+    _sum_weight_rows(dw_ptr, cnt_ptr, dwo_ptr, dw_row, dw_rows, HEAD_DIM, D_BLOCK, FAN_IN, SUM_LEVELS)
+
+
+@triton.jit
+def _sum_weight_rows(dw_ptr, cnt_ptr, out_ptr, row, n_rows, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
+                     FAN_IN: tl.constexpr, SUM_LEVELS: tl.constexpr):
+    """Called by every program once it has stored its partial row ``row`` of the ``n_rows`` at ``dw_ptr``: the
+    sum of all of them into ``out_ptr`` ([HEAD_DIM], in its dtype), as a tree of ``FAN_IN`` children per node,
+    ``SUM_LEVELS`` levels (FAN_IN ** SUM_LEVELS >= n_rows), each level's rows stored after the one below in
+    ``dw_ptr``. A node is summed by the last of its children to finish (one arrival counter per node in
+    ``cnt_ptr``, zeroed by the launcher), which then arrives at its own parent; the root writes the output.
+    Which program sums a node depends on timing, the order of each sum does not: the same bits on every run.
+    This replaces a torch reduction and a cast after the launch (two more kernels per weight, and their host
+    time)."""
+    c = tl.arange(0, D_BLOCK)
+    r = tl.arange(0, FAN_IN)[:, None]
+    n = n_rows  # nodes at this level
+    base = 0  # this level's first row in dw_ptr
+    counters = cnt_ptr
+    go = tl.full([], 1, tl.int1)  # this program still climbs: it was the last child of every node so far
+    for _ in tl.static_range(SUM_LEVELS):
+        parent = row // FAN_IN
+        children = tl.minimum(n - parent * FAN_IN, FAN_IN)
+        n_up = tl.cdiv(n, FAN_IN)
+        # every thread's stores of the child row come before the release of the arrival; the acquire of the
+        # last arrival comes before its loads of the siblings' rows (read through L2: never a stale L1 line)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters + parent, 1, mask=go, sem="acq_rel", scope="gpu")
+        go = go & (arrived == children - 1)
+        rows = base + parent * FAN_IN + r
+        x = tl.load(dw_ptr + rows * HEAD_DIM + c[None, :], mask=go & (r < children) & (c[None, :] < HEAD_DIM),
+                    other=0.0, cache_modifier=".cg")
+        total = tl.sum(x, axis=0)
+        root = n_up == 1
+        tl.store(dw_ptr + (base + n + parent) * HEAD_DIM + c, total, mask=go & (c < HEAD_DIM) & (n_up > 1))
+        tl.store(out_ptr + c, total.to(out_ptr.dtype.element_ty), mask=go & (c < HEAD_DIM) & root)
+        go = go & (n_up > 1)
+        base += n
+        counters += n_up
+        row = parent
+        n = n_up
 
 
 @triton.jit(do_not_specialize=["pos_offset"])
 def norm_rope_bwd_kernel(
-    gq_ptr, q_ptr, dq_ptr, gk_ptr, k_ptr, dk_ptr, dwq_ptr, dwk_ptr,
+    gq_ptr, q_ptr, dq_ptr, gk_ptr, k_ptr, dk_ptr, dwq_ptr, dwk_ptr, cnt_ptr, dwqo_ptr, dwko_ptr,
     gq_sb, gq_ss, gq_sh, q_sb, q_ss, q_sh, dq_sb, dq_ss, dq_sh,
     gk_sb, gk_ss, gk_sh, k_sb, k_ss, k_sh, dk_sb, dk_ss, dk_sh,
     HQ, HK, S, num_tokens,
     pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
     freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows,
     q_scale, k_scale, rotary_scale, pos_sa,
-    qw_ptr, kw_ptr, w_offset, eps, n_token_blocks,
+    qw_ptr, kw_ptr, w_offset, eps, n_token_blocks, k_counters,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, NEOX: tl.constexpr,
     POS_MODE: tl.constexpr, HAS_SEQ_OFFSETS: tl.constexpr, FREQ_MODE: tl.constexpr,
     TABLE_BY_TOKEN: tl.constexpr, TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr,
     AXES_INTERLEAVED: tl.constexpr, AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr,
     AXIS_BOUND_3: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, FAN_IN: tl.constexpr,
+    Q_SUM_LEVELS: tl.constexpr, K_SUM_LEVELS: tl.constexpr,
 ):
     """The backward of ``prologue_kernel`` with a norm and no cache. Grid (head blocks of q then k, G): a program
     handles one block of heads for every G-th token block and writes its weight-gradient sum to row
-    ``program_id(1) * n_blocks + head block`` of ``dwq``/``dwk`` ([G * n_blocks, D])."""
+    ``program_id(1) * n_blocks + head block`` of ``dwq``/``dwk`` (fp32, [G * n_blocks, D] and the tree's upper
+    levels after them); the tree's roots are the weight gradients ``dwqo``/``dwko`` ([D], the weights' dtypes).
+    ``cnt_ptr``: the trees' arrival counters, zeroed, q's first and k's from ``k_counters`` on."""
     hb = tl.program_id(0)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     n_kb = tl.cdiv(HK, BLOCK_HK)
+    G = tl.num_programs(1)
     g = tl.program_id(1).to(tl.int64)
     if hb < n_qb:
         _norm_rope_bwd_heads(
             gq_ptr, gq_sb, gq_ss, gq_sh, q_ptr, q_sb, q_ss, q_sh, dq_ptr, dq_sb, dq_ss, dq_sh, qw_ptr, w_offset, eps,
-            q_scale, dwq_ptr, g * n_qb + hb, hb * BLOCK_HQ, HQ, S, num_tokens, n_token_blocks,
+            q_scale, dwq_ptr, g * n_qb + hb, G * n_qb, cnt_ptr, dwqo_ptr, hb * BLOCK_HQ, HQ, S, num_tokens,
+            n_token_blocks,
             pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HQ,
-            HALF_BLOCK, PASS_BLOCK)
+            HALF_BLOCK, PASS_BLOCK, D_BLOCK, FAN_IN, Q_SUM_LEVELS)
     else:
         _norm_rope_bwd_heads(
             gk_ptr, gk_sb, gk_ss, gk_sh, k_ptr, k_sb, k_ss, k_sh, dk_ptr, dk_sb, dk_ss, dk_sh, kw_ptr, w_offset, eps,
-            k_scale, dwk_ptr, g * n_kb + (hb - n_qb), (hb - n_qb) * BLOCK_HK, HK, S, num_tokens, n_token_blocks,
+            k_scale, dwk_ptr, g * n_kb + (hb - n_qb), G * n_kb, cnt_ptr + k_counters, dwko_ptr,
+            (hb - n_qb) * BLOCK_HK, HK, S, num_tokens, n_token_blocks,
             pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr, n_seqs, n_search_steps,
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HK,
-            HALF_BLOCK, PASS_BLOCK)
+            HALF_BLOCK, PASS_BLOCK, D_BLOCK, FAN_IN, K_SUM_LEVELS)

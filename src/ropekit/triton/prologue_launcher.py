@@ -199,7 +199,7 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
                          eps: float, config=None) -> tuple:
     """(dq, dk, dq_weight, dk_weight) of ``qk_norm_rope`` for the output gradients ``grad_q``/``grad_k`` (last
-    dim contiguous); dq/dk in q's/k's dtype, the weight gradients in fp32."""
+    dim contiguous); dq/dk in q's/k's dtype, the weight gradients in the weights' dtypes, all from one launch."""
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()  # the kernel indexes the weights densely
     if config is None and q.is_cuda:  # the interpreter takes the launcher's own (large) programs
@@ -209,8 +209,8 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     # rope_kernel's launch for the gradients into dq/dk: its q and k are the gradients, its outputs dq and dk.
     launch = _rope_launch(grad_q, grad_k, dq, dk, spec, config)
     if launch is None:
-        zq = torch.zeros(q.shape[-1], dtype=torch.float32, device=q.device)
-        return dq.zero_(), dk.zero_(), zq, zq.clone()
+        return (dq.zero_(), dk.zero_(), torch.zeros_like(q_weight, memory_format=torch.contiguous_format),
+                torch.zeros_like(k_weight, memory_format=torch.contiguous_format))
     _, rope, rope_constexprs, num_warps = launch
     n_tb = heuristics.cdiv(rope["num_tokens"], rope_constexprs["BLOCK_T"])
     n_qb = heuristics.cdiv(rope["HQ"], rope_constexprs["BLOCK_HQ"])
@@ -218,8 +218,13 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     groups = heuristics.bwd_program_groups(n_tb, n_qb + n_kb, q.device)
     grid = (n_qb + n_kb, groups, 1)
     D = rope_constexprs["HEAD_DIM"]
-    dwq = torch.empty(groups * n_qb, D, dtype=torch.float32, device=q.device)
-    dwk = torch.empty(groups * n_kb, D, dtype=torch.float32, device=q.device)
+    q_tree, k_tree = (heuristics.sum_tree(groups * n, heuristics.WEIGHT_SUM_FAN_IN) for n in (n_qb, n_kb))
+    # per weight: the partial rows and the tree's upper levels (fp32), its gradient; one buffer of counters
+    dwq = torch.empty(q_tree.rows, D, dtype=torch.float32, device=q.device)
+    dwk = torch.empty(k_tree.rows, D, dtype=torch.float32, device=q.device)
+    counters = torch.zeros(q_tree.counters + k_tree.counters, dtype=torch.int32, device=q.device)
+    dwqo = torch.empty(D, dtype=q_weight.dtype, device=q.device)
+    dwko = torch.empty(D, dtype=k_weight.dtype, device=q.device)
     qc, kc = to_canonical(q, spec.layout), to_canonical(k, spec.layout)
     # The kernel's gradients (g*), inputs and outputs (d*): rope_kernel's launch had the gradients as its q and k,
     # and dq and dk as its outputs.
@@ -228,8 +233,11 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
         args[f"g{x}_ptr"], args[f"{x}_ptr"], args[f"d{x}_ptr"] = rope[f"{x}_ptr"], xc, rope[f"{x}o_ptr"]
         for d, stride in zip(("sb", "ss", "sh"), xc.stride()[:3]):
             args[f"g{x}_{d}"], args[f"{x}_{d}"], args[f"d{x}_{d}"] = rope[f"{x}_{d}"], stride, rope[f"{x}o_{d}"]
-    args.update(dwq_ptr=dwq, dwk_ptr=dwk, qw_ptr=q_weight, kw_ptr=k_weight, w_offset=float(weight_offset),
-                eps=float(eps), n_token_blocks=n_tb)
-    runtime.launch(NORM_ROPE_BWD, grid, args, _shared_constexprs(NORM_ROPE_BWD, rope_constexprs), num_warps,
-                   q.device)
-    return dq, dk, dwq.sum(0), dwk.sum(0)
+    args.update(dwq_ptr=dwq, dwk_ptr=dwk, cnt_ptr=counters, dwqo_ptr=dwqo, dwko_ptr=dwko, qw_ptr=q_weight,
+                kw_ptr=k_weight, w_offset=float(weight_offset), eps=float(eps), n_token_blocks=n_tb,
+                k_counters=q_tree.counters)
+    constexprs = _shared_constexprs(NORM_ROPE_BWD, rope_constexprs)
+    constexprs.update(D_BLOCK=heuristics.next_pow2(D), FAN_IN=heuristics.WEIGHT_SUM_FAN_IN,
+                      Q_SUM_LEVELS=q_tree.levels, K_SUM_LEVELS=k_tree.levels)
+    runtime.launch(NORM_ROPE_BWD, grid, args, constexprs, num_warps, q.device)
+    return dq, dk, dwqo, dwko
