@@ -74,6 +74,17 @@ def _dense(t: Tensor) -> Tensor:
     return t if t.numel() <= 1 or t.stride(0) == 1 else t.contiguous()
 
 
+def check_last_dim(name: str, x: Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``x``'s last dim is contiguous (stride 1; an empty tensor passes):
+    the kernels step through a row's columns one element apart. The rule for q and k here, and for the tensors the
+    registered ops write in place (``rope_``'s q and k, the caches), whose callers may skip validation; with a
+    stride of 0 (an ``expand()``ed view) several columns would also share one element."""
+    if x.stride(-1) != 1 and x.numel() > 0:
+        shared = " (stride 0: an expand()ed view, whose columns share one element)" if x.stride(-1) == 0 else ""
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides "
+                         f"{tuple(x.stride())}{shared}")
+
+
 def _check_offset_tensor(positions: Tensor, q: Tensor) -> None:
     """A 0-d ``positions`` tensor (one offset for every sequence): an integer tensor on q's device."""
     if positions.dtype not in INT_DTYPES:
@@ -175,9 +186,9 @@ def validate_args(q: Tensor, k: Tensor | None, args: RopeArgs, mode: Mode = FORW
                              f"got {tuple(kc.shape[:2])}")
         if kc.shape[3] != D:
             raise ValueError(f"{kn} head_dim {kc.shape[3]} must equal {qn} head_dim {D}")
-    for name, x in ((qn, q), (kn, k)):
-        if x is not None and x.numel() > 0 and x.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+    check_last_dim(qn, q)
+    if k is not None:
+        check_last_dim(kn, k)
     if D % 2:
         raise ValueError(f"head_dim must be even, got {D}")
     if not isinstance(style, str) or style not in STYLES:

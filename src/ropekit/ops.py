@@ -11,6 +11,12 @@ Triton interpreter under :func:`ropekit.testing.kernels_on_cpu`, the float64 ref
 
 :func:`rotate_out_of_place` and :func:`rotate_in_place` are the ops' bodies, callable without the dispatcher by
 eager calls that need neither autograd nor tracing (its round trips cost more host time than a decode kernel).
+
+The registered ops may be called directly, without the public functions' validation; the kernels step through a
+row's columns one element apart, so each op, before anything runs, reads a tensor whose last dim is strided (stride
+0 or > 1) as a contiguous copy (:func:`_dense_rows`) and refuses one it writes (``rope_``'s q and k, the caches)
+with a ``ValueError`` naming it (:func:`ropekit._validation.check_last_dim`). These are attribute reads on the
+common contiguous path; the public functions' eager calls, validated already, run the bodies without them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch import Tensor
 
 from ropekit import _config
 from ropekit._spec import FP8_MAX, CacheSpec, OutQuant, RopeSpec, op_schema, to_canonical
+from ropekit._validation import check_last_dim
 
 
 def uses_kernels(x: Tensor) -> bool:
@@ -92,11 +99,20 @@ def rotate_in_place(q: Tensor, k: Tensor | None, spec: RopeSpec) -> None:
     _run(q, k, q, k, spec)
 
 
+def _dense_rows(x: Tensor | None) -> Tensor | None:
+    """``x`` as the kernels read it: itself, or a contiguous copy where its last dim is strided (stride 0 or > 1).
+    Only for tensors an op reads; one it writes is refused instead (:func:`ropekit._validation.check_last_dim`)."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
 def _rope(q: Tensor, k: Tensor | None, *spec) -> list[Tensor]:
-    return rotate_out_of_place(q, k, RopeSpec(*spec))
+    return rotate_out_of_place(_dense_rows(q), _dense_rows(k), RopeSpec(*spec))
 
 
 def _rope_(q: Tensor, k: Tensor | None, *spec) -> None:
+    check_last_dim("q", q)
+    if k is not None:
+        check_last_dim("k", k)
     rotate_in_place(q, k, RopeSpec(*spec))
 
 
@@ -132,7 +148,7 @@ def rotate_float8_dynamic(q: Tensor, k: Tensor | None, spec: RopeSpec) -> list[T
 
 
 def _rope_fp8_dynamic(q: Tensor, k: Tensor | None, *spec) -> list[Tensor]:
-    return rotate_float8_dynamic(q, k, RopeSpec(*spec))
+    return rotate_float8_dynamic(_dense_rows(q), _dense_rows(k), RopeSpec(*spec))
 
 
 rope_fp8_dynamic = torch.library.custom_op("ropekit::rope_fp8_dynamic", _rope_fp8_dynamic, mutates_args=(),
@@ -171,7 +187,7 @@ def norm_rotate(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec
 
 
 def _qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
-    return norm_rotate(q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
+    return norm_rotate(_dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
 
 
 def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: float, eps: float,
@@ -198,7 +214,8 @@ def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: flo
 
 
 def _qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
-    return norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
+    return norm_rope_grads(grad_q, grad_k, _dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps,
+                           RopeSpec(*spec))
 
 
 _NORM = "Tensor q_weight, Tensor k_weight, float weight_offset, float eps"
@@ -285,7 +302,8 @@ def _qk_norm_rope_fp8(q, k, q_weight, k_weight, weight_offset, eps, fp8_dtype, q
                       k_scale_f, dynamic, *spec) -> list[Tensor]:
     quant = OutQuant(fp8_dtype, q_scale_t if q_scale_t is not None else q_scale_f,
                      k_scale_t if k_scale_t is not None else k_scale_f, dynamic)
-    return norm_rotate_float8(q, k, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), quant)
+    return norm_rotate_float8(_dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps, RopeSpec(*spec),
+                              quant)
 
 
 qk_norm_rope_fp8 = torch.library.custom_op(
@@ -354,9 +372,25 @@ def _cache_spec(k_cache, v_cache, layout, cache_batch, slots, k_scale_t, v_scale
                      v_scale if v_scale_t is None else v_scale_t, kv_indices, kv_indptr, kv_last_page_len,
                      batch_indices)
 
+
+def _kv_inputs(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+               cache_layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The cache-writing ops' q, k, v as the kernels read them (:func:`_dense_rows`), after refusing caches whose
+    last dim is not contiguous -- except "paged_x" values, [num_blocks, Hkv, D, block_size]: their last dim is a
+    block's rows, which the kernel addresses by stride, so only a stride of 0 (rows sharing elements) is refused."""
+    check_last_dim("k_cache", k_cache)
+    if cache_layout != "paged_x":
+        check_last_dim("v_cache", v_cache)
+    elif v_cache.stride(-1) == 0 and v_cache.shape[-1] > 1:
+        raise ValueError(f"v_cache's last dim (a block's rows, cache_layout='paged_x') has stride 0: its rows share "
+                         f"elements; got strides {tuple(v_cache.stride())}")
+    return _dense_rows(q), _dense_rows(k), _dense_rows(v)
+
+
 def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset, eps, cache_layout, cache_batch,
                    slots, k_cache_scale_t, v_cache_scale_t, k_cache_scale, v_cache_scale, kv_indices, kv_indptr,
                    kv_last_page_len, batch_indices, *spec) -> Tensor:
+    q, k, v = _kv_inputs(q, k, v, k_cache, v_cache, cache_layout)
     cache = _cache_spec(k_cache, v_cache, cache_layout, cache_batch, slots, k_cache_scale_t, v_cache_scale_t,
                         k_cache_scale, v_cache_scale, kv_indices, kv_indptr, kv_last_page_len, batch_indices)
     return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
@@ -386,6 +420,7 @@ def _rope_kv_write_outputs(q, k, v, k_cache, v_cache, q_weight, k_weight, weight
                            dynamic, return_k, *spec) -> tuple[Tensor, Tensor, Tensor]:
     """rope_kv_write's float8 q and/or rotated k as one registered op (fixed arity: torch.compile refuses a list
     returned beside mutated caches): (q_out, q_scales or an empty tensor, k_out or an empty tensor)."""
+    q, k, v = _kv_inputs(q, k, v, k_cache, v_cache, cache_layout)
     cache = _cache_spec(k_cache, v_cache, cache_layout, cache_batch, slots, k_cache_scale_t, v_cache_scale_t,
                         k_cache_scale, v_cache_scale, kv_indices, kv_indptr, kv_last_page_len, batch_indices)
     quant = None if fp8_dtype is None else OutQuant(fp8_dtype, q_scale_f if q_scale_t is None else q_scale_t, None,
