@@ -215,7 +215,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions: Tensor, query: Tensor, key:
                                           enable_pdl: bool | None = None, *,
                                           check_positions: bool = False) -> None:
     """FlashInfer's ``apply_rope_with_cos_sin_cache_inplace`` and SGLang's (``sgl_kernel``) of that name: rotate
-    ``query`` and ``key`` in place; arguments as :func:`rotary_embedding`. ``enable_pdl`` is accepted and ignored.
+    ``query`` and ``key`` in place; arguments as :func:`rotary_embedding`.
 
     fused_set_kv_buffer_arg : :class:`FusedSetKVBufferArg`, optional (SGLang)
         Also write each token's rotated key and its unchanged value into row ``cache_loc[t]`` of
@@ -223,6 +223,13 @@ def apply_rope_with_cos_sin_cache_inplace(positions: Tensor, query: Tensor, key:
         :func:`ropekit.rope_kv_write` with the buffers as a paged cache of one-token blocks and ``cache_loc`` as its
         ``slot_mapping``. Needs 1-D positions and a key; inference only (raises where autograd would need
         gradients). ``cache_loc`` values outside the buffers raise ``ValueError`` where they are on the host.
+    enable_pdl : bool, optional
+        Accepted for the engines' signature and ignored; results are the same bits either way. The in-place
+        rotation's kernel has no programmatic dependent launch (PDL) variant. Only the buffer write's kernel (the
+        attention prologue's) has one, behind the process-wide, experimental ``ropekit._config.pdl_launches``,
+        which one call cannot turn on for itself without racing other threads' calls. It stays off: after a cuBLAS
+        GEMM (the QKV projection before this call) PDL measured slower, as that GEMM does not trigger its dependents
+        early (docs/perf-notes.md, "The decode step with its QKV projection, and PDL").
 
     With the buffers this takes two launches: rope_kv_write (the buffer rows; its rotated q is not kept) and the
     in-place rotation of query and key, both from the same unrotated inputs, so the key left in ``key`` and the one
@@ -231,7 +238,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions: Tensor, query: Tensor, key:
 
     Returns None. Raises ``TypeError``/``ValueError`` naming the argument; nothing is written when it raises.
     """
-    del enable_pdl  # a launch option of the engines' CUDA kernels
+    del enable_pdl  # ignored: see the docstring
     q, k, options = _prepare(positions, query, key, head_size, cos_sin_cache, is_neox, check_positions)
     arg = fused_set_kv_buffer_arg
     if arg is None:
@@ -379,7 +386,12 @@ def rope_quantize_fp8(q_rope: Tensor, k_rope: Tensor, q_nope: Tensor | None, k_n
         scale, rounded once to nearest even, saturated to +-448 / +-57344).
     q_rope_out, k_rope_out, q_nope_out, k_nope_out : Tensor, optional
         Where to write (their inputs' shapes, ``quantize_dtype``; views, such as the two parts of one q buffer,
-        are fine); new tensors where None. ``enable_pdl`` is accepted and ignored.
+        are fine); new tensors where None.
+    enable_pdl : bool
+        Accepted for FlashInfer's signature and ignored; results are the same bits either way. The rotation's
+        kernel has no programmatic dependent launch (PDL) variant (ropekit's experimental, process-wide
+        ``ropekit._config.pdl_launches`` covers only the attention prologue's kernel, and measured slower after a
+        cuBLAS GEMM: docs/perf-notes.md, "The decode step with its QKV projection, and PDL").
 
     Raises ``TypeError``/``ValueError`` naming the argument before anything is written.
     """
