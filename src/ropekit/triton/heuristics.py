@@ -62,9 +62,9 @@ LATENCY_WARPS = 4
 # backward with twice the warps (its third accumulator spills registers otherwise).
 NORM_FWD_TILE_BYTES = 8192
 NORM_HEAD_TILE_ELEMS = 2048
-# Backward programs per program wanted: each loops over token blocks and writes one weight-gradient row; fewer leave
-# SMs idle, more make the rows' sum longer.
-BWD_PROGRAMS_PER_SM = 16
+# Backward programs per program wanted: each loops over token blocks, then writes one weight-gradient row and waits
+# for its stores to be seen before it arrives in the rows' sum tree; fewer leave SMs idle, more wait more often.
+BWD_PROGRAMS_PER_SM = 8
 # Children per node of the tree in which the backward's programs add up those rows (sum_tree): a [16, D] fp32 tile
 # per node is 64 registers a thread at one warp and D 128, no more than the main loop holds; four levels cover the
 # 8448 rows of an H100's or H200's grid.

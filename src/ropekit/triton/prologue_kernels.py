@@ -528,19 +528,19 @@ def _sum_weight_rows(dw_ptr, cnt_ptr, out_ptr, row, n_rows, HEAD_DIM: tl.constex
         parent = row // FAN_IN
         children = tl.minimum(n - parent * FAN_IN, FAN_IN)
         n_up = tl.cdiv(n, FAN_IN)
-        # every thread's stores of the child row come before the release of the arrival; the acquire of the
-        # last arrival comes before its loads of the siblings' rows (read through L2: never a stale L1 line)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters + parent, 1, mask=go, sem="acq_rel", scope="gpu")
-        go = go & (arrived == children - 1)
-        rows = base + parent * FAN_IN + r
-        x = tl.load(dw_ptr + rows * HEAD_DIM + c[None, :], mask=go & (r < children) & (c[None, :] < HEAD_DIM),
-                    other=0.0, cache_modifier=".cg")
-        total = tl.sum(x, axis=0)
-        root = n_up == 1
-        tl.store(dw_ptr + (base + n + parent) * HEAD_DIM + c, total, mask=go & (c < HEAD_DIM) & (n_up > 1))
-        tl.store(out_ptr + c, total.to(out_ptr.dtype.element_ty), mask=go & (c < HEAD_DIM) & root)
-        go = go & (n_up > 1)
+        if go:  # a branch, not a mask: a program that stopped climbing waits on no further arrival
+            # every thread's stores of the child row come before the release of the arrival; the acquire of the
+            # last arrival comes before its loads of the siblings' rows (read through L2: never a stale L1 line)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters + parent, 1, sem="acq_rel", scope="gpu")
+            go = arrived == children - 1
+            rows = base + parent * FAN_IN + r
+            x = tl.load(dw_ptr + rows * HEAD_DIM + c[None, :], mask=go & (r < children) & (c[None, :] < HEAD_DIM),
+                        other=0.0, cache_modifier=".cg")
+            total = tl.sum(x, axis=0)
+            tl.store(dw_ptr + (base + n + parent) * HEAD_DIM + c, total, mask=go & (c < HEAD_DIM) & (n_up > 1))
+            tl.store(out_ptr + c, total.to(out_ptr.dtype.element_ty), mask=go & (c < HEAD_DIM) & (n_up == 1))
+            go = go & (n_up > 1)
         base += n
         counters += n_up
         row = parent
