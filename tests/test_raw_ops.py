@@ -130,8 +130,10 @@ def test_qk_norm_rope_reads_a_strided_input(route, kind, name):
 @pytest.mark.parametrize("name", ("q", "k"))
 def test_qk_norm_rope_backward_reads_a_strided_input(route, kind, name):
     """The gradients of q, k and the weights for a strided q or k (the saved inputs): torch.autograd of the float64
-    reference; q's and k's element-wise within the table, the weights' (sums over tokens and heads) to the table's
-    bound on the error relative to their largest value."""
+    reference, within the table's bound on the error relative to each gradient's largest value. Not element-wise:
+    a stride-0 row is one value repeated, so the norm's backward ``r * (dh - xh * mean(dh * xh))`` subtracts
+    nearly equal terms wherever ``dh`` is near its row's mean, and those elements' own relative error says nothing
+    about which memory was read (a wrong read is wrong by the row's whole size)."""
     with on_route(route, clear_plans=True) as dev:
         for _call in range(2):
             q, k, (qw, kw), spec = _norm_case(dev)
@@ -140,9 +142,8 @@ def test_qk_norm_rope_backward_reads_a_strided_input(route, kind, name):
             got = torch.ops.ropekit.qk_norm_rope_backward.default(*grads, x["q"], x["k"], qw, kw, 0.5, 1e-6, *spec)
             leaves = [_f64(t).requires_grad_(True) for t in (x["q"], x["k"], qw, kw)]
             want = torch.autograd.grad(_norm_rope64(*leaves, spec), leaves, [g.to(F64) for g in grads])
-            for g, w in zip(got[:2], want[:2]):
-                assert_close_to_ref(g, w, torch.float32, ROUTE_BACKENDS[route])
-            for g, w in zip(got[2:], want[2:]):
+            for g, w in zip(got, want):
+                assert g.dtype == torch.float32 and g.shape == w.shape
                 assert max_relative_error(g, w) <= max_relative_tolerance(torch.float32, ROUTE_BACKENDS[route])
 
 
