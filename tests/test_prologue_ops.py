@@ -13,6 +13,7 @@ from ropekit import autograd, ops
 from ropekit._cache_validation import validate_kv_write
 from ropekit._spec import CacheArgs, RopeArgs
 from ropekit._validation import validate, validate_args
+from ropekit.testing import max_relative_error, max_relative_tolerance
 
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 DEVICES = ROUTES
@@ -206,6 +207,30 @@ def test_backward_weight_gradient_tree_of_several_levels_matches_float64(device,
             torch.testing.assert_close(g.cpu().double(), w, rtol=tol, atol=tol)
         again = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=(1, 1, 1, 1))
         assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+def test_backward_weight_gradients_are_the_same_bits_on_every_launch_of_a_full_grid():
+    # Thousands of programs arriving in the weight-gradient sum tree at once, on the GPU, at the shape and block
+    # config a training step takes: a race (a node summed before a child's row is seen) would show as launches
+    # that differ, or as a sum off the float64 one.
+    from ropekit.triton import prologue_launcher
+
+    B, S, HQ, HK, D = 2, 4096, 32, 8, 128
+    q, k = torch.randn(B, S, HQ, D, device="cuda"), torch.randn(B, S, HK, D, device="cuda")
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    qw, kw = torch.rand(D, device="cuda") + 0.5, torch.rand(D, device="cuda") + 0.5
+    spec = validate(q, k, positions=torch.arange(S, device="cuda")[None].expand(B, S))
+    first = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6)
+    for _ in range(20):
+        again = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6)
+        assert torch.equal(again[2], first[2]) and torch.equal(again[3], first[3])
+    # the float64 weight gradient: the sum over tokens and heads of g' * x * r, g' the conjugate-rotated gradient
+    leaves = [t.double().requires_grad_() for t in (q, k, qw, kw)]
+    outs = ropekit.qk_norm_rope(*leaves, positions=torch.arange(S, device="cuda")[None].expand(B, S))
+    want = torch.autograd.grad(outs, leaves[2:], (gq.double(), gk.double()))
+    for got, ref in zip(first[2:], want):  # the table's bound, as the smaller gradient tests hold them to
+        assert max_relative_error(got, ref) <= max_relative_tolerance(torch.float32, "cuda")
 
 
 def test_readme_decode_example_runs_and_writes_each_sequences_row():
