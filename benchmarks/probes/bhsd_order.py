@@ -6,7 +6,10 @@ grids) against the same kernel with head blocks first, and the public call, each
 angle or rotation (y = x), which tells what the access pattern costs from what the arithmetic does. Needs a CUDA
 GPU.
 
-    python benchmarks/probes/bhsd_order.py
+    python benchmarks/probes/bhsd_order.py [--configs 16:1:1:4,32:2:2:4]
+
+``--configs BT:BHQ:BHK:WARPS,...`` also times ``launch_rope`` at those block shapes on the head-major sizes (the grid
+order the launcher picks for each: tokens first where there are enough token blocks).
 """
 
 import argparse
@@ -66,7 +69,10 @@ def same_grid_copy(q, k, q_out, k_out, spec):
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="", help="block shapes BT:BHQ:BHK:WARPS, comma-separated")
+    args = parser.parse_args()
+    configs = [tuple(map(int, c.split(":"))) for c in args.configs.split(",") if c]
     dev, dt, hq, hk, d = "cuda", torch.bfloat16, 32, 8, 128
     inv_freq = 1.0 / (5e5 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -84,6 +90,10 @@ def main() -> None:
                "tokens-first": lambda: launch_rope(q, k, q_out, k_out, spec),
                "same-grid copy": same_grid_copy(q, k, q_out, k_out, spec),
                "apply_rope": lambda: ropekit.apply_rope(q, k, inv_freq=inv_freq, layout=layout)}
+        for c in configs if layout == "bhsd" else ():
+            launch = rope_arguments(q, k, q_out, k_out, spec, config=c, tokens_first_ok=True)
+            order = "T" if launch[2]["TOKENS_FIRST"] else "H"
+            fns[f"{order}{c}"] = lambda c=c: launch_rope(q, k, q_out, k_out, spec, config=c)
         fns["same-grid copy"]()
         assert torch.equal(q_out, q) and torch.equal(k_out, k), "the same-grid copy is not a copy"
         fns["tokens-first"]()
