@@ -2,7 +2,9 @@
 graph, at Qwen3-8B's shape (bf16, 32/8 heads, D 128, positions [B, S], inv_freq given), per value of
 `heuristics.BWD_PROGRAMS_PER_SM`, over 1.5 copies of q+k (what it reads and writes besides the gradients' rows: the
 output gradients, the inputs, dq and dk are three passes over q+k, i.e. 1.5 copies) timed in the same run. Needs a
-CUDA GPU.
+CUDA GPU. ``same-grid copy``: the backward's own grid, block shape and loop over token blocks, loading the output
+gradient's and the input's tiles and storing their sum where dq and dk go, with no positions, angles, rotation or
+norm: what the kernel's access pattern costs apart from its arithmetic.
 
     python benchmarks/probes/qknorm_bwd.py [--sizes 4x4096,16x4096] [--per-sm 16,8,4,2,1]
 """
@@ -11,10 +13,48 @@ import argparse
 
 import torch
 import triton
+import triton.language as tl
 
 from ropekit._validation import validate
 from ropekit.triton import heuristics
 from ropekit.triton import prologue_launcher as launcher
+from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
+
+
+@triton.jit
+def _copy_heads(g_ptr, x_ptr, o_ptr, h0, H, num_tokens, S, n_token_blocks, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
+        t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
+        base, m = _head_tile(b, s, mask_t, h0, H, S * H * D, H * D, D, BLOCK_H)
+        g_lo, g_hi, g_p = _load_heads(g_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
+        x_lo, x_hi, x_p = _load_heads(x_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
+        _store_pairs(o_ptr, base, m, g_lo + x_lo, g_hi + x_hi, g_p, D, D, 0, True, D // 2, 1, False, False, False)
+
+
+@triton.jit
+def _same_grid_copy_kernel(gq_ptr, q_ptr, dq_ptr, gk_ptr, k_ptr, dk_ptr, HQ, HK, S, num_tokens, n_token_blocks,
+                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    """norm_rope_bwd_kernel's grid and loop (contiguous bshd tensors): dq = gq + q, dk = gk + k."""
+    hb = tl.program_id(0)
+    n_qb = tl.cdiv(HQ, BLOCK_HQ)
+    if hb < n_qb:
+        _copy_heads(gq_ptr, q_ptr, dq_ptr, hb * BLOCK_HQ, HQ, num_tokens, S, n_token_blocks, D, BLOCK_T, BLOCK_HQ)
+    else:
+        _copy_heads(gk_ptr, k_ptr, dk_ptr, (hb - n_qb) * BLOCK_HK, HK, num_tokens, S, n_token_blocks, D, BLOCK_T,
+                    BLOCK_HK)
+
+
+def same_grid_copy(gq, q, gk, k, dq, dk):
+    """The launch of :func:`_same_grid_copy_kernel` on the grid the backward launcher takes for these tensors."""
+    B, S, HQ, D = q.shape
+    HK = k.shape[2]
+    bt, bhq, bhk, warps = heuristics.norm_block_config(B * S, HQ, HK, D, q.element_size(),
+                                                       heuristics.num_programs_wanted(q.device), "backward")
+    n_tb, n_qb, n_kb = heuristics.cdiv(B * S, bt), heuristics.cdiv(HQ, bhq), heuristics.cdiv(HK, bhk)
+    grid = (n_qb + n_kb, heuristics.bwd_program_groups(n_tb, n_qb + n_kb, q.device))
+    return lambda: _same_grid_copy_kernel[grid](gq, q, dq, gk, k, dk, HQ, HK, S, B * S, n_tb, D=D, BLOCK_T=bt,
+                                                BLOCK_HQ=bhq, BLOCK_HK=bhk, num_warps=warps)
 
 
 def bench(fn) -> float:
@@ -58,6 +98,13 @@ def main() -> None:
             print(f"{size} programs per SM wanted {per_sm:3d}: {t:.1f} us = {t / (1.5 * copy):.3f}x its bytes",
                   flush=True)
         heuristics.BWD_PROGRAMS_PER_SM = default
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        copy_fn = same_grid_copy(gq, q, gk, k, dq, dk)
+        copy_fn()
+        torch.testing.assert_close(dq, (gq.float() + q.float()).to(dq.dtype))  # it copies what it should
+        t = bench(graphed(copy_fn))
+        print(f"{size} same-grid copy (programs per SM wanted {default}): {t:.1f} us = {t / (1.5 * copy):.3f}x its "
+              "bytes", flush=True)
 
 
 if __name__ == "__main__":
