@@ -57,6 +57,22 @@ def test_matches_the_float64_definition(route, dtype, Hk):
 
 
 @pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kind", ["stride0", "stride2"])
+def test_v_with_a_strided_last_dim_is_copied_by_value(route, kind):
+    """v may have any strides: an expand()ed last dim (stride 0) or every other column of a wider buffer (stride
+    2) is copied value for value into a new contiguous tensor, and the buffer it views is left as it was."""
+    with on_route(route) as device:
+        q, k, qw, kw, pos = _inputs(device, torch.float32, Hk=1)
+        if kind == "stride0":
+            v = torch.randn(2, 3, 1, 1, device=device).expand(2, 3, 1, 16)
+        else:
+            v = torch.randn(2, 3, 1, 32, device=device)[..., ::2]
+        base = v._base.clone()
+        v_out = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos, sections=SECTIONS, norm_over="hidden", v=v)[2]
+    assert v_out.is_contiguous() and torch.equal(v_out, v) and torch.equal(v._base, base)
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_partial_rotary_offset_and_interleaved(route):
     with on_route(route) as device:
         q, k, qw, kw, pos = _inputs(device, torch.float32)

@@ -349,7 +349,13 @@ torch.library.register_autograd("ropekit::qk_hidden_norm_rope", _hidden_norm_bac
 
 
 def hidden_norm_rotate(q: Tensor, k: Tensor, v: Tensor | None, norm: NormSpec, spec: RopeSpec) -> tuple:
-    """Whole-hidden RMSNorm then rotation (validated), through ``ropekit::qk_hidden_norm_rope`` eager and traced:
-    ``(q_out, k_out)``, and v's copy last where v is given."""
+    """Whole-hidden RMSNorm then rotation (validated): ``(q_out, k_out)``, and v's copy last where v is given.
+    Through ``ropekit::qk_hidden_norm_rope`` where autograd records or torch.compile traces; other eager calls run
+    the op's body without the dispatcher (and without the op's second look at q's and k's strides)."""
+    leaves = (q, k, norm.q_weight, norm.k_weight, v)
+    if not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in leaves)):
+        return tuple(ops.hidden_norm_rotate(q, k, norm.q_weight, norm.k_weight, v, norm.weight_offset, norm.eps,
+                                            spec))
     return tuple(ops.qk_hidden_norm_rope(q, k, norm.q_weight, norm.k_weight, v, norm.weight_offset, norm.eps,
                                          *spec))

@@ -14,9 +14,10 @@ eager calls that need neither autograd nor tracing (its round trips cost more ho
 
 The registered ops may be called directly, without the public functions' validation; the kernels step through a
 row's columns one element apart, so each op, before anything runs, reads a tensor whose last dim is strided (stride
-0 or > 1) as a contiguous copy (:func:`_dense_rows`) and refuses one it writes (``rope_``'s q and k, the caches)
-with a ``ValueError`` naming it (:func:`ropekit._validation.check_last_dim`). These are attribute reads on the
-common contiguous path; the public functions' eager calls, validated already, run the bodies without them.
+0 or > 1) as a contiguous copy (:func:`_dense_rows`) and refuses one it writes (``rope_``'s q and k, the caches,
+MLA's given q outputs) with a ``ValueError`` naming it (:func:`ropekit._validation.check_last_dim`). These are
+attribute reads on the common contiguous path; the public functions' eager calls, validated already, run the bodies
+without them.
 """
 
 from __future__ import annotations
@@ -472,8 +473,10 @@ def _attention_out(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     return o, q.new_empty((B, HQ, S), dtype=torch.float32)
 
 
-def _rope_attention(q, k, v, angles, cu_seqlens, layout, rotary_start, rotary_dim, neox, q_scale, k_scale,
-                    qk_mult, causal, max_seqlen) -> tuple[Tensor, Tensor]:
+def attention_forward(q, k, v, angles, cu_seqlens, layout, rotary_start, rotary_dim, neox, q_scale, k_scale,
+                      qk_mult, causal, max_seqlen) -> tuple[Tensor, Tensor]:
+    """The body of ``ropekit::rope_attention``: (o, lse), new tensors. q, k, v, ``angles`` and ``cu_seqlens``
+    with a contiguous last dim (the op's wrapper sees to it)."""
     o, lse = _attention_out(q, v, layout)
     qc, kc, vc = _canonical_qkv(q, k, v, layout)
     oc = to_canonical(o, layout)
@@ -492,8 +495,11 @@ def _rope_attention(q, k, v, angles, cu_seqlens, layout, rotary_start, rotary_di
     return o, lse
 
 
-def _rope_attention_backward(do, dlse, q, k, v, angles, cu_seqlens, o, lse, layout, rotary_start, rotary_dim, neox,
-                             q_scale, k_scale, qk_mult, causal, max_seqlen) -> tuple[Tensor, Tensor, Tensor]:
+def attention_backward(do, dlse, q, k, v, angles, cu_seqlens, o, lse, layout, rotary_start, rotary_dim, neox,
+                       q_scale, k_scale, qk_mult, causal, max_seqlen) -> tuple[Tensor, Tensor, Tensor]:
+    """The body of ``ropekit::rope_attention_backward``: (dq, dk, dv), new tensors. q, k, v, ``angles``,
+    ``cu_seqlens`` and o with a contiguous last dim, lse contiguous (the op's wrapper sees to it); ``do`` and
+    ``dlse`` may have any strides."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qc, kc, vc = _canonical_qkv(q, k, v, layout)
     if uses_kernels(q):
@@ -514,8 +520,17 @@ def _rope_attention_backward(do, dlse, q, k, v, angles, cu_seqlens, o, lse, layo
     return dq, dk, dv
 
 
-# the op bodies, callable without the dispatcher (eager calls: ropekit.autograd.attend)
-attention_forward, attention_backward = _rope_attention, _rope_attention_backward
+def _rope_attention(q, k, v, angles, cu_seqlens, *params) -> tuple[Tensor, Tensor]:
+    return attention_forward(_dense_rows(q), _dense_rows(k), _dense_rows(v), _dense_rows(angles),
+                             _dense_rows(cu_seqlens), *params)
+
+
+def _rope_attention_backward(do, dlse, q, k, v, angles, cu_seqlens, o, lse, *params) -> tuple[Tensor, Tensor, Tensor]:
+    # the kernels index lse [B, HQ, S] as a contiguous block, not by strides
+    return attention_backward(do, dlse, _dense_rows(q), _dense_rows(k), _dense_rows(v), _dense_rows(angles),
+                              _dense_rows(cu_seqlens), _dense_rows(o), lse if lse.is_contiguous() else lse.contiguous(),
+                              *params)
+
 
 _ATTENTION_ARGS = ("str layout, int rotary_start, int rotary_dim, bool neox, float q_scale, float k_scale, "
                    "float qk_mult, bool causal, int max_seqlen")
@@ -578,7 +593,7 @@ def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeS
 
 
 def _mla_rope(q, k_pe, k_heads, split_q, *spec) -> list[Tensor]:
-    return mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec))
+    return mla_rotate(_dense_rows(q), _dense_rows(k_pe), k_heads, split_q, RopeSpec(*spec))
 
 
 def _new_outputs_only(q: Tensor, outs: list[Tensor], q_outs: tuple, split_q: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -593,8 +608,13 @@ def _new_outputs_only(q: Tensor, outs: list[Tensor], q_outs: tuple, split_q: boo
 def _mla_rope_kv_write(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_pe_out, slots, paged, cache_scale_t,
                        cache_scale, q_out_scale_t, k_out_scale_t, q_out_scale, k_out_scale, k_heads, split_q,
                        *spec) -> tuple[Tensor, Tensor, Tensor]:
+    for name, written in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache), ("q_nope_out", q_nope_out),
+                          ("q_pe_out", q_pe_out)):
+        if written is not None:
+            check_last_dim(name, written)
     q_outs = (q_nope_out, q_pe_out)
     out_scales = (q_out_scale, k_out_scale) if q_out_scale_t is None else (q_out_scale_t, k_out_scale_t)
+    q, k_pe, kv_c = _dense_rows(q), _dense_rows(k_pe), _dense_rows(kv_c)
     outs = mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec), q_outs, kv_c=kv_c, ckv_cache=ckv_cache,
                       kpe_cache=kpe_cache, slots=slots, paged=paged,
                       cache_scale=cache_scale if cache_scale_t is None else cache_scale_t, out_scales=out_scales)
@@ -635,12 +655,14 @@ def _mla_rope_kv_write_fake(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_p
 def hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset: float, eps: float, spec: RopeSpec) -> list[Tensor]:
     """The body of ``ropekit::qk_hidden_norm_rope``: [q_out, k_out] (and v's copy in q's dtype where v is given),
     new tensors; one kernel launch, else the torch path (the norm of :mod:`ropekit._hidden_norm`, then the
-    rotation in the same precision, one rounding at the end)."""
+    rotation in the same precision, one rounding at the end). q and k with a contiguous last dim (validated, or
+    the op's wrapper sees to it); v and the weights any strides."""
     from ropekit import _hidden_norm
 
     if uses_kernels(q):
         from ropekit.triton.hidden_norm_launcher import launch_hidden_norm_rope
 
+        v = _dense_rows(v)  # v may have any strides (the public contract); the kernel steps through columns by one
         outs = _new_outputs(q, k, None)
         if v is not None:
             outs.append(v.new_empty(v.shape, dtype=q.dtype))
@@ -659,7 +681,8 @@ def hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset: float, eps: f
 
 
 def _qk_hidden_norm_rope(q, k, q_weight, k_weight, v, weight_offset, eps, *spec) -> list[Tensor]:
-    return hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset, eps, RopeSpec(*spec))
+    return hidden_norm_rotate(_dense_rows(q), _dense_rows(k), q_weight, k_weight, v, weight_offset, eps,
+                              RopeSpec(*spec))
 
 
 qk_hidden_norm_rope = torch.library.custom_op(
