@@ -10,6 +10,7 @@ norm: what the kernel's access pattern costs apart from its arithmetic.
 """
 
 import argparse
+import itertools
 
 import torch
 import triton
@@ -78,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4x4096,16x4096")
     parser.add_argument("--per-sm", default="16,8,4,2,1")
+    parser.add_argument("--stages", default="1", help="values of heuristics.BWD_STAGES, comma-separated")
+    parser.add_argument("--configs", default="", help="block shapes BT:BHQ:BHK:WARPS besides the default")
     args = parser.parse_args()
     dev, dt, hq, hk, d = "cuda", torch.bfloat16, 32, 8, 128
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -91,13 +94,16 @@ def main() -> None:
         flat = torch.cat([q.flatten(), k.flatten()])
         out = torch.empty_like(flat)
         copy = bench(lambda: out.copy_(flat))
-        default = heuristics.BWD_PROGRAMS_PER_SM
-        for per_sm in map(int, args.per_sm.split(",")):
-            heuristics.BWD_PROGRAMS_PER_SM = per_sm
-            t = bench(graphed(lambda: launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, w, w, 0.0, 1e-6)))
-            print(f"{size} programs per SM wanted {per_sm:3d}: {t:.1f} us = {t / (1.5 * copy):.3f}x its bytes",
-                  flush=True)
-        heuristics.BWD_PROGRAMS_PER_SM = default
+        default, default_stages = heuristics.BWD_PROGRAMS_PER_SM, heuristics.BWD_STAGES
+        configs = [None] + [tuple(map(int, c.split(":"))) for c in args.configs.split(",") if c]
+        for per_sm, stages, config in itertools.product(map(int, args.per_sm.split(",")),
+                                                         map(int, args.stages.split(",")), configs):
+            heuristics.BWD_PROGRAMS_PER_SM, heuristics.BWD_STAGES = per_sm, stages
+            t = bench(graphed(lambda c=config: launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, w, w, 0.0, 1e-6,
+                                                                             config=c)))
+            print(f"{size} programs per SM wanted {per_sm:3d}, stages {stages}, block {config or 'default'}: "
+                  f"{t:.1f} us = {t / (1.5 * copy):.3f}x its bytes", flush=True)
+        heuristics.BWD_PROGRAMS_PER_SM, heuristics.BWD_STAGES = default, default_stages
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         copy_fn = same_grid_copy(gq, q, gk, k, dq, dk)
         copy_fn()

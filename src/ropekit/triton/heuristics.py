@@ -65,6 +65,8 @@ NORM_HEAD_TILE_ELEMS = 2048
 # Backward programs per program wanted: each loops over token blocks, then writes one weight-gradient row and waits
 # for its stores to be seen before it arrives in the rows' sum tree; fewer leave SMs idle, more wait more often.
 BWD_PROGRAMS_PER_SM = 8
+# Software-pipeline stages of the backward's loop over token blocks (1: none).
+BWD_STAGES = 1
 # Children per node of the tree in which the backward's programs add up those rows (sum_tree): a [16, D] fp32 tile
 # per node is 64 registers a thread at one warp and D 128, no more than the main loop holds; four levels cover the
 # 8448 rows of an H100's or H200's grid.

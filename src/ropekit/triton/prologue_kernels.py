@@ -466,7 +466,7 @@ def _norm_rope_bwd_heads(
     TABLE_FULL: tl.constexpr, FAST_TRIG: tl.constexpr, NUM_AXES: tl.constexpr, AXES_INTERLEAVED: tl.constexpr,
     AXIS_BOUND_1: tl.constexpr, AXIS_BOUND_2: tl.constexpr, AXIS_BOUND_3: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
-    FAN_IN: tl.constexpr, SUM_LEVELS: tl.constexpr,
+    FAN_IN: tl.constexpr, SUM_LEVELS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One block of heads over every ``num_programs(1)``-th token block from ``program_id(1)`` on: the gradients
     of its rows, and the sum of their weight-gradient terms, stored once as row ``dw_row`` of the ``dw_rows``
@@ -481,7 +481,7 @@ def _norm_rope_bwd_heads(
     acc_p = tl.zeros([BLOCK_T, BLOCK_H, PASS_BLOCK], tl.float32)
     w_lo, w_hi, w_p = _norm_weights(w_ptr, w_offset, ROT_DIM, ROT_START, NEOX, HEAD_DIM, HALF_BLOCK, PASS_BLOCK,
                                     HAS_PASS)
-    for tb in range(tl.program_id(1), n_token_blocks, tl.num_programs(1)):
+    for tb in tl.range(tl.program_id(1), n_token_blocks, tl.num_programs(1), num_stages=STAGES):
         t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
         pos, valid = _token_positions(t, b, s, mask_t, pos_ptr, pos_sb, pos_ss, seq_off_ptr, pos_offset, cu_ptr,
                                       n_seqs, n_search_steps, POS_MODE, HAS_SEQ_OFFSETS)
@@ -564,7 +564,7 @@ def norm_rope_bwd_kernel(
     AXIS_BOUND_3: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, FAN_IN: tl.constexpr,
-    Q_SUM_LEVELS: tl.constexpr, K_SUM_LEVELS: tl.constexpr,
+    Q_SUM_LEVELS: tl.constexpr, K_SUM_LEVELS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The backward of ``prologue_kernel`` with a norm and no cache. Grid (head blocks of q then k, G): a program
     handles one block of heads for every G-th token block and writes its weight-gradient sum to row
@@ -585,7 +585,7 @@ def norm_rope_bwd_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HQ,
-            HALF_BLOCK, PASS_BLOCK, D_BLOCK, FAN_IN, Q_SUM_LEVELS)
+            HALF_BLOCK, PASS_BLOCK, D_BLOCK, FAN_IN, Q_SUM_LEVELS, STAGES)
     else:
         _norm_rope_bwd_heads(
             gk_ptr, gk_sb, gk_ss, gk_sh, k_ptr, k_sb, k_ss, k_sh, dk_ptr, dk_sb, dk_ss, dk_sh, kw_ptr, w_offset, eps,
@@ -595,4 +595,4 @@ def norm_rope_bwd_kernel(
             freq_ptr, cos_ptr, sin_ptr, t_sb, t_sr, t_sc, table_rows, rotary_scale, pos_sa,
             HEAD_DIM, ROT_DIM, ROT_START, NEOX, POS_MODE, HAS_SEQ_OFFSETS, FREQ_MODE, TABLE_BY_TOKEN, TABLE_FULL,
             FAST_TRIG, NUM_AXES, AXES_INTERLEAVED, AXIS_BOUND_1, AXIS_BOUND_2, AXIS_BOUND_3, BLOCK_T, BLOCK_HK,
-            HALF_BLOCK, PASS_BLOCK, D_BLOCK, FAN_IN, K_SUM_LEVELS)
+            HALF_BLOCK, PASS_BLOCK, D_BLOCK, FAN_IN, K_SUM_LEVELS, STAGES)

@@ -238,6 +238,6 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
                 k_counters=q_tree.counters)
     constexprs = _shared_constexprs(NORM_ROPE_BWD, rope_constexprs)
     constexprs.update(D_BLOCK=heuristics.next_pow2(D), FAN_IN=heuristics.WEIGHT_SUM_FAN_IN,
-                      Q_SUM_LEVELS=q_tree.levels, K_SUM_LEVELS=k_tree.levels)
+                      Q_SUM_LEVELS=q_tree.levels, K_SUM_LEVELS=k_tree.levels, STAGES=heuristics.BWD_STAGES)
     runtime.launch(NORM_ROPE_BWD, grid, args, constexprs, num_warps, q.device)
     return dq, dk, dwqo, dwko
