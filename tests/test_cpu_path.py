@@ -271,8 +271,9 @@ def test_tables_of_many_tokens_match_the_one_product_tables(monkeypatch, style, 
 
 
 def test_steps_grow_with_threads_except_for_small_16_bit_tensors():
-    """Large tensors are rotated in steps that grow with torch's threads; 16-bit tensors below four such steps
-    keep the 1 MiB step (their float32 working copies are fresh memory every call)."""
+    """Large tensors are rotated in steps that grow with torch's threads; a 16-bit CPU tensor whose float32 copy and
+    swapped copy fit the thread's workspace goes in one step; other 16-bit tensors below four such steps keep the
+    1 MiB step (whose buffers the workspace holds; on other devices their working copies are fresh memory)."""
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(8)
@@ -282,5 +283,124 @@ def test_steps_grow_with_threads_except_for_small_16_bit_tensors():
         assert float32_path._block_elements(torch.empty(4 * scaled, dtype=torch.bfloat16)) == step
         torch.set_num_threads(1)
         assert float32_path._block_elements(torch.empty(0)) == step
+        torch.set_num_threads(2)
+        fits = float32_path.WORKSPACE_ELEMENTS // 2
+        assert fits > 2 * step  # one step where 1 MiB steps would take several
+        assert float32_path._block_elements(torch.empty(fits, dtype=torch.bfloat16)) == fits
+        assert float32_path._block_elements(torch.empty(fits, dtype=torch.bfloat16, device="meta")) == step
+        assert float32_path._block_elements(torch.empty(fits + 1, dtype=torch.float16)) == step
+        assert float32_path._block_elements(torch.empty(fits, dtype=torch.float32)) == step
     finally:
         torch.set_num_threads(previous)
+
+
+# Calls whose float32 temporaries the workspace holds (ropekit.float32_path._Workspace), by the route they take once a
+# plan replays them: (q and k shapes as (B, S, HQ, HK, D), dtype, apply_rope keywords, block elements or None)
+WORKSPACE_CALLS = {
+    "q-and-k-side-by-side": ((3, 1, 4, 2, 32), torch.bfloat16, dict(), None),
+    "q-alone": ((2, 3, 4, 0, 32), torch.float16, dict(style="interleaved"), None),
+    "one-step-partial": ((2, 3, 4, 2, 32), torch.bfloat16, dict(rotary_dim=16, q_scale=0.5), None),
+    "one-step-to-float32": ((2, 3, 4, 2, 32), torch.float16, dict(rotary_dim=16, rotary_at="back",
+                                                                   out_dtype=torch.float32), None),
+    "blocks": ((5, 2, 4, 2, 32), torch.bfloat16, dict(style="interleaved"), 2 * 4 * 32),
+}
+
+
+def _workspace_inputs(case: str, seed: int):
+    (b, s, hq, hk, d), dtype, kwargs, _ = WORKSPACE_CALLS[case]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, s, hk, d, generator=g).to(dtype) if hk else None
+    return q, k, dict(kwargs, positions=_ids(b, s) + seed)
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("case", sorted(WORKSPACE_CALLS))
+def test_outputs_never_alias_the_workspace(monkeypatch, case):
+    """A call's outputs are new memory, never the thread's reused float32 workspace: after a second call of the
+    same signature on other values (replayed by its plan) the first call's outputs hold what they held, and every
+    output lies outside the workspace."""
+    monkeypatch.setattr(float32_path, "_WORKSPACE", float32_path._Workspace())  # empty: filled by these calls
+    block = WORKSPACE_CALLS[case][3]
+    if block is not None:
+        monkeypatch.setattr(float32_path, "_block_elements", lambda x: block)
+    from helpers import fast_path
+
+    with fast_path(True):
+        q, k, kwargs = _workspace_inputs(case, 0)
+        for _ in range(3):  # the second call records the plan, the third replays it
+            first = _as_tuple(ropekit.apply_rope(q, k, **kwargs))
+        kept = [t.clone() for t in first]
+        q2, k2, kwargs2 = _workspace_inputs(case, 1)
+        second = _as_tuple(ropekit.apply_rope(q2, k2, **kwargs2))
+    for got, want in zip(first, kept):
+        assert torch.equal(got, want)
+    buffer = float32_path._WORKSPACE.buffer
+    assert buffer is not None  # the calls used it
+    lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    for t in (*first, *second):
+        start = t.data_ptr()
+        assert start + t.numel() * t.element_size() <= lo or start >= hi
+    want = _as_tuple(ropekit.apply_rope(q2.double(), None if k2 is None else k2.double(), **kwargs2))
+    for got, expected in zip(second, want):
+        assert_close_to_ref(got, expected, got.dtype, backend="float32-path")
+
+
+def test_workspace_is_per_thread():
+    """Two threads rotating tensors of one shape at once, each its own values many times, each get exactly the
+    single-threaded result every time: each thread has a workspace of its own."""
+    import threading
+
+    from helpers import fast_path
+
+    shapes = [(1, 1, 4, 2, 32), (4, 1, 4, 2, 32), (2, 3, 4, 2, 32)]  # side by side, one by one, interleaved style
+    inputs = []
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        inputs.append([(torch.randn(b, s, hq, d, generator=g).to(torch.bfloat16),
+                        torch.randn(b, s, hk, d, generator=g).to(torch.bfloat16), _ids(b, s) + 100 * seed)
+                       for b, s, hq, hk, d in shapes])
+    with fast_path(True):
+        want = [[ropekit.apply_rope(q, k, positions=ids) for q, k, ids in calls] for calls in inputs]
+        start, failures, buffers = threading.Barrier(2), [], {}
+
+        def work(seed):
+            start.wait()
+            for _ in range(50):
+                for (q, k, ids), expected in zip(inputs[seed], want[seed]):
+                    got = ropekit.apply_rope(q, k, positions=ids)
+                    if not all(torch.equal(a, b) for a, b in zip(got, expected)):
+                        failures.append(seed)
+            buffers[seed] = float32_path._WORKSPACE.buffer
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures
+    assert buffers[0] is not None and buffers[1] is not None and buffers[0].data_ptr() != buffers[1].data_ptr()
+
+
+def test_workspace_stays_bounded(monkeypatch):
+    """The workspace grows to the largest call that fits its bound and no further: a larger call allocates its own
+    temporaries (and still rotates correctly), and the views it keeps are few whatever the number of shapes."""
+    # q [3, 1, 4, 32]'s float32 copy and its 16 rotary columns swapped
+    monkeypatch.setattr(float32_path, "WORKSPACE_ELEMENTS", 3 * 4 * (32 + 16))
+    monkeypatch.setattr(float32_path, "_WORKSPACE", float32_path._Workspace())
+    workspace = float32_path._WORKSPACE
+    for b in (1, 3, 6, 12, 2):  # q of 6 and 12 tokens exceed the bound
+        q, k = make_qk(b, 1, 4, 2, 32, dtype=torch.bfloat16)
+        ids = _ids(b, 1)
+        got = ropekit.apply_rope(q, k, positions=ids, rotary_dim=16)
+        want = ropekit.apply_rope(q.double(), k.double(), positions=ids, rotary_dim=16)
+        for g, w in zip(got, want):
+            assert_close_to_ref(g, w, torch.bfloat16, backend="float32-path")
+        assert workspace.buffer.numel() <= float32_path.WORKSPACE_ELEMENTS
+    assert workspace.buffer.numel() == float32_path.WORKSPACE_ELEMENTS  # grown to the largest call that fits
+    for d in range(2, 2 * (float32_path._WORKSPACE_VIEWS + 2), 2):  # more shapes than views kept
+        ropekit.apply_rope(torch.randn(1, 1, 2, d).to(torch.bfloat16), None, positions=3)
+        assert len(workspace.views) <= float32_path._WORKSPACE_VIEWS

@@ -249,3 +249,22 @@ def test_positions_taking_turns_keep_their_tables(served, monkeypatch, positions
             assert_same(call(dict(mode="out"), q, k, dict(positions=p)), want, "turns")
     assert len(built) == 2
     assert served["served"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("batch", [1, 3])  # one token: one product and sum for q and k; more: one each
+@pytest.mark.parametrize("k_scale", [1.0, 0.5])  # one table for both, or one each
+def test_q_and_k_side_by_side_equal_the_full_path(served, monkeypatch, dtype, style, batch, k_scale):
+    """Replayed 16-bit decode calls rotate q and k side by side in one float32 workspace copy
+    (``float32_path.rotated_copies``): bit for bit the full path's outputs, in contiguous new tensors."""
+    joint = []
+    original = float32_path.rotated_copies
+    monkeypatch.setattr(float32_path, "rotated_copies", lambda *a: joint.append(1) or original(*a))
+    g = torch.Generator().manual_seed(batch)
+    for step in range(4):
+        q = torch.randn(batch, 1, 4, 16, generator=g).to(dtype)
+        k = torch.randn(batch, 1, 2, 16, generator=g).to(dtype)
+        kw = dict(positions=torch.randint(0, 1000, (batch, 1), generator=g), style=style, k_scale=k_scale)
+        assert_same(call(dict(mode="out"), q, k, kw), full_path(dict(mode="out"), q, k, kw), f"call {step}")
+    assert len(joint) == 2  # the two replays

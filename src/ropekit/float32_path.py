@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 
@@ -36,13 +37,19 @@ _CHUNK_ELEMENTS = 1 << 18
 
 
 def _block_elements(x: torch.Tensor) -> int:
-    """Elements of ``x`` rotated per step: :data:`_CHUNK_ELEMENTS` per two threads torch uses -- but for 16-bit
-    inputs below four such steps, :data:`_CHUNK_ELEMENTS`: their float32 working copies are fresh memory per
-    call, whose page faults only large tensors amortize (16 threads, 256 tokens of 32 heads: 1.06 ms in 1 MiB
-    steps, 1.86 ms in one 4 MiB step)."""
+    """Elements of ``x`` rotated per step: :data:`_CHUNK_ELEMENTS` per two threads torch uses -- but a 16-bit CPU
+    tensor whose float32 copy and swapped copy fit this thread's workspace (:data:`WORKSPACE_ELEMENTS`) goes in
+    one step (2 threads, 256 tokens of 32 heads: 0.39 ms against 0.47 ms in 1 MiB steps), and other 16-bit inputs
+    below four such steps in :data:`_CHUNK_ELEMENTS` steps, whose two buffers the workspace holds: float32
+    working copies in fresh memory page-fault on every call, which only large tensors amortize (16 threads, 256
+    tokens of 32 heads in fresh memory: 1.06 ms in 1 MiB steps, 1.86 ms in one 4 MiB step)."""
     scaled = _CHUNK_ELEMENTS * max(1, torch.get_num_threads() // 2)
-    if x.dtype != torch.float32 and x.numel() <= 4 * scaled:
-        return _CHUNK_ELEMENTS
+    if x.dtype != torch.float32:
+        n = x.numel()
+        if x.device.type == "cpu" and 2 * n <= WORKSPACE_ELEMENTS:
+            return max(n, scaled)
+        if n <= 4 * scaled:
+            return _CHUNK_ELEMENTS
     return scaled
 
 
@@ -294,6 +301,70 @@ def _swapped(x: torch.Tensor, neox: bool) -> torch.Tensor:
     return _paired(x, False).flip(-1).flatten(-2)
 
 
+# Float32 elements of one thread's workspace at most (8 MiB): a 16-bit tensor of up to 1M elements (256 decode tokens
+# of 32 heads of 128) finds its float32 copy and swapped copy there. Larger calls allocate, as fresh memory is
+# cheap next to their work.
+WORKSPACE_ELEMENTS = 1 << 21
+# Views of the workspace kept per thread (one set per call shape: q's and k's of a few decode batch sizes).
+_WORKSPACE_VIEWS = 16
+
+
+class _Workspace(threading.local):
+    """One thread's reused float32 CPU memory for the temporaries of a rotation (the float32 copy of a 16-bit
+    input, the swapped copy, a block's result), and views of it made once per call shape. Fresh float32
+    temporaries of decode sizes cost a page fault per 4 KiB on every call (the allocator maps and unmaps them), as
+    much as the rotation itself; kept memory does not. Per thread, so that calls on two threads never share it;
+    only on the CPU, whose ops run before they return (a device's allocator caches its memory already, and its
+    streams would make shared memory unsafe). What a rotation returns is never workspace memory."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None  # flat float32, grown to the largest need up to the bound
+        self.views: dict = {}
+
+    def get(self, key, elements: int, build):
+        """The views ``build(buffer)`` made for ``key`` (of the buffer's first ``elements``), kept per key; None
+        beyond :data:`WORKSPACE_ELEMENTS`."""
+        views = self.views.get(key)
+        if views is not None:
+            return views
+        if elements > WORKSPACE_ELEMENTS:
+            return None
+        if self.buffer is None or self.buffer.numel() < elements:
+            self.buffer = torch.empty(elements, dtype=torch.float32)
+            self.views.clear()  # views of the old buffer, which is then freed
+        if len(self.views) >= _WORKSPACE_VIEWS:
+            self.views.clear()
+        views = self.views[key] = build(self.buffer)
+        return views
+
+
+_WORKSPACE = _Workspace()
+
+
+def _rotation_views(shape: torch.Size, rotary_start: int, rotary_dim: int, neox: bool):
+    """(float32 copy [shape], swapped [..., R], ((swapped lo, copy hi), (swapped hi, copy lo)) pair views) in this
+    thread's workspace for a CPU rotation of a tensor of ``shape``, or None where it does not fit
+    (:meth:`_Workspace.get`)."""
+    n = math.prod(shape)
+    r = n // shape[-1] * rotary_dim
+
+    def build(buffer):
+        src = buffer[:n].view(shape)
+        swapped = buffer[n:n + r].view(*shape[:-1], rotary_dim)
+        lo, hi = _pairs(src, rotary_start, rotary_dim, neox)
+        s_lo, s_hi = _pairs(swapped, 0, rotary_dim, neox)
+        return src, swapped, ((s_lo, hi), (s_hi, lo))
+
+    return _WORKSPACE.get((shape, rotary_start, rotary_dim, neox), n + r, build)
+
+
+def _swap_into(pairs) -> None:
+    """Fill a swapped copy from its ``((swapped lo, src hi), (swapped hi, src lo))`` pair views: two copies that
+    convert (a 16-bit source's) in passing, instead of a fresh ``torch.roll``/``flip``."""
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
 def fits_rotated_copy(x: torch.Tensor) -> bool:
     """Whether :func:`rotated_copy` takes ``x``: contiguous, and no larger than one block."""
     return x.is_contiguous() and x.numel() <= _block_elements(x)
@@ -303,37 +374,100 @@ def rotated_copy(x: torch.Tensor, tables: tuple, neox: bool) -> torch.Tensor:
     """``x`` (:func:`fits_rotated_copy`, in the canonical layout, every column rotary) rotated into a new
     contiguous tensor of its dtype with the tables ``(C, T)`` of :func:`_float32_tables` -- bit for bit
     :func:`_rotate_float32`'s result -- in the fewest torch ops (float32: the product, the swap, their sum; else
-    also the float32 copy and the rounding copy, which allocates the output)."""
+    the float32 copy, the swap and the product in this thread's workspace, then the rounding copy, which allocates
+    the output)."""
     C, T = tables
     if x.dtype == torch.float32:
         out = torch.mul(x, C)
         out.addcmul_(_swapped(x, neox), T)
         return out
-    src = x.to(torch.float32)
-    swapped = _swapped(src, neox)
+    views = _rotation_views(x.shape, 0, x.shape[-1], neox) if x.device.type == "cpu" else None
+    if views is None:
+        src = x.to(torch.float32)
+        swapped = _swapped(src, neox)
+    else:
+        src, swapped, pairs = views
+        src.copy_(x)
+        _swap_into(pairs)
     torch.mul(src, C, out=src)
     src.addcmul_(swapped, T)
     return src.to(x.dtype)
+
+
+# Elements of q and k together up to which :func:`rotated_copies` takes them: there per-op host time is much of a
+# call (2 threads, 32 + 8 heads of 128: 1 token 25 against 34 us, 16 tokens 69 against 78 us); at 32 tokens the two
+# rotations one by one measured faster (88 against 131 us).
+_JOINT_ELEMENTS = 1 << 17
+
+
+def rotated_copies(q: torch.Tensor, k: torch.Tensor, q_tables: tuple, k_tables: tuple, neox: bool):
+    """``(rotated_copy(q, q_tables, neox), rotated_copy(k, k_tables, neox))`` bit for bit, for 16-bit CPU inputs of
+    one dtype and head size, and few elements (:data:`_JOINT_ELEMENTS`): q's then k's float32 copy side by side in
+    this thread's workspace, so that one swap serves both and, for a single token with one table (which
+    broadcasts over every head), one product and one sum: fewer ops where per-op host time is much of a call.
+    Else None (the caller rotates them one by one). Outputs are new contiguous tensors of the inputs' dtype."""
+    nq, nk, D = q.numel(), k.numel(), q.shape[-1]
+    n = nq + nk
+    if q.dtype != k.dtype or q.dtype == torch.float32 or q.device.type != "cpu" or k.device.type != "cpu" or \
+            k.shape[-1] != D or n > _JOINT_ELEMENTS:
+        return None
+    one_token = q.shape[:2] == k.shape[:2] == (1, 1)
+
+    def build(buffer):
+        flat, flat_swapped = buffer[:n], buffer[n:2 * n]
+        # q's rows then k's; for one token as [1, 1, Hq + Hk, D], which the tables broadcast over
+        src, swapped = (t.view(1, 1, -1, D) if one_token else t.view(-1, D) for t in (flat, flat_swapped))
+        lo, hi = _pairs(src, 0, D, neox)
+        s_lo, s_hi = _pairs(swapped, 0, D, neox)
+        parts = tuple((flat[a:b].view(x.shape), flat_swapped[a:b].view(x.shape))
+                      for x, a, b in ((q, 0, nq), (k, nq, n)))
+        return src, swapped, ((s_lo, hi), (s_hi, lo)), parts
+
+    views = _WORKSPACE.get(("joint", q.shape, k.shape, neox), 2 * n, build)
+    if views is None:
+        return None
+    src, swapped, pairs, ((q_src, q_swapped), (k_src, k_swapped)) = views
+    q_src.copy_(q)
+    k_src.copy_(k)
+    _swap_into(pairs)
+    if q_tables is k_tables and one_token:  # one table row serves every head
+        C, T = q_tables
+        torch.mul(src, C, out=src)
+        src.addcmul_(swapped, T)
+    else:
+        for x_src, x_swapped, (C, T) in ((q_src, q_swapped, q_tables), (k_src, k_swapped, k_tables)):
+            torch.mul(x_src, C, out=x_src)
+            x_src.addcmul_(x_swapped, T)
+    return q_src.to(q.dtype), k_src.to(k.dtype)
 
 
 def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_start: int, rotary_dim: int,
                     neox: bool, *, inplace: bool) -> None:
     """``out = rotate(x)`` on canonical [B, S, H, D] views (``out`` may be ``x``: ``inplace``) in float32 with the
     tables ``(C, T)`` of :func:`_float32_tables`: ``x * C``, plus ``swap(x) * T`` on the rotary columns, then one
-    rounding to ``out``'s dtype. A call that fits one block (decode sizes) takes three to five torch ops, so that
+    rounding to ``out``'s dtype. A call that fits one block (decode sizes) takes three to six torch ops, so that
     per-call host time stays low; larger calls go a block of tokens at a time through two reused float32 buffers
     (the working copy and the result) that stay in the cache, and float32 out of place writes straight into
-    ``out``."""
+    ``out``. On the CPU the float32 temporaries are this thread's workspace (:class:`_Workspace`)."""
     C, T = tables
     B, S, H, D = x.shape
     block = _block_elements(x)
+    cpu = x.device.type == "cpu"
     if B * S * H * D <= block:  # one block: few ops on float32 operands (mixed-dtype ops are slow)
         if S == 0:
             return
-        src = x if x.dtype == torch.float32 else x.to(torch.float32)
-        swapped = _swapped(src if rotary_dim == D else src.narrow(-1, rotary_start, rotary_dim), neox)
+        # a 16-bit input's float32 copy and swapped copy in the workspace (float32 swaps its input: one roll)
+        views = _rotation_views(x.shape, rotary_start, rotary_dim, neox) if cpu and x.dtype != torch.float32 \
+            else None
+        if views is not None:
+            src, swapped, pairs = views
+            src.copy_(x)
+            _swap_into(pairs)
+        else:
+            src = x if x.dtype == torch.float32 else x.to(torch.float32)
+            swapped = _swapped(src if rotary_dim == D else src.narrow(-1, rotary_start, rotary_dim), neox)
         # the products land in a float32 tensor already at hand (out, or src when it is a copy), so that the call
-        # allocates at most two float32 temporaries: fresh memory costs page faults at these sizes
+        # allocates at most two float32 temporaries
         dst = out if out.dtype == torch.float32 else src if src is not x else torch.empty_like(src)
         torch.mul(src, C, out=dst)  # in place (dst is src, or out is x) is fine: swapped was read already
         (dst if rotary_dim == D else dst.narrow(-1, rotary_start, rotary_dim)).addcmul_(swapped, T)
@@ -345,8 +479,14 @@ def _rotate_float32(x: torch.Tensor, out: torch.Tensor, tables: tuple, rotary_st
     b_step = B if s_step > 1 else max(1, min(B, block // (H * D)))
     direct = x.dtype == torch.float32 and out.dtype == torch.float32 and not inplace
     copy_in = x.dtype != torch.float32
-    work = None if direct else torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device)
-    copy = torch.empty(b_step, s_step, H, D, dtype=torch.float32, device=x.device) if copy_in else None
+    work = copy = None
+    if not direct:  # the result buffer, and the working copy of a 16-bit input
+        shape, step = (b_step, s_step, H, D), b_step * s_step * H * D
+        buffers = _WORKSPACE.get(("blocks", shape), 2 * step, lambda buffer: (
+            buffer[:step].view(shape), buffer[step:2 * step].view(shape))) if cpu else None
+        if buffers is None:
+            buffers = [torch.empty(shape, dtype=torch.float32, device=x.device) for _ in range(1 + copy_in)]
+        work, copy = buffers[0], buffers[1] if copy_in else None
     t_lo, t_hi = _pairs(T, 0, rotary_dim, neox)
     tables = (C, t_lo, t_hi)  # below: the full buffers' pair views, made once (views cost host time)
     copy_pairs = _pairs(copy, rotary_start, rotary_dim, neox) if copy_in else None

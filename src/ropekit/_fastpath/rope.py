@@ -271,7 +271,7 @@ class Float32Plan:
     refuses goes back to it)."""
 
     __slots__ = ("spec", "saved", "int_offset", "max_offset", "q_out", "k_out", "q_span", "k_span", "qk_delta",
-                 "last", "copies")
+                 "last", "copies", "joint")
 
     # Table elements up to which a plan keeps a call's tables (decode sizes: up to 64 tokens of head_dim 128), so
     # that a thousand plans hold at most about 128 MiB.
@@ -303,13 +303,21 @@ class Float32Plan:
         # rotate into new tensors in the fewest ops
         plan.copies = not mode.inplace and spec.layout == "bshd" and spec.rotary_dim == q.shape[-1] and \
             plan.q_out == q.dtype and (k is None or plan.k_out == k.dtype)
+        # 16-bit q and k of one dtype: side by side in one float32 workspace copy (rotated_copies)
+        plan.joint = plan.copies and k is not None and q.dtype == k.dtype and q.dtype != torch.float32
         return plan
 
     _disjoint = Plan._disjoint
 
     def __call__(self, q: Tensor, k: Tensor | None, handles: list, args: RopeArgs, mode: Mode):
         """Rotate and return what the full path would, or None to send the call down the full path."""
-        from ropekit.float32_path import fits_rotated_copy, float32_tables, rotate_with_tables, rotated_copy
+        from ropekit.float32_path import (
+            fits_rotated_copy,
+            float32_tables,
+            rotate_with_tables,
+            rotated_copies,
+            rotated_copy,
+        )
 
         offset = 0
         if self.int_offset:
@@ -340,6 +348,10 @@ class Float32Plan:
             return q if k is None else (q, k)
         if self.copies and fits_rotated_copy(q) and (k is None or fits_rotated_copy(k)):
             neox = spec.style == "neox"
+            if self.joint:
+                both = rotated_copies(q, k, made[spec.q_scale], made[spec.k_scale], neox)
+                if both is not None:
+                    return both
             q_out = rotated_copy(q, made[spec.q_scale], neox)
             return q_out if k is None else (q_out, rotated_copy(k, made[spec.k_scale], neox))
         q_out = torch.empty(q.shape, dtype=self.q_out)
