@@ -201,7 +201,9 @@ def qk_norm_rope(
 ) -> tuple[Tensor, ...]:
     """Per-head RMSNorm of ``q`` and ``k`` over head_dim, then RoPE, in one kernel: returns new ``(q_out,
     k_out)`` (Qwen3's and OLMo-2's ``q_norm``/``k_norm`` before the rotation). Differentiable in q, k, q_weight and
-    k_weight; ``torch.compile`` traces it as the op ``ropekit::qk_norm_rope``.
+    k_weight; ``torch.compile`` traces it as the op ``ropekit::qk_norm_rope``. The backward is one Triton kernel on
+    CUDA, and deterministic: the weights' gradients (sums over every token and head) are added in a fixed order,
+    so the same inputs give the same bits on every run.
 
     ``x_out = rope(x / sqrt(mean(x**2) + eps) * (weight + weight_offset))`` per head, with the mean over all D
     columns (the pass-through columns of a partial rotary come out normalised, not rotated). fp32 math (float64
