@@ -16,12 +16,11 @@ import argparse
 
 import torch
 import triton
-import triton.language as tl
+from _copies import same_grid_copy_kernel
 
 import ropekit
 from ropekit._validation import validate
 from ropekit.triton import runtime
-from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
 from ropekit.triton.launcher import ROPE, launch_rope, rope_arguments
 
 SIZES = ((1, 2048, "bhsd"), (1, 8192, "bhsd"), (1, 16384, "bhsd"), (1, 32768, "bhsd"), (4, 4096, "bhsd"),
@@ -32,37 +31,15 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
 
 
-@triton.jit
-def _same_grid_copy_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, HQ, HK, S, num_tokens,
-                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                           TOKENS_FIRST: tl.constexpr):
-    """rope_kernel's grid order, token block, addresses, loads and stores (NeoX halves, outputs with the inputs'
-    strides), with the rotation left out: y = x."""
-    if TOKENS_FIRST:
-        tb, hb = tl.program_id(0), tl.program_id(1)
-    else:
-        hb, tb = tl.program_id(0), tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
-    t, mask_t, b, s = _token_block(tb, num_tokens, S, BLOCK_T)
-    n_qb = tl.cdiv(HQ, BLOCK_HQ)
-    if hb < n_qb:
-        base, m = _head_tile(b, s, mask_t, hb * BLOCK_HQ, HQ, q_sb, q_ss, q_sh, BLOCK_HQ)
-        x_lo, x_hi, x_p = _load_heads(q_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
-        _store_pairs(qo_ptr, base, m, x_lo, x_hi, x_p, D, D, 0, True, D // 2, 1, False, False, False)
-    else:
-        base, m = _head_tile(b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK, k_sb, k_ss, k_sh, BLOCK_HK)
-        x_lo, x_hi, x_p = _load_heads(k_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
-        _store_pairs(ko_ptr, base, m, x_lo, x_hi, x_p, D, D, 0, True, D // 2, 1, False, False, False)
-
-
 def same_grid_copy(q, k, q_out, k_out, spec):
-    """q -> q_out, k -> k_out through :func:`_same_grid_copy_kernel` on the grid and block shape that
+    """q -> q_out, k -> k_out through :func:`_copies.same_grid_copy_kernel` on the grid and block shape that
     ``launch_rope`` takes for these tensors."""
     grid, _, constexprs, num_warps = rope_arguments(q, k, q_out, k_out, spec)
     layout = spec.layout
     qc, kc = (x.permute(0, 2, 1, 3) if layout == "bhsd" else x for x in (q, k))  # canonical [B, S, H, D] views
     qoc, koc = (x.permute(0, 2, 1, 3) if layout == "bhsd" else x for x in (q_out, k_out))
     B, S, HQ, D = qc.shape
-    fn = _same_grid_copy_kernel[grid]
+    fn = same_grid_copy_kernel[grid]
     return lambda: fn(qc, qoc, kc, koc, *qc.stride()[:3], *kc.stride()[:3], HQ, kc.shape[2], S, B * S, D=D,
                       BLOCK_T=constexprs["BLOCK_T"], BLOCK_HQ=constexprs["BLOCK_HQ"],
                       BLOCK_HK=constexprs["BLOCK_HK"], TOKENS_FIRST=constexprs["TOKENS_FIRST"], num_warps=num_warps)

@@ -37,11 +37,11 @@ if __name__ == "__main__":
 import torch
 import triton
 import triton.language as tl
+from _copies import same_grid_copy_kernel
 from _graphs import graph_us_interleaved, kernel_us
 
 from ropekit._validation import validate
 from ropekit.triton.heuristics import block_config, num_programs_wanted
-from ropekit.triton.kernel import _head_tile, _load_heads, _store_pairs, _token_block
 from ropekit.triton.launcher import launch_rope
 
 
@@ -64,33 +64,15 @@ def _copy_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, QW: tl.constexpr, KW: tl.const
         tl.store(ko_ptr + t * KW + ik, tl.load(k_ptr + t * KW + ik))
 
 
-@triton.jit
-def _rope_path_copy_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, HQ, HK, S, num_tokens,
-                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
-    """rope_kernel's grid, token block, addresses, loads and stores (NeoX halves, outputs with the inputs'
-    strides), with the rotation left out: y = x."""
-    hb = tl.program_id(0)
-    t, mask_t, b, s = _token_block(tl.program_id(1), num_tokens, S, BLOCK_T)
-    n_qb = tl.cdiv(HQ, BLOCK_HQ)
-    if hb < n_qb:
-        base, m = _head_tile(b, s, mask_t, hb * BLOCK_HQ, HQ, q_sb, q_ss, q_sh, BLOCK_HQ)
-        x_lo, x_hi, x_p = _load_heads(q_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
-        _store_pairs(qo_ptr, base, m, x_lo, x_hi, x_p, D, D, 0, True, D // 2, 1, False, False, False)
-    else:
-        base, m = _head_tile(b, s, mask_t, (hb - n_qb) * BLOCK_HK, HK, k_sb, k_ss, k_sh, BLOCK_HK)
-        x_lo, x_hi, x_p = _load_heads(k_ptr, base, m, D, D, 0, True, D // 2, 1, False, False)
-        _store_pairs(ko_ptr, base, m, x_lo, x_hi, x_p, D, D, 0, True, D // 2, 1, False, False, False)
-
-
 def rope_path_copy(q, k, qo, ko, config):
-    """q -> qo, k -> ko ([T, 1, H, D], contiguous) through :func:`_rope_path_copy_kernel` at ``config``
+    """q -> qo, k -> ko ([T, 1, H, D], contiguous) through :func:`_copies.same_grid_copy_kernel` at ``config``
     (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps)."""
     T, S, HQ, D = q.shape
     HK = k.shape[2]
     bt, bhq, bhk, nw = config
     grid = (triton.cdiv(HQ, bhq) + triton.cdiv(HK, bhk), triton.cdiv(T * S, bt))
-    _rope_path_copy_kernel[grid](q, qo, k, ko, *q.stride()[:3], *k.stride()[:3], HQ, HK, S, T * S, D=D,
-                                 BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, num_warps=nw)
+    same_grid_copy_kernel[grid](q, qo, k, ko, *q.stride()[:3], *k.stride()[:3], HQ, HK, S, T * S, D=D,
+                                BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, TOKENS_FIRST=False, num_warps=nw)
 
 
 def copy_qk(q, k, qo, ko, heads: int | None):

@@ -15,6 +15,7 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from _graphs import do_bench_us, graph_replay
 
 from ropekit._validation import validate
 from ropekit.triton import heuristics
@@ -58,21 +59,6 @@ def same_grid_copy(gq, q, gk, k, dq, dk):
                                                 BLOCK_HQ=bhq, BLOCK_HK=bhk, num_warps=warps)
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:
@@ -93,14 +79,15 @@ def main() -> None:
         spec = validate(q, k, positions=torch.arange(s, device=dev)[None].expand(b, s), inv_freq=inv_freq)
         flat = torch.cat([q.flatten(), k.flatten()])
         out = torch.empty_like(flat)
-        copy = bench(lambda: out.copy_(flat))
+        copy = do_bench_us(lambda: out.copy_(flat))
         default, default_stages = heuristics.BWD_PROGRAMS_PER_SM, heuristics.BWD_STAGES
         configs = [None] + [tuple(map(int, c.split(":"))) for c in args.configs.split(",") if c]
         for per_sm, stages, config in itertools.product(map(int, args.per_sm.split(",")),
                                                          map(int, args.stages.split(",")), configs):
             heuristics.BWD_PROGRAMS_PER_SM, heuristics.BWD_STAGES = per_sm, stages
-            t = bench(graphed(lambda c=config: launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, w, w, 0.0, 1e-6,
-                                                                             config=c)))
+            step = lambda c=config: launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, w, w, 0.0, 1e-6,  # noqa: E731
+                                                                  config=c)
+            t = do_bench_us(graph_replay(step))
             print(f"{size} programs per SM wanted {per_sm:3d}, stages {stages}, block {config or 'default'}: "
                   f"{t:.1f} us = {t / (1.5 * copy):.3f}x its bytes", flush=True)
         heuristics.BWD_PROGRAMS_PER_SM, heuristics.BWD_STAGES = default, default_stages
@@ -108,7 +95,7 @@ def main() -> None:
         copy_fn = same_grid_copy(gq, q, gk, k, dq, dk)
         copy_fn()
         torch.testing.assert_close(dq, (gq.float() + q.float()).to(dq.dtype))  # it copies what it should
-        t = bench(graphed(copy_fn))
+        t = do_bench_us(graph_replay(copy_fn))
         print(f"{size} same-grid copy (programs per SM wanted {default}): {t:.1f} us = {t / (1.5 * copy):.3f}x its "
               "bytes", flush=True)
 

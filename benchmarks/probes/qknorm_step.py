@@ -15,12 +15,9 @@ import time
 
 import torch
 import triton
+from _graphs import do_bench_us, graph_replay
 
 import ropekit
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def host_us(fn) -> float:
@@ -33,18 +30,6 @@ def host_us(fn) -> float:
     torch.cuda.synchronize()
     return sorted(times)[25] * 1e6
 
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:
@@ -64,7 +49,7 @@ def main() -> None:
         pos = torch.arange(s, device=dev)[None].expand(b, s)
         flat = torch.cat([q.detach().flatten(), k.detach().flatten()])
         out = torch.empty_like(flat)
-        copy = bench(lambda: out.copy_(flat))
+        copy = do_bench_us(lambda: out.copy_(flat))
         fns = {"qk_norm_rope": (lambda: ropekit.qk_norm_rope(q, k, wq, wk, positions=pos, inv_freq=inv_freq),
                                 (q, k, wq, wk), 2.5),
                "apply_rope": (lambda: ropekit.apply_rope(q, k, positions=pos, inv_freq=inv_freq), (q, k), 2.0)}
@@ -82,8 +67,8 @@ def main() -> None:
             def grad():
                 return torch.autograd.grad(forward(), leaves, (gq, gk))
 
-            row = {"backward() accumulating": bench(accumulating), "backward() fresh": bench(fresh),
-                   "autograd.grad": bench(grad), "graph": bench(graphed(grad))}
+            row = {"backward() accumulating": do_bench_us(accumulating), "backward() fresh": do_bench_us(fresh),
+                   "autograd.grad": do_bench_us(grad), "graph": do_bench_us(graph_replay(grad))}
             for t in leaves:
                 t.grad = None
             print(f"{size} {name:13s} " + "  ".join(f"{k} {v / ideal:.3f}x" for k, v in row.items())

@@ -42,7 +42,7 @@ import torch
 
 # the offline compile helpers of the compile-target test (the same specialisation rules as the GPU's JIT)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from decode_probe import _rope_path_copy_kernel
+from _copies import same_grid_copy_kernel
 
 from helpers import compile_for_target
 from test_compile_targets import _compile_for
@@ -93,7 +93,8 @@ def main(args: argparse.Namespace) -> None:
         bt, bhq, bhk, warps = config
         copy_args = (q, q, k, k, *q.stride()[:3], *k.stride()[:3], 32, 8, 1, T)
         rows["rope path, no rotation"] = _branch(compile_for_target(
-            "sm90", _rope_path_copy_kernel, copy_args, dict(D=128, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk), warps))
+            "sm90", same_grid_copy_kernel, copy_args,
+            dict(D=128, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, TOKENS_FIRST=False), warps))
         print(f"block shape {config}")
         for name, (ops, cycles) in rows.items():
             top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(8))
