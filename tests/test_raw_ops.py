@@ -6,7 +6,8 @@ outputs are the float64 reference's of the same values, within the tolerance tab
 An op refuses such a tensor where it writes it (``rope_``'s q and k, ``rope_kv_write``'s and
 ``mla_rope_kv_write``'s caches, the latter's given q outputs) with a ``ValueError`` naming it, before anything is
 written: every tensor keeps its bits, the strided one's whole buffer included. Sums (attention, its gradients) are
-held to the table's bound on the error relative to their largest value.
+held to the table's bound on the error relative to their largest value. The spec's 1-D tensors (``inv_freq``,
+``seq_offsets``, ``cu_seqlens``) are read by value when strided too.
 
 Routes: plain CPU tensors (the float32 torch path), the Triton kernels under the interpreter (``kernels_on_cpu``)
 and CUDA.
@@ -93,6 +94,34 @@ def test_rope_in_place_refuses_a_strided_target(route, kind, name):
         with pytest.raises(ValueError, match=f"^{name} {REFUSED}"):
             torch.ops.ropekit.rope_.default(x["q"], x["k"], *spec)
         assert_unchanged(buffers, before)
+
+
+def _every_other(t: torch.Tensor, poison) -> torch.Tensor:
+    """A stride-2 view of the 1-D ``t``'s values, every other element of a buffer whose others hold ``poison``."""
+    view = torch.stack([t, torch.full_like(t, poison)], -1)[:, 0]
+    assert view.stride(0) == 2 and torch.equal(view, t)
+    return view
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("name", ("inv_freq", "seq_offsets", "cu_seqlens"))
+def test_rope_reads_strided_spec_vectors(route, name):
+    """The spec's 1-D tensors, which the kernels index densely, as stride-2 views (NaN frequencies, far offsets and
+    lengths between their elements): the op reads their values."""
+    with on_route(route, clear_plans=True) as dev:
+        q, k = make_qk(B, S, HQ, HK, D, device=dev)
+        inv_freq = torch.rand(D // 2, device=dev)
+        kwargs = dict(inv_freq=inv_freq, positions=torch.tensor([3, 700], device=dev))
+        if name == "cu_seqlens":  # B * S packed tokens in two sequences of 2 and 4
+            q, k = q.reshape(B * S, HQ, D), k.reshape(B * S, HK, D)
+            kwargs = dict(inv_freq=inv_freq, layout="thd", cu_seqlens=torch.tensor([0, 2, B * S], device=dev))
+        spec = validate(q, k, **kwargs)
+        poison = {"inv_freq": float("nan"), "seq_offsets": 10**6, "cu_seqlens": 1}[name]
+        strided = spec._replace(**{name: _every_other(getattr(spec, name), poison)})
+        outs = torch.ops.ropekit.rope.default(q, k, *strided)
+        want = rope_reference(_f64(q), _f64(k), spec._replace(out_dtype=F64))
+        for out, ref in zip(outs, want, strict=True):
+            assert_close_to_ref(out, ref, torch.float32, ROUTE_BACKENDS[route])
 
 
 # ------------------------------------------------------------------------ ropekit::qk_norm_rope (+ backward)

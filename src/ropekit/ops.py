@@ -15,7 +15,8 @@ eager calls that need neither autograd nor tracing (its round trips cost more ho
 The registered ops may be called directly, without the public functions' validation; the kernels step through a
 row's columns one element apart, so each op, before anything runs, reads a tensor whose last dim is strided (stride
 0 or > 1) as a contiguous copy (:func:`_dense_rows`) and refuses one it writes (``rope_``'s q and k, the caches,
-MLA's given q outputs) with a ``ValueError`` naming it (:func:`ropekit._validation.check_last_dim`). These are
+MLA's given q outputs) with a ``ValueError`` naming it (:func:`ropekit._validation.check_last_dim`); the spec's 1-D
+tensors, which the kernels index densely, are made contiguous where strided (:func:`_op_spec`). These are
 attribute reads on the common contiguous path; the public functions' eager calls, validated already, run the bodies
 without them.
 """
@@ -106,15 +107,27 @@ def _dense_rows(x: Tensor | None) -> Tensor | None:
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
+def _op_spec(fields: tuple) -> RopeSpec:
+    """The :class:`RopeSpec` of a registered op's spec arguments, its 1-D tensors (``inv_freq``, ``seq_offsets``,
+    ``cu_seqlens``) with unit stride: validation makes them so, a direct call of the op need not, and the kernels
+    index them densely (a copy only for a strided one; positions and tables carry their strides)."""
+    spec = RopeSpec(*fields)
+    vectors = (spec.inv_freq, spec.seq_offsets, spec.cu_seqlens)
+    if any(t is not None and t.dim() == 1 and t.stride(0) != 1 for t in vectors):
+        dense = [t.contiguous() if t is not None and t.dim() == 1 else t for t in vectors]
+        spec = spec._replace(inv_freq=dense[0], seq_offsets=dense[1], cu_seqlens=dense[2])
+    return spec
+
+
 def _rope(q: Tensor, k: Tensor | None, *spec) -> list[Tensor]:
-    return rotate_out_of_place(_dense_rows(q), _dense_rows(k), RopeSpec(*spec))
+    return rotate_out_of_place(_dense_rows(q), _dense_rows(k), _op_spec(spec))
 
 
 def _rope_(q: Tensor, k: Tensor | None, *spec) -> None:
     check_last_dim("q", q)
     if k is not None:
         check_last_dim("k", k)
-    rotate_in_place(q, k, RopeSpec(*spec))
+    rotate_in_place(q, k, _op_spec(spec))
 
 
 rope = torch.library.custom_op("ropekit::rope", _rope, mutates_args=(), schema=op_schema(inplace=False))
@@ -149,7 +162,7 @@ def rotate_float8_dynamic(q: Tensor, k: Tensor | None, spec: RopeSpec) -> list[T
 
 
 def _rope_fp8_dynamic(q: Tensor, k: Tensor | None, *spec) -> list[Tensor]:
-    return rotate_float8_dynamic(_dense_rows(q), _dense_rows(k), RopeSpec(*spec))
+    return rotate_float8_dynamic(_dense_rows(q), _dense_rows(k), _op_spec(spec))
 
 
 rope_fp8_dynamic = torch.library.custom_op("ropekit::rope_fp8_dynamic", _rope_fp8_dynamic, mutates_args=(),
@@ -188,7 +201,7 @@ def norm_rotate(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec
 
 
 def _qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
-    return norm_rotate(_dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps, RopeSpec(*spec))
+    return norm_rotate(_dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps, _op_spec(spec))
 
 
 def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: float, eps: float,
@@ -216,7 +229,7 @@ def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: flo
 
 def _qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[Tensor]:
     return norm_rope_grads(grad_q, grad_k, _dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps,
-                           RopeSpec(*spec))
+                           _op_spec(spec))
 
 
 _NORM = "Tensor q_weight, Tensor k_weight, float weight_offset, float eps"
@@ -303,7 +316,7 @@ def _qk_norm_rope_fp8(q, k, q_weight, k_weight, weight_offset, eps, fp8_dtype, q
                       k_scale_f, dynamic, *spec) -> list[Tensor]:
     quant = OutQuant(fp8_dtype, q_scale_t if q_scale_t is not None else q_scale_f,
                      k_scale_t if k_scale_t is not None else k_scale_f, dynamic)
-    return norm_rotate_float8(_dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps, RopeSpec(*spec),
+    return norm_rotate_float8(_dense_rows(q), _dense_rows(k), q_weight, k_weight, weight_offset, eps, _op_spec(spec),
                               quant)
 
 
@@ -394,7 +407,7 @@ def _rope_kv_write(q, k, v, k_cache, v_cache, q_weight, k_weight, weight_offset,
     q, k, v = _kv_inputs(q, k, v, k_cache, v_cache, cache_layout)
     cache = _cache_spec(k_cache, v_cache, cache_layout, cache_batch, slots, k_cache_scale_t, v_cache_scale_t,
                         k_cache_scale, v_cache_scale, kv_indices, kv_indptr, kv_last_page_len, batch_indices)
-    return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache)
+    return write_kv(q, k, v, q_weight, k_weight, weight_offset, eps, _op_spec(spec), cache)
 
 
 # The two cache-writing ops' arguments before their own: the inputs, the mutated caches, the norm and the cache's
@@ -426,7 +439,7 @@ def _rope_kv_write_outputs(q, k, v, k_cache, v_cache, q_weight, k_weight, weight
                         k_cache_scale, v_cache_scale, kv_indices, kv_indptr, kv_last_page_len, batch_indices)
     quant = None if fp8_dtype is None else OutQuant(fp8_dtype, q_scale_f if q_scale_t is None else q_scale_t, None,
                                                     dynamic)
-    outs = write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset, eps, RopeSpec(*spec), cache, quant, return_k)
+    outs = write_kv_outputs(q, k, v, q_weight, k_weight, weight_offset, eps, _op_spec(spec), cache, quant, return_k)
     return (outs[0], outs[1] if quant is not None and dynamic else q.new_empty(0, dtype=torch.float32),
             outs[-1] if return_k else k.new_empty(0))
 
@@ -593,7 +606,7 @@ def mla_rotate(q: Tensor, k_pe: Tensor, k_heads: int, split_q: bool, spec: RopeS
 
 
 def _mla_rope(q, k_pe, k_heads, split_q, *spec) -> list[Tensor]:
-    return mla_rotate(_dense_rows(q), _dense_rows(k_pe), k_heads, split_q, RopeSpec(*spec))
+    return mla_rotate(_dense_rows(q), _dense_rows(k_pe), k_heads, split_q, _op_spec(spec))
 
 
 def _new_outputs_only(q: Tensor, outs: list[Tensor], q_outs: tuple, split_q: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -615,7 +628,7 @@ def _mla_rope_kv_write(q, k_pe, kv_c, ckv_cache, kpe_cache, q_nope_out, q_pe_out
     q_outs = (q_nope_out, q_pe_out)
     out_scales = (q_out_scale, k_out_scale) if q_out_scale_t is None else (q_out_scale_t, k_out_scale_t)
     q, k_pe, kv_c = _dense_rows(q), _dense_rows(k_pe), _dense_rows(kv_c)
-    outs = mla_rotate(q, k_pe, k_heads, split_q, RopeSpec(*spec), q_outs, kv_c=kv_c, ckv_cache=ckv_cache,
+    outs = mla_rotate(q, k_pe, k_heads, split_q, _op_spec(spec), q_outs, kv_c=kv_c, ckv_cache=ckv_cache,
                       kpe_cache=kpe_cache, slots=slots, paged=paged,
                       cache_scale=cache_scale if cache_scale_t is None else cache_scale_t, out_scales=out_scales)
     return _new_outputs_only(q, outs, q_outs, split_q)
@@ -682,7 +695,7 @@ def hidden_norm_rotate(q, k, q_weight, k_weight, v, weight_offset: float, eps: f
 
 def _qk_hidden_norm_rope(q, k, q_weight, k_weight, v, weight_offset, eps, *spec) -> list[Tensor]:
     return hidden_norm_rotate(_dense_rows(q), _dense_rows(k), q_weight, k_weight, v, weight_offset, eps,
-                              RopeSpec(*spec))
+                              _op_spec(spec))
 
 
 qk_hidden_norm_rope = torch.library.custom_op(
