@@ -174,6 +174,36 @@ def test_sum_tree_holds_every_level_below_the_root_and_a_counter_per_node():
     assert sum_tree(16, 16) == SumTree(1, 16, 1)
     assert sum_tree(17, 16) == SumTree(2, 17 + 2, 2 + 1)
     assert sum_tree(8448, 16) == SumTree(4, 8448 + 528 + 33 + 3, 528 + 33 + 3 + 1)
+    for rows, fan_in in ((0, 16), (5, 1)):  # no rows never reaches a root: refused, not looped on
+        with pytest.raises(ValueError, match="sum tree"):
+            sum_tree(rows, fan_in)
+
+
+@pytest.mark.parametrize("device", ROUTES)
+@pytest.mark.parametrize("empty", ["q", "k"])
+def test_qk_norm_rope_with_no_heads_on_one_side_differentiates(device, empty):
+    # q or k with zero heads: that side's weight gradient is zeros, the other side's as the float64 definition's,
+    # twice (the second call through the fast path where there is one)
+    from ropekit.reference import rms_norm_reference
+
+    with _context(device):
+        dev = _dev(device)
+        heads = {"q": 0 if empty == "q" else 4, "k": 0 if empty == "k" else 2}
+        for _call in range(2):
+            q, k = (torch.randn(2, 3, heads[n], 16, device=dev, requires_grad=True) for n in ("q", "k"))
+            qw, kw = (torch.rand(16, device=dev, requires_grad=True) for _ in range(2))
+            pos = torch.randint(0, 50, (2, 3), device=dev)
+            outs = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos)
+            ups = [torch.randn_like(o) for o in outs]
+            got = torch.autograd.grad(outs, (q, k, qw, kw), ups)
+            leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, qw, kw)]
+            ref = ropekit.apply_rope(rms_norm_reference(leaves[0], leaves[2], 0.0, 1e-6),
+                                     rms_norm_reference(leaves[1], leaves[3], 0.0, 1e-6), positions=pos.cpu())
+            want = torch.autograd.grad(ref, leaves, [u.double().cpu() for u in ups], allow_unused=True)
+            for g, w in zip(got, want):
+                w = torch.zeros_like(g, dtype=torch.float64, device="cpu") if w is None else w
+                torch.testing.assert_close(g.cpu().double(), w, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[2 if empty == "q" else 3].cpu(), torch.zeros(16))
 
 
 @pytest.mark.parametrize("device", KERNEL_ROUTES)

@@ -389,7 +389,7 @@ class NormPlan:
         spec = validate_args(q, k, args)
         with _recording() as launches:
             grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, spec)
-            if len(launches) == 1:
+            if len(launches) == 1 and q.numel() and k.numel():  # a side without heads: its zeros are the launcher's
                 _keep(self.backwards, key, _Replay.record(launches[0], [*sources, *grads[:2]], self.keep_freq,
                                                           scratch=_NORM_BWD_SCRATCH, zeroed=("cnt_ptr",)),
                       _MAX_BACKWARDS)

@@ -67,10 +67,12 @@ NORM_HEAD_TILE_ELEMS = 2048
 BWD_PROGRAMS_PER_SM = 8
 # Software-pipeline stages of the backward's loop over token blocks (1: none).
 BWD_STAGES = 1
-# Children per node of the tree in which the backward's programs add up those rows (sum_tree): a [16, D] fp32 tile
-# per node is 64 registers a thread at one warp and D 128, no more than the main loop holds; four levels cover the
-# 8448 rows of an H100's or H200's grid.
+# Children per node of the tree in which the backward's programs add up those rows (sum_tree; a power of two): a
+# [16, D] fp32 tile per node is 64 registers a thread at one warp and D 128, no more than the main loop holds. The
+# kernel is compiled for WEIGHT_SUM_LEVELS levels (16 ** 4 rows; an H100's or H200's grid has about 4224, shared by
+# q's and k's weights), so that the row count, which varies with short inputs, never compiles another variant.
 WEIGHT_SUM_FAN_IN = 16
+WEIGHT_SUM_LEVELS = 4
 
 
 def cdiv(a: int, b: int) -> int:
@@ -269,7 +271,10 @@ class SumTree(NamedTuple):
 
 
 def sum_tree(n_rows: int, fan_in: int) -> SumTree:
-    """The :class:`SumTree` of ``n_rows`` partial rows with ``fan_in`` children per node."""
+    """The :class:`SumTree` of ``n_rows`` (at least 1) partial rows with ``fan_in`` (a power of two, at least 2)
+    children per node."""
+    if n_rows < 1 or fan_in < 2:
+        raise ValueError(f"a sum tree needs at least one row and two children per node, got {n_rows}, {fan_in}")
     levels, rows, counters, n = 0, n_rows, 0, n_rows
     while True:
         n, levels = cdiv(n, fan_in), levels + 1

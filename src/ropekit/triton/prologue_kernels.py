@@ -530,7 +530,10 @@ def _sum_weight_rows(dw_ptr, cnt_ptr, out_ptr, row, n_rows, HEAD_DIM: tl.constex
         n_up = tl.cdiv(n, FAN_IN)
         if go:  # a branch, not a mask: a program that stopped climbing waits on no further arrival
             # every thread's stores of the child row come before the release of the arrival; the acquire of the
-            # last arrival comes before its loads of the siblings' rows (read through L2: never a stale L1 line)
+            # last arrival comes before its loads of the siblings' rows (read through L2: never a stale L1 line).
+            # On NVIDIA the PTX is bar.sync, then one thread's atom.acq_rel.gpu, its result shared behind a second
+            # bar.sync. On AMD (gfx942) the barrier is not preceded by a wait for the other waves' stores, so the
+            # order rests on the compiler's memory model across a workgroup barrier: not run on AMD hardware yet.
             tl.debug_barrier()
             arrived = tl.atomic_add(counters + parent, 1, sem="acq_rel", scope="gpu")
             go = arrived == children - 1

@@ -218,13 +218,16 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     groups = heuristics.bwd_program_groups(n_tb, n_qb + n_kb, q.device)
     grid = (n_qb + n_kb, groups, 1)
     D = rope_constexprs["HEAD_DIM"]
-    q_tree, k_tree = (heuristics.sum_tree(groups * n, heuristics.WEIGHT_SUM_FAN_IN) for n in (n_qb, n_kb))
+    # A side without heads has no programs: no rows, no tree, and a gradient of zeros.
+    fan_in = heuristics.WEIGHT_SUM_FAN_IN
+    q_tree, k_tree = (heuristics.sum_tree(groups * n, fan_in) if n else heuristics.SumTree(0, 0, 0)
+                      for n in (n_qb, n_kb))
     # per weight: the partial rows and the tree's upper levels (fp32), its gradient; one buffer of counters
     dwq = torch.empty(q_tree.rows, D, dtype=torch.float32, device=q.device)
     dwk = torch.empty(k_tree.rows, D, dtype=torch.float32, device=q.device)
     counters = torch.zeros(q_tree.counters + k_tree.counters, dtype=torch.int32, device=q.device)
-    dwqo = torch.empty(D, dtype=q_weight.dtype, device=q.device)
-    dwko = torch.empty(D, dtype=k_weight.dtype, device=q.device)
+    dwqo = (torch.empty if n_qb else torch.zeros)(D, dtype=q_weight.dtype, device=q.device)
+    dwko = (torch.empty if n_kb else torch.zeros)(D, dtype=k_weight.dtype, device=q.device)
     qc, kc = to_canonical(q, spec.layout), to_canonical(k, spec.layout)
     # The kernel's gradients (g*), inputs and outputs (d*): rope_kernel's launch had the gradients as its q and k,
     # and dq and dk as its outputs.
@@ -237,7 +240,8 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
                 kw_ptr=k_weight, w_offset=float(weight_offset), eps=float(eps), n_token_blocks=n_tb,
                 k_counters=q_tree.counters)
     constexprs = _shared_constexprs(NORM_ROPE_BWD, rope_constexprs)
-    constexprs.update(D_BLOCK=heuristics.next_pow2(D), FAN_IN=heuristics.WEIGHT_SUM_FAN_IN,
-                      Q_SUM_LEVELS=q_tree.levels, K_SUM_LEVELS=k_tree.levels, STAGES=heuristics.BWD_STAGES)
+    constexprs.update(D_BLOCK=heuristics.next_pow2(D), FAN_IN=fan_in,
+                      Q_SUM_LEVELS=max(q_tree.levels, heuristics.WEIGHT_SUM_LEVELS),
+                      K_SUM_LEVELS=max(k_tree.levels, heuristics.WEIGHT_SUM_LEVELS), STAGES=heuristics.BWD_STAGES)
     runtime.launch(NORM_ROPE_BWD, grid, args, constexprs, num_warps, q.device)
     return dq, dk, dwqo, dwko
