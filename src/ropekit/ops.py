@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ropekit import _config
 from ropekit._spec import FP8_MAX, CacheSpec, OutQuant, RopeSpec, op_schema, to_canonical
-from ropekit._validation import check_last_dim
+from ropekit._validation import _dense, check_last_dim
 
 
 def uses_kernels(x: Tensor) -> bool:
@@ -113,8 +113,8 @@ def _op_spec(fields: tuple) -> RopeSpec:
     index them densely (a copy only for a strided one; positions and tables carry their strides)."""
     spec = RopeSpec(*fields)
     vectors = (spec.inv_freq, spec.seq_offsets, spec.cu_seqlens)
-    if any(t is not None and t.dim() == 1 and t.stride(0) != 1 for t in vectors):
-        dense = [t.contiguous() if t is not None and t.dim() == 1 else t for t in vectors]
+    dense = tuple(t if t is None else _dense(t) for t in vectors)
+    if any(d is not t for d, t in zip(dense, vectors)):
         spec = spec._replace(inv_freq=dense[0], seq_offsets=dense[1], cu_seqlens=dense[2])
     return spec
 
@@ -541,8 +541,7 @@ def _rope_attention(q, k, v, angles, cu_seqlens, *params) -> tuple[Tensor, Tenso
 def _rope_attention_backward(do, dlse, q, k, v, angles, cu_seqlens, o, lse, *params) -> tuple[Tensor, Tensor, Tensor]:
     # the kernels index lse [B, HQ, S] as a contiguous block, not by strides
     return attention_backward(do, dlse, _dense_rows(q), _dense_rows(k), _dense_rows(v), _dense_rows(angles),
-                              _dense_rows(cu_seqlens), _dense_rows(o), lse if lse.is_contiguous() else lse.contiguous(),
-                              *params)
+                              _dense_rows(cu_seqlens), _dense_rows(o), lse.contiguous(), *params)
 
 
 _ATTENTION_ARGS = ("str layout, int rotary_start, int rotary_dim, bool neox, float q_scale, float k_scale, "
