@@ -4,6 +4,9 @@ Decode shape (Llama-3-8B: 32/8 heads, D 128, bf16, one token). Each row is the m
 with no synchronisation inside a round, as ``ropekit bench``'s host mode measures.
 
     python benchmarks/probes/host_time.py [--profile]
+
+The qk_norm_rope rows time its training step (weights that require grad, positions [B, S], inv_freq given) against
+apply_rope's with the same rope arguments and a Python autograd Function over the same four inputs.
 """
 
 # ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
@@ -112,6 +115,36 @@ def main(args: argparse.Namespace) -> None:
     def floor_function():
         return torch.autograd.grad(Twice.apply(ql, kl), (ql, kl), (gq, gk))
 
+    # qk_norm_rope's training step (the performance issue's item 1): its host time against apply_rope's
+    qw = (torch.rand(128, device=dev, dtype=torch.bfloat16) + 0.5).requires_grad_(True)
+    kw = (torch.rand(128, device=dev, dtype=torch.bfloat16) + 0.5).requires_grad_(True)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device=dev, dtype=torch.float32) / 128))
+    pos_bs = torch.arange(1, device=dev)[None]
+
+    def norm_fwd_bwd():
+        outs = ropekit.qk_norm_rope(ql, kl, qw, kw, eps=1e-6, positions=pos_bs, inv_freq=inv_freq)
+        return torch.autograd.grad(outs, (ql, kl, qw, kw), (gq, gk))
+
+    def norm_fwd_bwd_frozen():
+        outs = ropekit.qk_norm_rope(ql, kl, qw.detach(), kw.detach(), eps=1e-6, positions=pos_bs, inv_freq=inv_freq)
+        return torch.autograd.grad(outs, (ql, kl), (gq, gk))
+
+    def rope_fwd_bwd_same_args():
+        outs = ropekit.apply_rope(ql, kl, positions=pos_bs, inv_freq=inv_freq)
+        return torch.autograd.grad(outs, (ql, kl), (gq, gk))
+
+    class TwiceWithWeights(torch.autograd.Function):  # the least a Function over q, k and two weights can cost
+        @staticmethod
+        def forward(ctx, a, b, wa, wb):
+            return a * 2, b * 2
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            return ga * 2, gb * 2, torch.zeros_like(qw), torch.zeros_like(kw)
+
+    def floor_function_weights():
+        return torch.autograd.grad(TwiceWithWeights.apply(ql, kl, qw, kw), (ql, kl, qw, kw), (gq, gk))
+
     rows = [
         ("x.add_(1) (baseline)", lambda: x.add_(1)),
         ("apply_rope(q, k, positions=int)", lambda: ropekit.apply_rope(q, k, positions=4095)),
@@ -124,6 +157,14 @@ def main(args: argparse.Namespace) -> None:
         ("  backward part: rope_backward(gq, gk, positions=int)",
          lambda: ropekit.rope_backward(gq, gk, positions=4095)),
         ("  forward only, inputs require grad", lambda: ropekit.apply_rope(ql, kl, positions=4095)),
+        ("qk_norm_rope + autograd.grad, weights with grad", norm_fwd_bwd),
+        ("  the same, weights without grad", norm_fwd_bwd_frozen),
+        ("  apply_rope + autograd.grad, the same rope args", rope_fwd_bwd_same_args),
+        ("  floor: Python autograd.Function, q, k, weights", floor_function_weights),
+        ("  forward only: qk_norm_rope, inputs require grad",
+         lambda: ropekit.qk_norm_rope(ql, kl, qw, kw, eps=1e-6, positions=pos_bs, inv_freq=inv_freq)),
+        ("  forward only: apply_rope, the same rope args",
+         lambda: ropekit.apply_rope(ql, kl, positions=pos_bs, inv_freq=inv_freq)),
         ("  part: signature (key + pointers)", lambda: _fastpath.signature(q, k, FORWARD, args)),
         ("  part: plan lookup", lambda: _fastpath._PLANS.get(key)),
         ("  part: torch.empty(shape, dtype, device)",
@@ -145,14 +186,16 @@ def main(args: argparse.Namespace) -> None:
         import cProfile
         import pstats
 
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(2000):
-            fwd_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats("ropekit", 25)
+        for name, step in (("apply_rope fwd+bwd", fwd_bwd), ("qk_norm_rope fwd+bwd", norm_fwd_bwd)):
+            print(f"--- cProfile of {name}, 2000 steps")
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(2000):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats("ropekit", 25)
 
 
 if __name__ == "__main__":
