@@ -83,8 +83,8 @@ def main(args: argparse.Namespace) -> None:
     ropekit.apply_rope(q, k, cos=cos, sin=sin)
     ropekit.apply_rope(q, k, positions=4095)  # the second call of a signature records its plan
     # the public call's arguments, defaults but for the position
-    args = RopeArgs(positions=4095)
-    key, ptrs = _fastpath.signature(q, k, FORWARD, args)
+    rope_args = RopeArgs(positions=4095)
+    key, ptrs = _fastpath.signature(q, k, FORWARD, rope_args)
     plan = _fastpath._PLANS[key]
     launch = plan.launch
     qo, ko = torch.empty_like(q), torch.empty_like(k)
@@ -165,7 +165,7 @@ def main(args: argparse.Namespace) -> None:
          lambda: ropekit.qk_norm_rope(ql, kl, qw, kw, eps=1e-6, positions=pos_bs, inv_freq=inv_freq)),
         ("  forward only: apply_rope, the same rope args",
          lambda: ropekit.apply_rope(ql, kl, positions=pos_bs, inv_freq=inv_freq)),
-        ("  part: signature (key + pointers)", lambda: _fastpath.signature(q, k, FORWARD, args)),
+        ("  part: signature (key + pointers)", lambda: _fastpath.signature(q, k, FORWARD, rope_args)),
         ("  part: plan lookup", lambda: _fastpath._PLANS.get(key)),
         ("  part: torch.empty(shape, dtype, device)",
          lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)),
