@@ -1,7 +1,8 @@
 """One cache for the small constant tensors validation hands the kernels (the default frequencies of ``base=``,
 the pair-to-axis map of multi-axis positions): built once per key and device, the most recently used kept, so
 repeated eager calls allocate nothing. Traced calls build afresh and keep nothing (a graph must not hold a tensor
-made outside it)."""
+made outside it). Under ``torch.inference_mode()`` the tensors are built as normal tensors, which later calls with
+autograd may save."""
 
 from __future__ import annotations
 
@@ -27,7 +28,13 @@ def device_cache(maxsize: int = 64) -> Callable[[Callable[..., Tensor]], Callabl
             if hit is not None:
                 cache.move_to_end(key)
                 return hit
-            value = make(*key)
+            if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+                # a normal tensor, which every later call may use: one made in inference mode could not be saved
+                # for the backward of a training call after it (generation, then training, as RL loops do)
+                with torch.inference_mode(False):
+                    value = make(*key)
+            else:
+                value = make(*key)
             if not torch.compiler.is_compiling():
                 cache[key] = value
                 if len(cache) > maxsize:
