@@ -10,7 +10,7 @@ import torch
 
 import ropekit
 from helpers import ROUTES, on_route
-from ropekit import _spec, attention
+from ropekit import _spec, attention, float32_path
 from ropekit.frequencies import formulas
 
 # bases no other test uses, so that the first call to build their frequencies is the one under inference_mode
@@ -21,6 +21,8 @@ MLA_BASE = 4567.0
 def _clear_caches():
     for cached in (formulas.default_inv_freq, _spec.pair_axis_tensor, attention._zeros, attention._unit):
         cached.cache_clear()
+    float32_path.RECENT_TABLES.clear()
+    float32_path._WORKSPACE.clear()  # this thread's float32 memory for 16-bit inputs on the CPU
 
 
 def _grads(step, leaves):
@@ -47,6 +49,9 @@ CASES = {
     "apply_rope": dict(),
     "apply_rope-multi-axis": dict(sections=(2, 3, 3)),
     "apply_rope-partial-interleaved": dict(rotary_dim=8, style="interleaved"),
+    # 16-bit inputs of a prefill's size: the CPU path's float32 workspace
+    "bfloat16-prefill": dict(dtype=torch.bfloat16, shape=(2, 64)),
+    "bfloat16-decode": dict(dtype=torch.bfloat16, shape=(4, 1)),
 }
 
 
@@ -54,12 +59,13 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_apply_rope_and_qk_norm_rope_train_after_inference_calls(route, name):
     opts = dict(CASES[name], base=BASE)
+    dtype, (B, S) = opts.pop("dtype", torch.float32), opts.pop("shape", (1, 3))
     with on_route(route) as dev:
-        q = torch.randn(1, 3, 4, 16, device=dev).requires_grad_(True)
-        k = torch.randn(1, 3, 2, 16, device=dev).requires_grad_(True)
-        w = torch.rand(16, device=dev).add_(0.5).requires_grad_(True)
-        ids = torch.arange(3, device=dev)[None]
-        positions = ids.expand(3, 1, 3) if "sections" in opts else ids
+        q = torch.randn(B, S, 4, 16, device=dev, dtype=dtype).requires_grad_(True)
+        k = torch.randn(B, S, 2, 16, device=dev, dtype=dtype).requires_grad_(True)
+        w = torch.rand(16, device=dev, dtype=dtype).add_(0.5).requires_grad_(True)
+        ids = torch.arange(S, device=dev)[None].expand(B, S)
+        positions = ids.expand(3, B, S) if "sections" in opts else ids
         _first_inference_then_training(lambda: ropekit.apply_rope(q, k, positions=positions, **opts), [q, k])
         _first_inference_then_training(
             lambda: ropekit.qk_norm_rope(q, k, w, w, positions=positions, **opts), [q, k, w])

@@ -318,6 +318,10 @@ class _Workspace(threading.local):
     streams would make shared memory unsafe). What a rotation returns is never workspace memory."""
 
     def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        """Free this thread's workspace."""
         self.buffer: torch.Tensor | None = None  # flat float32, grown to the largest need up to the bound
         self.views: dict = {}
 
@@ -329,6 +333,10 @@ class _Workspace(threading.local):
             return views
         if elements > WORKSPACE_ELEMENTS:
             return None
+        with torch.inference_mode(False):  # kept memory: never an inference tensor, which later calls could not write
+            return self._make(key, elements, build)
+
+    def _make(self, key, elements: int, build):
         if self.buffer is None or self.buffer.numel() < elements:
             self.buffer = torch.empty(elements, dtype=torch.float32)
             self.views.clear()  # views of the old buffer, which is then freed
