@@ -166,6 +166,7 @@ def test_host_tensor_cache_scales_must_be_finite_and_positive(route, which, valu
         _assert_refused(ValueError, which, [q, k, v, *caches], kw)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")
 def test_device_tensor_cache_scales_are_not_read_without_check_positions():
     """On the kernel route a 0-d tensor scale is a device value: not read (no sync) unless check_positions=True."""
     with route_context("cpu-kernels"), torch.no_grad():

@@ -28,7 +28,8 @@ def device_cache(maxsize: int = 64) -> Callable[[Callable[..., Tensor]], Callabl
             if hit is not None:
                 cache.move_to_end(key)
                 return hit
-            if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+            # is_compiling() first: torch.compile cannot trace is_inference_mode_enabled()
+            if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
                 # a normal tensor, which every later call may use: one made in inference mode could not be saved
                 # for the backward of a training call after it (generation, then training, as RL loops do)
                 with torch.inference_mode(False):
