@@ -500,7 +500,7 @@ def test_targets_come_from_the_registry_data(tmp_path):
                                            "prologue-prefill-paged", "fwd-fp8-dynamic", "qk-norm-fwdbwd",
                                            "hidden-norm-fwd", "hidden-norm-vs-compile",
                                            "qk-norm-vs-compile", "mla-decode", "mla-prefill", "prologue-step",
-                                           "cpu-vs-hf", "cpu-first-layer-vs-hf",
+                                           "cpu-vs-hf", "cpu-first-layer-vs-hf", "cpu-first-layer-vs-hf-first-layer",
                                            *(f"attn-{m}-vs-{v}" for m in ("fwd", "fwdbwd")
                                              for v in ("rope-flex", "rope-flash", "rope-cudnn", "cudnn"))}
     # Another registry file with other targets: the harness evaluates those, nothing built in.

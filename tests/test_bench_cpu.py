@@ -18,7 +18,7 @@ from ropekit.bench.peers import Peers, load_peers
 from ropekit.bench.targets import targets_from_registry
 from ropekit.bench.timing import Timer
 
-CPU_IMPLS = ["hf", "ropekit", "ropekit-first-layer"]
+CPU_IMPLS = ["hf", "hf-first-layer", "ropekit", "ropekit-first-layer"]
 
 
 def test_measure_rows_and_table():
@@ -30,7 +30,8 @@ def test_measure_rows_and_table():
         ("offset", False, "bfloat16", 2, 3), ("offset", True, "bfloat16", 2, 3)]
     for r in rows:
         assert r["ropekit_us"] > 0 and r["hf_us"] > 0 and r["ratio"] == pytest.approx(r["ropekit_us"] / r["hf_us"])
-    assert rows[0]["hf_us"] == rows[1]["hf_us"]  # one timing of a size and kind: the layers share hf's time
+    # a first layer's partner is transformers' first layer (its cos/sin timed too), a later layer's hf's rotation
+    assert rows[0]["hf_us"] != rows[1]["hf_us"]
     table = cpu.format_rows(rows).splitlines()
     assert len(table) == 5 and "ropekit/hf" in table[0]
     assert [line.split()[2:4] for line in table[1:]] == [["ids", "later"], ["ids", "first"], ["offset", "later"],
@@ -82,6 +83,26 @@ def test_first_layer_calls_get_positions_new_to_each_call(positions):
         moved = t["ids"] + step if positions == "ids" else cpu.OFFSET + step
         assert torch.equal(out, ropekit.apply_rope(t["q"], t["k"], positions=moved, base=10000.0)[0])
     assert len({out.sum().item() for out in first}) == len(first)
+
+
+@pytest.mark.parametrize("positions", ["ids", "offset"])
+def test_transformers_first_layer_forms_cos_sin_for_new_positions(positions):
+    """hf-first-layer runs transformers' rotary embedding for positions new to every call (the first-layer calls'
+    positions, as position ids) and then its rotation: the same rotation as ropekit's first layer, call by call,
+    within the bench's agreement bound (transformers forms its angles in float32)."""
+    pytest.importorskip("transformers")
+    from ropekit.testing import max_relative_error
+
+    base = 500000.0
+    t = cpu.make_tensors(2, 3, torch.float32, heads=2, kv_heads=1, head_dim=16, base=base,
+                         generator=torch.Generator().manual_seed(0))
+    calls = cpu.rotations(t, positions, base, cpu.hf_rotation(), cpu.hf_rotary_embedding(2, 1, 16, base))
+    assert list(calls) == ["hf", "hf-first-layer", "ropekit", "ropekit-first-layer"]
+    outs = [(calls["hf-first-layer"]()[0].transpose(1, 2), calls["ropekit-first-layer"]()[0]) for _ in range(3)]
+    for hf, ours in outs:
+        assert max_relative_error(hf, ours) <= run.MISMATCH  # a wrong position would be off by O(1)
+    assert not torch.equal(outs[0][0], outs[1][0])  # each call's positions are new
+    assert cpu.hf_rotary_embedding(2, 1, 16, base).inv_freq.shape == (8,)
 
 
 def _cpu_case(positions="ids", dtype="bf16"):
@@ -195,8 +216,11 @@ def test_bench_preset_cpu_writes_rows_and_the_summary_renders_the_cpu_table(tmp_
     assert "CPU: apply_rope against transformers' apply_rotary_pos_emb" in cpu_part
     table = [line for line in cpu_part.splitlines() if line.startswith("| bf16 | 1x1 |")]
     assert len(table) == 1 and table[0].count(" us)") == 4  # a ratio with both times for each kind and layer
-    hf = {r["positions"]: float(r["median_us"]) for r in kept if r["impl"] == "hf"}
-    ropekit_ids = next(float(r["median_us"]) for r in kept if r["impl"] == "ropekit" and r["positions"] == "ids")
-    assert table[0].split(" | ")[2].startswith(f"{ropekit_ids / hf['ids']:.2f} (")
+    hf = {(r["positions"], r["impl"]): float(r["median_us"]) for r in kept if r["impl"].startswith("hf")}
+    ours = {(r["positions"], r["impl"]): float(r["median_us"]) for r in kept if r["impl"].startswith("ropekit")}
+    cells = table[0].split(" | ")
+    assert cells[2].startswith(f"{ours['ids', 'ropekit'] / hf['ids', 'hf']:.2f} (")
+    # the first layer against transformers' first layer, marked
+    assert cells[3].startswith(f"{ours['ids', 'ropekit-first-layer'] / hf['ids', 'hf-first-layer']:.2f}* (")
     written = summary.write_latest(by_card, tmp_path / "latest", plot=False)
     assert tmp_path / "latest" / summary.card_slug(card) / "results.csv.xz" in written

@@ -6,10 +6,13 @@ transformers gets what a model hands it: cos/sin already computed for the positi
 every layer, so not timed) and q/k as [B, H, S, D] views of the [B, S, H, D] projections. ropekit gets the positions
 ([B, S] ids, or an int offset) and forms its angles in float64 from them: ``ropekit`` with the positions of the
 calls before (a model hands every layer of a forward the same positions, so a later layer may reuse work), and
-``ropekit-first-layer`` with positions new to every call (a forward's first layer, which cannot). Each time is the
-median of repeated calls after warm-up calls, in microseconds; the functions of one size take turns, one call each,
-so that a change in the machine's load reaches them alike. The ratio is ropekit's time over transformers' (below 1:
-ropekit is faster). Without transformers only ropekit's times are taken.
+``ropekit-first-layer`` with positions new to every call (a forward's first layer, which cannot). A forward's
+first layer of transformers pays for its cos/sin too: ``hf-first-layer`` times the model's rotary embedding
+(Llama's, for positions new to every call) and then ``apply_rotary_pos_emb``, the fair partner of
+``ropekit-first-layer``. Each time is the median of repeated calls after warm-up calls, in microseconds; the
+functions of one size take turns, one call each, so that a change in the machine's load reaches them alike. The
+ratio is ropekit's time over transformers' (below 1: ropekit is faster). Without transformers only ropekit's times
+are taken.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ SIZES = ((1, 1), (8, 1), (32, 1), (256, 1), (2, 4096))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OFFSET = POSITION_OFFSET  # the int offset: a decode step's position
 BASELINE = "hf"  # the CPU mode's baseline: transformers' apply_rotary_pos_emb
+HF_FIRST_LAYER = "hf-first-layer"  # transformers' rotary embedding forward for new positions, then the rotation
 IMPLS = ("ropekit", "ropekit-first-layer")
 # The first-layer calls cycle over sets of positions, each one step further than the one before, so that no call
 # finds its positions among those of the calls just before it: up to this many position ids in all (8 MB of int64),
@@ -46,6 +50,19 @@ def hf_rotation() -> Callable | None:
     return apply_rotary_pos_emb
 
 
+def hf_rotary_embedding(heads: int, kv_heads: int, head_dim: int, base: float) -> Callable | None:
+    """transformers' Llama rotary embedding module (``(x, position_ids) -> (cos, sin)`` in x's dtype) for these
+    sizes and base, or None when transformers is not installed."""
+    try:
+        import transformers
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    except ImportError:
+        return None
+    config = transformers.LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, head_dim=head_dim, rope_theta=base)
+    return LlamaRotaryEmbedding(config)
+
+
 def make_tensors(batch: int, seqlen: int, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
                  base: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """q [B, S, heads, D] and k [B, S, kv_heads, D] of ``dtype`` (random), ids [B, S] (``OFFSET`` + 0..S-1 in every
@@ -61,11 +78,13 @@ def make_tensors(batch: int, seqlen: int, dtype: torch.dtype, *, heads: int, kv_
     return dict(q=q, k=k, ids=ids, cos=cos, sin=sin)
 
 
-def rotations(t: dict[str, torch.Tensor], positions: str, base: float,
-              apply_rotary_pos_emb: Callable | None) -> dict[str, Callable[[], Any]]:
+def rotations(t: dict[str, torch.Tensor], positions: str, base: float, apply_rotary_pos_emb: Callable | None,
+              rotary_embedding: Callable | None = None) -> dict[str, Callable[[], Any]]:
     """The timed calls of one size and positions kind (``ids`` or ``offset``) on the tensors of
-    :func:`make_tensors`: ``hf`` (when ``apply_rotary_pos_emb`` is given), ``ropekit`` (the same positions every
-    call) and ``ropekit-first-layer`` (positions new to every call, cycled over sets made beforehand)."""
+    :func:`make_tensors`: ``hf`` (when ``apply_rotary_pos_emb`` is given), ``hf-first-layer`` (when
+    ``rotary_embedding`` is given too: its cos/sin for the first-layer calls' positions, then the rotation),
+    ``ropekit`` (the same positions every call) and ``ropekit-first-layer`` (positions new to every call, cycled
+    over sets made beforehand)."""
     import ropekit
 
     if positions not in ("ids", "offset"):
@@ -79,6 +98,10 @@ def rotations(t: dict[str, torch.Tensor], positions: str, base: float,
     if apply_rotary_pos_emb is not None:
         cos, sin = t["cos"], t["sin"]
         calls[BASELINE] = lambda: apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        if rotary_embedding is not None:  # a model hands its rotary embedding position ids, never an int offset
+            fresh_ids = itertools.cycle([ids + step for step in range(1, sets + 1)])
+            calls[HF_FIRST_LAYER] = lambda: apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2),
+                                                                 *rotary_embedding(q, next(fresh_ids)))
     calls["ropekit"] = lambda: ropekit.apply_rope(q, k, positions=shared, base=base)
     calls["ropekit-first-layer"] = lambda: ropekit.apply_rope(q, k, positions=next(fresh), base=base)
     return calls
@@ -99,8 +122,10 @@ def measure(sizes: Sequence[tuple[int, int]], dtypes: Sequence[torch.dtype], *, 
             budget_s: float = 0.5, seed: int = 0) -> list[dict]:
     """One row per dtype x size x positions kind (``ids`` [B, S], ``offset`` int) x layer (``first_layer``:
     positions new to every call): ropekit's and (when installed) transformers' median microseconds (of one timing
-    of the size and kind) and their ratio."""
+    of the size and kind; a first layer's transformers time includes its rotary embedding's cos/sin for the new
+    positions) and their ratio."""
     apply_rotary_pos_emb = hf_rotation()
+    rotary_embedding = hf_rotary_embedding(heads, kv_heads, head_dim, base) if apply_rotary_pos_emb else None
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for dtype in dtypes:
@@ -109,20 +134,20 @@ def measure(sizes: Sequence[tuple[int, int]], dtypes: Sequence[torch.dtype], *, 
                              generator=generator)
             check_float32_path(t["q"])
             for kind in ("ids", "offset"):
-                calls = rotations(t, kind, base, apply_rotary_pos_emb)
+                calls = rotations(t, kind, base, apply_rotary_pos_emb, rotary_embedding)
                 times = dict(zip(calls, interleaved_median_us(list(calls.values()), warmup=warmup,
                                                               min_calls=min_calls, budget_s=budget_s)))
-                hf_us = times.get(BASELINE)
                 for impl in IMPLS:
-                    us = times[impl]
+                    us, first = times[impl], impl == "ropekit-first-layer"
+                    hf_us = times.get(HF_FIRST_LAYER if first else BASELINE)
                     rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen=seqlen,
-                                     positions=kind, first_layer=impl == "ropekit-first-layer", ropekit_us=us,
+                                     positions=kind, first_layer=first, ropekit_us=us,
                                      hf_us=hf_us, ratio=None if hf_us is None else us / hf_us))
     return rows
 
 
 def format_rows(rows: Sequence[dict]) -> str:
-    """The rows as an aligned text table."""
+    """The rows as an aligned text table (a first layer's hf time includes transformers' cos/sin)."""
     lines = [f"{'dtype':9} {'B x S':>9} {'positions':9} {'layer':6} {'ropekit us':>11} {'hf us':>11} "
              f"{'ropekit/hf':>10}"]
     for r in rows:
@@ -136,6 +161,8 @@ def format_rows(rows: Sequence[dict]) -> str:
 
 NOTES = {
     BASELINE: "cos/sin computed beforehand (untimed), q/k as [B, H, S, D] views",
+    HF_FIRST_LAYER: "Llama's rotary embedding forward for positions new to every call, then the rotation (a "
+                    "forward's first layer)",
     "ropekit": "float32 path; the positions of the calls before (a later layer)",
     "ropekit-first-layer": "float32 path; positions new to every call (a forward's first layer)",
 }
@@ -161,10 +188,11 @@ def bench_rows(case: Any, device: torch.device, timer: Timer, peers: Any, env: d
     t = make_tensors(case.batch, case.seqlen, dtype, heads=case.hq, kv_heads=case.hk, head_dim=case.head_dim,
                      base=case.base, generator=torch.Generator().manual_seed(0))
     check_float32_path(t["q"])
-    names = [n for n in (BASELINE, *IMPLS) if n == BASELINE or impl_globs is None
+    names = [n for n in (BASELINE, HF_FIRST_LAYER, *IMPLS) if n == BASELINE or impl_globs is None
              or any(fnmatch.fnmatch(n, g) for g in impl_globs)]
     nbytes = case_bytes(case)["fwd"]  # q and k read and written, and the positions: as the fwd mode's
-    calls = rotations(t, case.positions, case.base, peers.hf_neox)
+    rotary_embedding = hf_rotary_embedding(case.hq, case.hk, case.head_dim, case.base) if peers.hf_neox else None
+    calls = rotations(t, case.positions, case.base, peers.hf_neox, rotary_embedding)
     rows = {}
     for name in names:
         row = _row(env, case, CPU_MODE, name, nbytes, BASELINE)

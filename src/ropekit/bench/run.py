@@ -145,7 +145,7 @@ def _impl_version(name: str, peers: Peers, env: dict[str, Any]) -> str:
         return f"torch {env['torch']}"
     if name in ("copy-kv", "copy-mla"):
         return f"triton {env['triton']}"
-    if name in ("hf", "hf-compile"):
+    if name in ("hf", "hf-compile", "hf-first-layer"):
         return f"transformers {peers.versions.get('transformers', '')}".strip()
     if name in ("liger", "flash-attn", "helion"):
         return peers.versions.get(name, "")

@@ -274,18 +274,23 @@ def _cpu_table(rows: list[dict[str, Any]]) -> list[str]:
     cells: dict[tuple[str, int, int], dict[tuple[str, str], str]] = {}
     for r in rows:
         line = cells.setdefault((r["dtype"], int(r["batch"]), int(r["seqlen"])), {})
-        hf = next((h for h in rows if h["case"] == r["case"] and h["impl"] == "hf" and h["source"] == r["source"]
-                   and h["median_us"]), None)
-        if not r["median_us"] or r["impl"] == "hf":
+        if not r["median_us"] or r["impl"] not in {kind[1] for kind in CPU_KINDS}:
             continue
+        # a first layer against transformers' first layer (its cos/sin timed too) where the run has that row
+        partners = ("hf-first-layer", "hf") if r["impl"] == "ropekit-first-layer" else ("hf",)
+        hf = next((h for impl in partners for h in rows if h["case"] == r["case"] and h["impl"] == impl
+                   and h["source"] == r["source"] and h["median_us"]), None)
         us = float(r["median_us"])
+        mark = "*" if hf is not None and hf["impl"] == "hf-first-layer" else ""
         line[(r["positions"], r["impl"])] = f"{us:.1f} us" if hf is None else \
-            f"{us / float(hf['median_us']):.2f} ({us:.1f} / {float(hf['median_us']):.1f} us)"
+            f"{us / float(hf['median_us']):.2f}{mark} ({us:.1f} / {float(hf['median_us']):.1f} us)"
     lines = ["CPU: apply_rope against transformers' apply_rotary_pos_emb: ropekit / hf (ropekit us / hf us; below 1: "
              "ropekit is faster). hf gets cos/sin computed beforehand (untimed, as a model computes them once per "
              "forward) and q/k as [B, H, S, D] views; ropekit gets the positions. Later layers: apply_rope with the "
              "positions of the calls before (a forward hands every layer the same ones); first layer: positions new "
-             "to every call.", "",
+             "to every call. A first layer's ratio marked * is against transformers' first layer, whose time "
+             "includes its rotary embedding's cos/sin for those positions; unmarked ones (older runs) are against "
+             "apply_rotary_pos_emb alone.", "",
              "| dtype | B x S | " + " | ".join(kind[2] for kind in CPU_KINDS) + " |",
              "|---|---|" + "---|" * len(CPU_KINDS)]
     for (dtype, batch, seqlen), line in sorted(cells.items(), key=lambda item: (item[0][0], item[0][1] * item[0][2])):
