@@ -377,11 +377,9 @@ TARGETS = [
     # The CPU (--preset cpu): apply_rope's float32 path against transformers' apply_rotary_pos_emb (the baseline).
     {"key": "cpu-vs-hf", "what": "CPU: apply_rope, later layers (the positions of the calls before), vs "
      "transformers' apply_rotary_pos_emb", "limit": 1.0, "mode": "cpu", "impl": "ropekit"},
-    {"key": "cpu-first-layer-vs-hf", "what": "CPU: apply_rope, positions new to it (a forward's first layer), vs "
-     "transformers' apply_rotary_pos_emb alone (its cos/sin untimed)", "limit": 1.0, "mode": "cpu",
-     "impl": "ropekit-first-layer"},
-    {"key": "cpu-first-layer-vs-hf-first-layer", "what": "CPU: apply_rope, positions new to it (a forward's first "
-     "layer), vs transformers' first layer: its rotary embedding's cos/sin for those positions, then "
-     "apply_rotary_pos_emb", "limit": 1.0, "mode": "cpu", "impl": "ropekit-first-layer",
+    {"key": "cpu-first-layer-vs-hf", "what": "CPU: apply_rope, first layer (new positions), vs transformers' "
+     "apply_rotary_pos_emb alone", "limit": 1.0, "mode": "cpu", "impl": "ropekit-first-layer"},
+    {"key": "cpu-first-layer-vs-hf-first-layer", "what": "CPU: apply_rope, first layer (new positions), vs "
+     "transformers' first layer (its cos/sin timed too)", "limit": 1.0, "mode": "cpu", "impl": "ropekit-first-layer",
      "versus": "hf-first-layer"},
 ]
