@@ -28,18 +28,18 @@ def device_cache(maxsize: int = 64) -> Callable[[Callable[..., Tensor]], Callabl
             if hit is not None:
                 cache.move_to_end(key)
                 return hit
-            # is_compiling() first: torch.compile cannot trace is_inference_mode_enabled()
-            if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            if torch.compiler.is_compiling():  # built in the graph, kept nowhere (and torch.compile cannot
+                return make(*key)  # trace is_inference_mode_enabled() below)
+            if torch.is_inference_mode_enabled():
                 # a normal tensor, which every later call may use: one made in inference mode could not be saved
                 # for the backward of a training call after it (generation, then training, as RL loops do)
                 with torch.inference_mode(False):
                     value = make(*key)
             else:
                 value = make(*key)
-            if not torch.compiler.is_compiling():
-                cache[key] = value
-                if len(cache) > maxsize:
-                    cache.popitem(last=False)
+            cache[key] = value
+            if len(cache) > maxsize:
+                cache.popitem(last=False)
             return value
 
         cached.cache_clear = cache.clear

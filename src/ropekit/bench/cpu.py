@@ -92,14 +92,14 @@ def rotations(t: dict[str, torch.Tensor], positions: str, base: float, apply_rot
     q, k, ids = t["q"], t["k"], t["ids"]
     sets = max(8, min(FIRST_LAYER_SETS, FIRST_LAYER_IDS // max(1, ids.numel())))
     shared: torch.Tensor | int = ids if positions == "ids" else OFFSET
-    fresh = itertools.cycle([ids + step for step in range(1, sets + 1)] if positions == "ids"
-                            else [OFFSET + step for step in range(1, sets + 1)])
+    id_sets = [ids + step for step in range(1, sets + 1)]
+    fresh = itertools.cycle(id_sets if positions == "ids" else [OFFSET + step for step in range(1, sets + 1)])
     calls: dict[str, Callable[[], Any]] = {}
     if apply_rotary_pos_emb is not None:
         cos, sin = t["cos"], t["sin"]
         calls[BASELINE] = lambda: apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         if rotary_embedding is not None:  # a model hands its rotary embedding position ids, never an int offset
-            fresh_ids = itertools.cycle([ids + step for step in range(1, sets + 1)])
+            fresh_ids = itertools.cycle(id_sets)
             calls[HF_FIRST_LAYER] = lambda: apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2),
                                                                  *rotary_embedding(q, next(fresh_ids)))
     calls["ropekit"] = lambda: ropekit.apply_rope(q, k, positions=shared, base=base)
