@@ -25,9 +25,10 @@ def _fresh_seed(request):
     # inputs are fresh random data, never zeros, and a failure can be replayed.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     # the float32 path's tables of earlier tests must not stand in for a test's own (some patch how they are built)
-    from ropekit.float32_path import RECENT_TABLES
+    from ropekit.float32_path import POSITION_TABLES, RECENT_TABLES
 
     RECENT_TABLES.clear()
+    POSITION_TABLES.clear()
 
 
 @pytest.fixture

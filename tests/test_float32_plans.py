@@ -177,7 +177,14 @@ def test_plans_and_kept_tables_equal_the_full_path(served):
     assert planned >= 3 * NUM_CASES
 
 
-def test_a_model_forms_its_angles_once_per_step(served, monkeypatch):
+@pytest.fixture
+def no_position_tables(monkeypatch):
+    """The kept tables of the plans and of RECENT_TABLES alone: decode calls with 1-D positions otherwise take
+    rows of the per-position tables (tests/test_float32_position_tables.py), and would form no angles at all."""
+    monkeypatch.setattr(float32_path.POSITION_TABLES, "max_elements", 0)
+
+
+def test_a_model_forms_its_angles_once_per_step(served, monkeypatch, no_position_tables):
     """Layers of one forward share a positions tensor: the angles are formed once per step, for the first
     layer, and every later layer reuses the tables -- with or without a plan."""
     built = []
@@ -193,7 +200,7 @@ def test_a_model_forms_its_angles_once_per_step(served, monkeypatch):
     assert served["served"] > 0
 
 
-def test_kept_tables_are_bounded_and_off_with_the_fast_path(monkeypatch):
+def test_kept_tables_are_bounded_and_off_with_the_fast_path(monkeypatch, no_position_tables):
     built = []
     original = float32_path._tables_of
     monkeypatch.setattr(float32_path, "_tables_of", lambda *a: built.append(1) or original(*a))
@@ -234,7 +241,7 @@ def test_replayed_calls_refuse_what_the_full_path_refuses(served, bad, inplace):
 
 @pytest.mark.parametrize("positions", ["ids", "offset"])
 @pytest.mark.parametrize("tokens", [1, 300])  # kept by the plan, and only by RECENT_TABLES (too many for a plan)
-def test_positions_taking_turns_keep_their_tables(served, monkeypatch, positions, tokens):
+def test_positions_taking_turns_keep_their_tables(served, monkeypatch, no_position_tables, positions, tokens):
     """Calls of one signature whose positions take turns (a forward's later layers between next steps' first
     layers) each find their own tables again: the angles of each set are formed once."""
     built = []
@@ -248,6 +255,25 @@ def test_positions_taking_turns_keep_their_tables(served, monkeypatch, positions
         for p, want in zip(sets, wants):
             assert_same(call(dict(mode="out"), q, k, dict(positions=p)), want, "turns")
     assert len(built) == 2
+    assert served["served"] > 0
+
+
+@pytest.mark.parametrize("positions", ["ids", "offset"])
+def test_positions_used_again_outlive_positions_seen_once(served, monkeypatch, no_position_tables, positions):
+    """A forward's later layers (the same positions every call) between first layers whose positions are new
+    every call (the bench's turn-taking, or two models decoding in turn): the shared set's tables are looked up
+    once, since a plan keeps its most recently used tables, not its most recently formed."""
+    q, k = torch.randn(1, 1, 4, 16, dtype=torch.bfloat16), torch.randn(1, 1, 2, 16, dtype=torch.bfloat16)
+    shared = torch.full((1, 1), 30) if positions == "ids" else 30
+    new_sets = [torch.full((1, 1), 100 + i) if positions == "ids" else 100 + i for i in range(8)]
+    want = full_path(dict(mode="out"), q, k, dict(positions=shared))
+    built = []  # calls that looked their tables up (and formed them, or found them in RECENT_TABLES)
+    original = float32_path.float32_tables
+    monkeypatch.setattr(float32_path, "float32_tables", lambda *a: built.append(1) or original(*a))
+    for new in new_sets:
+        call(dict(mode="out"), q, k, dict(positions=new))
+        assert_same(call(dict(mode="out"), q, k, dict(positions=shared)), want, "shared")
+    assert len(built) - len(new_sets) <= 2  # the shared set's: at most its first two calls (note, record)
     assert served["served"] > 0
 
 

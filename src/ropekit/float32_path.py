@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -77,6 +78,9 @@ def float32_tables(q: torch.Tensor, k: torch.Tensor | None, spec: RopeSpec) -> t
     B, S = to_canonical(q, spec.layout).shape[:2]
     D = q.shape[-1]
     scales = (spec.q_scale,) if k is None else (spec.q_scale, spec.k_scale)
+    made = POSITION_TABLES.rows(spec, B, S, D, scales, q.device)
+    if made is not None:
+        return made, True
     found = RECENT_TABLES.get(spec, B, S, D, scales, q.device)
     if found is None:
         found = _tables_of(spec, B, S, D, scales, q.device)
@@ -180,6 +184,119 @@ def _same_values(kept: tuple, tensors: tuple) -> bool:
             return False
     return True
 
+
+class PositionTables:
+    """The float32 tables of every position below a bound, per rotation (frequencies, scale, dims, style), so that
+    a decode-sized CPU call with 1-D positions takes its tables as rows of them -- a view for one position or a run
+    of consecutive ones, else one ``index_select`` each for ``C`` and ``T`` -- instead of forming cos/sin per call:
+    a model's first layer of every decode step, whose positions are new. Each row is built once, as
+    :func:`_tables_of` builds it (float64 angles and cos/sin, each value rounded once to float32), on the first call
+    that reaches it; a table grows by doubling up to ``max_elements`` float32 values (16 MiB), and the
+    ``max_rotations`` most recently used rotations are kept. Calls of more than ``max_tokens`` positions, with a
+    position outside the table (or invalid), or with other frequencies (cos/sin tables, multi-axis positions)
+    form their tables as before. The frequencies are compared by value (their bits) on every call."""
+
+    def __init__(self, max_elements: int = 1 << 22, max_rotations: int = 4, max_tokens: int = 1024,
+                 max_frequencies: int = 512):
+        self.max_elements, self.max_rotations = max_elements, max_rotations
+        self.max_tokens, self.max_frequencies = max_tokens, max_frequencies
+        self._tables: OrderedDict = OrderedDict()  # rotation key -> (C [1, rows, 1, D], T [1, rows, 1, R])
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+    def rows(self, spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device) -> dict | None:
+        """{scale: (C, T)} of :func:`_float32_tables` for the call, as rows of the kept tables, or None where the
+        call forms its own (see the class)."""
+        inv_freq = spec.inv_freq
+        if device.type != "cpu" or spec.freq_mode != "inv_freq" or spec.cu_seqlens is not None or \
+                not self.max_elements or not _config.fast_path or inv_freq.device.type != "cpu" or \
+                inv_freq.numel() > self.max_frequencies or torch.compiler.is_compiling():
+            return None
+        index = self._index(spec, B, S)
+        if index is None:
+            return None
+        first, count, hi, ids, Bt = index
+        rows_needed = hi + 1
+        bits = inv_freq.view(torch.int64 if inv_freq.dtype == torch.float64 else torch.int32).tolist()
+        rotation = (inv_freq.dtype, tuple(bits), spec.style, spec.conjugate, spec.rotary_scale, D,
+                    spec.rotary_start, spec.rotary_dim)
+        made = {}
+        for scale in scales:
+            if scale in made:
+                continue
+            tables = self._grown(rotation + (scale,), spec, scale, D, inv_freq, rows_needed)
+            if tables is None:
+                return None
+            made[scale] = tuple(t.narrow(1, first, count) if ids is None
+                                else t.index_select(1, ids).view(Bt, S, 1, -1) for t in tables)
+        return made
+
+    def _index(self, spec: RopeSpec, B: int, S: int):
+        """(first row, rows, the largest position, None) for a run of consecutive positions shared by every
+        sequence, or (0, 0, the largest position, int64 indices, sequences with their own rows); None where the
+        call has more than ``max_tokens`` positions or one below 0."""
+        if spec.positions is None and spec.seq_offsets is None:
+            first = spec.pos_offset
+            if S > self.max_tokens or first < 0:
+                return None
+            return first, S, first + S - 1, None, 1
+        if spec.positions is not None:
+            pos = spec.positions
+            if pos.dim() != 2:  # multi-axis
+                return None
+            if pos.shape[0] > 1 and pos.stride(0) == 0:  # every sequence has the same positions: one row serves all
+                pos = pos[:1]
+        elif S == 1:  # decode with per-sequence offsets: the offsets are the positions
+            pos = spec.seq_offsets.view(-1, 1)
+        else:
+            return None
+        if pos.numel() > self.max_tokens or pos.numel() == 0:
+            return None
+        ids = pos.reshape(-1)
+        values = ids.tolist()
+        lo, hi = min(values), max(values)
+        if lo < 0:
+            return None
+        if pos.shape[0] == 1 and values == list(range(lo, lo + len(values))):
+            return lo, len(values), hi, None, 1
+        return 0, 0, hi, ids.to(torch.int64), pos.shape[0]
+
+    def _grown(self, key, spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, rows_needed: int):
+        """The kept (C, T) of ``key`` with at least ``rows_needed`` rows (built or grown here), or None where that
+        is past ``max_elements``."""
+        with self._lock:
+            kept = self._tables.get(key)
+            if kept is not None and kept[0].shape[1] >= rows_needed:
+                self._tables.move_to_end(key)
+                return kept
+        per_row = D + spec.rotary_dim
+        if rows_needed > MAX_POSITION or rows_needed * per_row > self.max_elements:
+            return None
+        have = 0 if kept is None else kept[0].shape[1]
+        rows = min(max(1 << (rows_needed - 1).bit_length(), 2 * have, 256), self.max_elements // per_row)
+        with torch.inference_mode(False):  # kept memory: never an inference tensor
+            pos = torch.arange(have, rows, dtype=torch.int64)[None]
+            angle = torch.mul(pos.unsqueeze(-1), inv_freq.to(torch.float64))
+            cosine, sine = torch.cos(angle), torch.sin(angle)
+            C, T = _float32_tables((cosine, cosine, sine, sine), scale * spec.rotary_scale, spec.conjugate, scale,
+                                   D, spec.rotary_start, spec.rotary_dim, spec.style == "neox",
+                                   torch.device("cpu"))
+            new = (C, T)  # [1, rows, 1, D], [1, rows, 1, R]
+            if kept is not None:
+                new = tuple(torch.cat((old, t), 1) for old, t in zip(kept, new))
+        with self._lock:  # calls on several threads share the tables
+            self._tables[key] = new
+            self._tables.move_to_end(key)
+            while len(self._tables) > self.max_rotations:
+                self._tables.popitem(last=False)
+        return new
+
+
+POSITION_TABLES = PositionTables()
+"""The float32 path's per-position tables (:class:`PositionTables`); off with the fast path, or
+``POSITION_TABLES.max_elements = 0``."""
 
 RECENT_TABLES = RecentTables()
 """The float32 path's table cache (:class:`RecentTables`); off with the fast path (:func:`ropekit.set_fast_path`,

@@ -327,9 +327,11 @@ class Float32Plan:
         if mode.inplace and k is not None and not self._disjoint(q, k):
             return None
         tensors = handles[2:]  # the call's tensor arguments (CPU handles are the tensors)
-        for kept in self.last:
+        for i, kept in enumerate(self.last):
             if kept[0] == offset and all(map(torch.equal, kept[1], tensors)):
                 made = kept[2]
+                if i:  # the most recently used first: a set of positions used again outlives the ones seen once
+                    self.last = (kept, *self.last[:i], *self.last[i + 1:])
                 break
         else:
             scalars = self.spec.scalars

@@ -1,0 +1,182 @@
+"""The CPU float32 path's per-position tables (``ropekit.float32_path.POSITION_TABLES``): a decode-sized call with
+1-D positions takes its float32 tables as rows of tables kept per rotation, instead of forming cos/sin for its
+positions (a model's first layer of every decode step).
+
+Every result must equal bit for bit what the full path gives (fast path off: the call's own tables, formed from its
+positions), and the float64 reference within the tolerance table; a call the tables cannot serve (too many tokens,
+a position past the bound, an invalid position, other frequency sources) forms its own tables as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ropekit
+from helpers import fast_path
+from ropekit import _fastpath, float32_path
+from ropekit.float32_path import POSITION_TABLES
+from ropekit.testing import assert_close_to_ref
+
+
+@pytest.fixture
+def formed(monkeypatch):
+    """Counts the calls that formed their own angles (``_tables_of``) and the kept tables' builds."""
+    counts = {"own": 0, "grown": 0}
+    own, grown = float32_path._tables_of, float32_path.PositionTables._grown
+
+    def counting_own(*args):
+        counts["own"] += 1
+        return own(*args)
+
+    def counting_grown(self, key, spec, scale, D, inv_freq, rows_needed):
+        kept = self._tables.get(key)
+        counts["grown"] += kept is None or kept[0].shape[1] < rows_needed
+        return grown(self, key, spec, scale, D, inv_freq, rows_needed)
+
+    monkeypatch.setattr(float32_path, "_tables_of", counting_own)
+    monkeypatch.setattr(float32_path.PositionTables, "_grown", counting_grown)
+    _fastpath.clear()
+    return counts
+
+
+def full_path(q, k, **kw):
+    with fast_path(False):
+        return ropekit.apply_rope(q.clone(), k.clone(), **{n: v.clone() if isinstance(v, torch.Tensor) else v
+                                                          for n, v in kw.items()})
+
+
+def assert_same(got, want, what: str) -> None:
+    for name, g, w in zip("qk", got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, name)
+        assert torch.equal(g, w), f"{what}: {name} differs from the full path"
+
+
+def decode_positions(kind: str, step: int, batch: int, seqlen: int):
+    """Step ``step``'s positions of kind ``kind`` for ``batch`` sequences of ``seqlen`` new tokens."""
+    start = 40 + 7 * step
+    if kind == "offset":
+        return start
+    if kind == "shared-ids":  # one row of ids for every sequence
+        return (torch.arange(seqlen) + start)[None]
+    if kind == "ids":  # each sequence at its own position: rows gathered, not a run
+        return torch.arange(batch)[:, None] * 13 + torch.arange(seqlen) + start
+    if kind == "seq-offsets":  # [B] per-sequence offsets (the positions, at one token per sequence)
+        return torch.arange(batch) * 13 + start
+    if kind == "int32-ids":
+        return (torch.arange(batch)[:, None] * 5 + torch.arange(seqlen) + start).to(torch.int32)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["offset", "shared-ids", "ids", "seq-offsets", "int32-ids"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("rotary", ["full", "front", "back"])
+def test_decode_steps_take_rows_of_the_kept_tables(formed, kind, dtype, style, rotary):
+    """Decode steps (new positions every step, several calls a step as a model's layers make) form no angles of
+    their own, build the kept tables once, and give the full path's results bit for bit."""
+    batch, seqlen = 3, 1 if kind == "seq-offsets" else 2
+    D = 16
+    kw = dict(base=10000.0, style=style, q_scale=0.5, k_scale=2.0)
+    if rotary != "full":
+        kw.update(rotary_dim=8, rotary_at=rotary)
+    for step in range(6):
+        positions = decode_positions(kind, step, batch, seqlen)
+        for layer in range(3):
+            q = torch.randn(batch, seqlen, 4, D, dtype=torch.float64).to(dtype)
+            k = torch.randn(batch, seqlen, 2, D, dtype=torch.float64).to(dtype)
+            want = full_path(q, k, positions=positions, **kw)
+            formed_before = formed["own"]
+            assert_same(ropekit.apply_rope(q, k, positions=positions, **kw), want, f"step {step} layer {layer}")
+            assert formed["own"] == formed_before, "a call the kept tables serve formed its own angles"
+    assert 1 <= formed["grown"] <= 2  # q's and k's scales: one table each, big enough for every step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_of_the_kept_tables_match_the_float64_reference(dtype):
+    """Against the definition: positions across the tables' growth (a run, gathered ids, one position far out)."""
+    g = torch.Generator().manual_seed(5)
+    for positions in (3, torch.tensor([[0], [1000], [17]]), torch.tensor([[70000]]), 255, 256):
+        batch = positions.shape[0] if isinstance(positions, torch.Tensor) else 2
+        q = torch.randn(batch, 1, 4, 64, generator=g, dtype=torch.float64).to(dtype)
+        k = torch.randn(batch, 1, 2, 64, generator=g, dtype=torch.float64).to(dtype)
+        outs = ropekit.apply_rope(q, k, positions=positions, base=500000.0)
+        refs = ropekit.apply_rope(q.double(), k.double(), positions=positions, base=500000.0)
+        for out, ref in zip(outs, refs):
+            assert_close_to_ref(out, ref, dtype, backend="float32-path")
+    assert POSITION_TABLES._tables, "the calls were not served by the kept tables"
+
+
+def rotate_counted(formed, q, k, **kw) -> tuple[tuple, int]:
+    """(apply_rope's outputs, whether the call formed its own angles), checked against the full path's."""
+    want = full_path(q, k, **kw)
+    before = formed["own"]
+    got = ropekit.apply_rope(q, k, **kw)
+    assert_same(got, want, str({n: v for n, v in kw.items() if not isinstance(v, torch.Tensor)}))
+    return got, formed["own"] - before
+
+
+def test_tables_grow_by_doubling_and_stay_bounded(formed, monkeypatch):
+    """A table grows to the largest position reached (at least doubling), up to ``max_elements``; past that,
+    and for more than ``max_tokens`` positions, calls form their own angles; at most ``max_rotations`` kept."""
+    monkeypatch.setattr(POSITION_TABLES, "max_elements", 4096 * 32)  # 4096 rows of head_dim 16, full rotary
+    q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    for position, rows in ((5, 256), (300, 512), (301, 512), (4095, 4096)):
+        assert rotate_counted(formed, q, k, positions=position, base=10000.0)[1] == 0
+        (C, T), = POSITION_TABLES._tables.values()
+        assert C.shape[1] == T.shape[1] == rows
+    assert rotate_counted(formed, q, k, positions=4096, base=10000.0)[1] == 1  # past the bound
+    many = torch.randn(1, POSITION_TABLES.max_tokens + 1, 2, 16, dtype=torch.bfloat16)
+    assert rotate_counted(formed, many, many, positions=0, base=10000.0)[1] == 1  # too many tokens
+    for base in (1e4, 2e4, 3e4, 4e4, 5e4, 6e4):
+        ropekit.apply_rope(q, k, positions=1, base=base)
+    assert len(POSITION_TABLES._tables) == POSITION_TABLES.max_rotations
+
+
+def test_refused_positions_and_other_frequencies(formed):
+    """A negative position raises as before and leaves the tables as they were; cos/sin tables and multi-axis
+    positions are not the kept tables' calls (they form their own)."""
+    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16)
+    ropekit.apply_rope(q, k, positions=torch.tensor([[3], [4]]), base=10000.0)
+    kept = {key: tuple(t.clone() for t in tables) for key, tables in POSITION_TABLES._tables.items()}
+    with pytest.raises(IndexError, match="positions must be >= 0"):
+        ropekit.apply_rope(q, k, positions=torch.tensor([[3], [-1]]), base=10000.0)
+    assert kept.keys() == POSITION_TABLES._tables.keys()
+    assert all(torch.equal(a, b) for key in kept for a, b in zip(kept[key], POSITION_TABLES._tables[key]))
+    POSITION_TABLES.clear()
+    cos, sin = torch.rand(32, 8), torch.rand(32, 8)
+    assert rotate_counted(formed, q, k, positions=torch.tensor([[3], [4]]), cos=cos, sin=sin)[1] == 1
+    assert rotate_counted(formed, q, k, positions=torch.randint(0, 9, (3, 2, 1)), base=10000.0,
+                          sections=(2, 3, 3))[1] == 1
+    assert not POSITION_TABLES._tables
+
+
+def test_frequencies_are_compared_by_value(formed):
+    """inv_freq changed in place (no new tensor, no version autograd sees, through numpy) gets its own tables."""
+    inv_freq = torch.rand(8)
+    q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 1, 16)
+    for _ in range(3):
+        assert rotate_counted(formed, q, k, positions=9, inv_freq=inv_freq)[1] == 0
+    inv_freq.numpy()[0] += 0.5
+    assert rotate_counted(formed, q, k, positions=9, inv_freq=inv_freq)[1] == 0
+    assert len(POSITION_TABLES._tables) == 2
+
+
+def test_off_with_the_fast_path(formed):
+    q = torch.randn(1, 1, 2, 16)
+    with fast_path(False):
+        for position in range(3):
+            ropekit.apply_rope(q, positions=position, base=10000.0)
+    assert formed["own"] == 3 and not POSITION_TABLES._tables
+
+
+def test_tables_built_under_inference_mode_serve_later_calls():
+    """Built under torch.inference_mode, the kept tables are normal tensors: later calls outside it work, autograd
+    included (the rotation saves nothing of them, but in-place and out-of-place calls read them)."""
+    q = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ropekit.apply_rope(q, positions=7, base=10000.0)
+    assert not any(t.is_inference() for tables in POSITION_TABLES._tables.values() for t in tables)
+    x = q.clone()
+    ropekit.apply_rope_(x, positions=7, base=10000.0)
+    assert torch.equal(x, ropekit.apply_rope(q, positions=7, base=10000.0))
