@@ -21,23 +21,31 @@ from ropekit.testing import assert_close_to_ref
 
 @pytest.fixture
 def formed(monkeypatch):
-    """Counts the calls that formed their own angles (``_tables_of``) and the kept tables' builds."""
-    counts = {"own": 0, "grown": 0}
-    own, grown = float32_path._tables_of, float32_path.PositionTables._grown
+    """Counts the calls that formed their own angles (``_tables_of``), and the kept tables' builds and the
+    positions they built."""
+    counts = {"own": 0, "grown": 0, "rows": 0}
+    own, built = float32_path._tables_of, float32_path.PositionTables._built
 
     def counting_own(*args):
         counts["own"] += 1
         return own(*args)
 
-    def counting_grown(self, key, spec, scale, D, inv_freq, rows_needed):
-        kept = self._tables.get(key)
-        counts["grown"] += kept is None or kept[0].shape[1] < rows_needed
-        return grown(self, key, spec, scale, D, inv_freq, rows_needed)
+    def counting_built(spec, scale, D, inv_freq, start, stop):
+        counts["grown"] += 1
+        counts["rows"] += stop - start
+        return built(spec, scale, D, inv_freq, start, stop)
 
     monkeypatch.setattr(float32_path, "_tables_of", counting_own)
-    monkeypatch.setattr(float32_path.PositionTables, "_grown", counting_grown)
+    monkeypatch.setattr(float32_path.PositionTables, "_built", staticmethod(counting_built))
     _fastpath.clear()
     return counts
+
+
+def window() -> tuple[int, int]:
+    """(first position, rows) of the one kept rotation."""
+    (start, C, T), = POSITION_TABLES._tables.values()
+    assert C.shape[1] == T.shape[1]
+    return start, C.shape[1]
 
 
 def full_path(q, k, **kw):
@@ -89,7 +97,7 @@ def test_decode_steps_take_rows_of_the_kept_tables(formed, kind, dtype, style, r
             formed_before = formed["own"]
             assert_same(ropekit.apply_rope(q, k, positions=positions, **kw), want, f"step {step} layer {layer}")
             assert formed["own"] == formed_before, "a call the kept tables serve formed its own angles"
-    assert 1 <= formed["grown"] <= 2  # q's and k's scales: one table each, big enough for every step
+    assert 1 <= formed["grown"] <= 2  # q's and k's scales: one window each, wide enough for every step
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -116,21 +124,34 @@ def rotate_counted(formed, q, k, **kw) -> tuple[tuple, int]:
     return got, formed["own"] - before
 
 
-def test_tables_grow_by_doubling_and_stay_bounded(formed, monkeypatch):
-    """A table grows to the largest position reached (at least doubling), up to ``max_elements``; past that,
-    and for more than ``max_tokens`` positions, calls form their own angles; at most ``max_rotations`` kept."""
-    monkeypatch.setattr(POSITION_TABLES, "max_elements", 4096 * 32)  # 4096 rows of head_dim 16, full rotary
+def test_windows_grow_by_doubling_and_stay_bounded(formed, monkeypatch):
+    """A rotation's window starts at the first call's positions, grows at least twofold towards later calls'
+    (up or down), starts afresh where it would pass ``max_elements``; positions spanning more than that, and more
+    than ``max_tokens`` positions, form their own angles; at most ``max_rotations`` rotations are kept."""
+    monkeypatch.setattr(POSITION_TABLES, "max_elements", 4096 * 32)  # 4096 positions of head_dim 16, full rotary
     q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
-    for position, rows in ((5, 256), (300, 512), (301, 512), (4095, 4096)):
+    for position, want in ((5, (5, 256)), (260, (5, 256)), (300, (5, 512)), (2, (0, 517)), (4000, (0, 4001)),
+                           (5000, (5000, 256))):
         assert rotate_counted(formed, q, k, positions=position, base=10000.0)[1] == 0
-        (C, T), = POSITION_TABLES._tables.values()
-        assert C.shape[1] == T.shape[1] == rows
-    assert rotate_counted(formed, q, k, positions=4096, base=10000.0)[1] == 1  # past the bound
+        assert window() == want, position
+    ids = torch.tensor([[3], [5003]])  # both sides of the window: one wider than the bound
+    assert rotate_counted(formed, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16), positions=ids,
+                          base=10000.0)[1] == 1
     many = torch.randn(1, POSITION_TABLES.max_tokens + 1, 2, 16, dtype=torch.bfloat16)
-    assert rotate_counted(formed, many, many, positions=0, base=10000.0)[1] == 1  # too many tokens
-    for base in (1e4, 2e4, 3e4, 4e4, 5e4, 6e4):
-        ropekit.apply_rope(q, k, positions=1, base=base)
+    assert rotate_counted(formed, many, many, positions=0, base=10000.0)[1] == 1
+    for base in range(1, 12):
+        ropekit.apply_rope(q, k, positions=1, base=1e4 * base)
     assert len(POSITION_TABLES._tables) == POSITION_TABLES.max_rotations
+
+
+def test_decode_after_a_long_prompt_builds_rows_in_proportion_to_its_steps(formed):
+    """Decode from position 4096 on, one position a step: the window starts at the prompt's end, not at 0, and
+    the rows built stay within twice the steps (at least the first window's 256)."""
+    q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    for step in range(600):
+        ropekit.apply_rope(q, k, positions=4096 + step, base=10000.0)
+    assert formed["own"] == 0 and window()[0] == 4096
+    assert formed["rows"] <= max(2 * 600, 256) and formed["grown"] <= 3
 
 
 def test_refused_positions_and_other_frequencies(formed):
@@ -138,11 +159,13 @@ def test_refused_positions_and_other_frequencies(formed):
     positions are not the kept tables' calls (they form their own)."""
     q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16)
     ropekit.apply_rope(q, k, positions=torch.tensor([[3], [4]]), base=10000.0)
-    kept = {key: tuple(t.clone() for t in tables) for key, tables in POSITION_TABLES._tables.items()}
+    kept = {key: (start, *(t.clone() for t in tables)) for key, (start, *tables) in POSITION_TABLES._tables.items()}
     with pytest.raises(IndexError, match="positions must be >= 0"):
         ropekit.apply_rope(q, k, positions=torch.tensor([[3], [-1]]), base=10000.0)
     assert kept.keys() == POSITION_TABLES._tables.keys()
-    assert all(torch.equal(a, b) for key in kept for a, b in zip(kept[key], POSITION_TABLES._tables[key]))
+    for key, (start, *tables) in kept.items():
+        assert start == POSITION_TABLES._tables[key][0]
+        assert all(torch.equal(a, b) for a, b in zip(tables, POSITION_TABLES._tables[key][1:]))
     POSITION_TABLES.clear()
     cos, sin = torch.rand(32, 8), torch.rand(32, 8)
     assert rotate_counted(formed, q, k, positions=torch.tensor([[3], [4]]), cos=cos, sin=sin)[1] == 1
@@ -176,7 +199,7 @@ def test_tables_built_under_inference_mode_serve_later_calls():
     q = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         ropekit.apply_rope(q, positions=7, base=10000.0)
-    assert not any(t.is_inference() for tables in POSITION_TABLES._tables.values() for t in tables)
+    assert not any(t.is_inference() for _, *tables in POSITION_TABLES._tables.values() for t in tables)
     x = q.clone()
     ropekit.apply_rope_(x, positions=7, base=10000.0)
     assert torch.equal(x, ropekit.apply_rope(q, positions=7, base=10000.0))

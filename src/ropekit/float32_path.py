@@ -186,21 +186,29 @@ def _same_values(kept: tuple, tensors: tuple) -> bool:
 
 
 class PositionTables:
-    """The float32 tables of every position below a bound, per rotation (frequencies, scale, dims, style), so that
-    a decode-sized CPU call with 1-D positions takes its tables as rows of them -- a view for one position or a run
+    """The float32 tables of a window of positions per rotation (frequencies, scale, dims, style), so that a
+    decode-sized CPU call with 1-D positions takes its tables as rows of them -- a view for one position or a run
     of consecutive ones, else one ``index_select`` each for ``C`` and ``T`` -- instead of forming cos/sin per call:
-    a model's first layer of every decode step, whose positions are new. Each row is built once, as
-    :func:`_tables_of` builds it (float64 angles and cos/sin, each value rounded once to float32), on the first call
-    that reaches it; a table grows by doubling up to ``max_elements`` float32 values (16 MiB), and the
-    ``max_rotations`` most recently used rotations are kept. Calls of more than ``max_tokens`` positions, with a
-    position outside the table (or invalid), or with other frequencies (cos/sin tables, multi-axis positions)
-    form their tables as before. The frequencies are compared by value (their bits) on every call."""
+    a model's first layer of every decode step, whose positions are new.
 
-    def __init__(self, max_elements: int = 1 << 22, max_rotations: int = 4, max_tokens: int = 1024,
+    Each row is built as :func:`_tables_of` builds it (float64 angles and cos/sin, each value rounded once to
+    float32), once. A rotation's window starts at the first call's positions (at least ``MIN_ROWS`` rows: about
+    0.15 ms to build at head_dim 128 on two threads) and grows by at least doubling towards the positions later
+    calls reach, so decode steps that advance one position each pay O(1) rows a step; a window would exceed
+    ``max_elements`` float32 values (16 MiB: 16384 positions at head_dim 128) starts afresh at the call's
+    positions, and calls whose positions span more than that form their own tables. The ``max_rotations`` most
+    recently used rotations are kept. Calls of more than ``max_tokens`` positions, with a negative position, or
+    with other frequency sources (cos/sin tables, multi-axis positions) form their tables as before. The
+    frequencies are compared by value (their bits) on every call."""
+
+    MIN_ROWS = 256
+
+    def __init__(self, max_elements: int = 1 << 22, max_rotations: int = 8, max_tokens: int = 1024,
                  max_frequencies: int = 512):
         self.max_elements, self.max_rotations = max_elements, max_rotations
         self.max_tokens, self.max_frequencies = max_tokens, max_frequencies
-        self._tables: OrderedDict = OrderedDict()  # rotation key -> (C [1, rows, 1, D], T [1, rows, 1, R])
+        # rotation key -> (first position, C [1, rows, 1, D], T [1, rows, 1, R])
+        self._tables: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
     def clear(self) -> None:
@@ -217,8 +225,7 @@ class PositionTables:
         index = self._index(spec, B, S)
         if index is None:
             return None
-        first, count, hi, ids, Bt = index
-        rows_needed = hi + 1
+        lo, hi, ids, Bt = index
         bits = inv_freq.view(torch.int64 if inv_freq.dtype == torch.float64 else torch.int32).tolist()
         rotation = (inv_freq.dtype, tuple(bits), spec.style, spec.conjugate, spec.rotary_scale, D,
                     spec.rotary_start, spec.rotary_dim)
@@ -226,22 +233,26 @@ class PositionTables:
         for scale in scales:
             if scale in made:
                 continue
-            tables = self._grown(rotation + (scale,), spec, scale, D, inv_freq, rows_needed)
-            if tables is None:
+            kept = self._covering(rotation + (scale,), spec, scale, D, inv_freq, lo, hi)
+            if kept is None:
                 return None
-            made[scale] = tuple(t.narrow(1, first, count) if ids is None
-                                else t.index_select(1, ids).view(Bt, S, 1, -1) for t in tables)
+            start, *tables = kept
+            if ids is None:  # a run of consecutive positions from lo, shared by every sequence
+                made[scale] = tuple(t.narrow(1, lo - start, S) for t in tables)
+            else:
+                rows = ids - start if start else ids
+                made[scale] = tuple(t.index_select(1, rows).view(Bt, S, 1, -1) for t in tables)
         return made
 
     def _index(self, spec: RopeSpec, B: int, S: int):
-        """(first row, rows, the largest position, None) for a run of consecutive positions shared by every
-        sequence, or (0, 0, the largest position, int64 indices, sequences with their own rows); None where the
-        call has more than ``max_tokens`` positions or one below 0."""
+        """(the smallest position, the largest, None, 1) for a run of consecutive positions shared by every
+        sequence, else (smallest, largest, int64 positions, sequences with their own rows); None where the call
+        has more than ``max_tokens`` positions or a negative one."""
         if spec.positions is None and spec.seq_offsets is None:
             first = spec.pos_offset
-            if S > self.max_tokens or first < 0:
+            if S > self.max_tokens or first < 0 or S == 0:
                 return None
-            return first, S, first + S - 1, None, 1
+            return first, first + S - 1, None, 1
         if spec.positions is not None:
             pos = spec.positions
             if pos.dim() != 2:  # multi-axis
@@ -260,38 +271,57 @@ class PositionTables:
         if lo < 0:
             return None
         if pos.shape[0] == 1 and values == list(range(lo, lo + len(values))):
-            return lo, len(values), hi, None, 1
-        return 0, 0, hi, ids.to(torch.int64), pos.shape[0]
+            return lo, hi, None, 1
+        return lo, hi, ids.to(torch.int64), pos.shape[0]
 
-    def _grown(self, key, spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, rows_needed: int):
-        """The kept (C, T) of ``key`` with at least ``rows_needed`` rows (built or grown here), or None where that
-        is past ``max_elements``."""
+    def _covering(self, key, spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, lo: int, hi: int):
+        """The kept (first position, C, T) of ``key`` covering positions ``lo``..``hi`` (built, grown or started
+        afresh here), or None where no window within ``max_elements`` covers them."""
         with self._lock:
             kept = self._tables.get(key)
-            if kept is not None and kept[0].shape[1] >= rows_needed:
+            if kept is not None and kept[0] <= lo and hi < kept[0] + kept[1].shape[1]:
                 self._tables.move_to_end(key)
                 return kept
-        per_row = D + spec.rotary_dim
-        if rows_needed > MAX_POSITION or rows_needed * per_row > self.max_elements:
+        cap = self.max_elements // (D + spec.rotary_dim)
+        if hi - lo + 1 > cap or hi > MAX_POSITION:
             return None
-        have = 0 if kept is None else kept[0].shape[1]
-        rows = min(max(1 << (rows_needed - 1).bit_length(), 2 * have, 256), self.max_elements // per_row)
+        if kept is not None:  # grow it: at least double, towards the side the call reached
+            start, rows = kept[0], kept[1].shape[1]
+            new_start, new_stop = min(start, lo), max(start + rows, hi + 1)
+            grow = max(2 * rows, new_stop - new_start) - (new_stop - new_start)
+            if hi >= start + rows:
+                new_stop = min(new_stop + grow, MAX_POSITION + 1)
+            else:
+                new_start = max(new_start - grow, 0)
+            if new_stop - new_start > cap:
+                kept = None  # too wide: start afresh at the call's positions
+        if kept is None:
+            new_start = lo
+            new_stop = min(lo + max(self.MIN_ROWS, 1 << (hi - lo).bit_length()), lo + cap, MAX_POSITION + 1)
         with torch.inference_mode(False):  # kept memory: never an inference tensor
-            pos = torch.arange(have, rows, dtype=torch.int64)[None]
-            angle = torch.mul(pos.unsqueeze(-1), inv_freq.to(torch.float64))
-            cosine, sine = torch.cos(angle), torch.sin(angle)
-            C, T = _float32_tables((cosine, cosine, sine, sine), scale * spec.rotary_scale, spec.conjugate, scale,
-                                   D, spec.rotary_start, spec.rotary_dim, spec.style == "neox",
-                                   torch.device("cpu"))
-            new = (C, T)  # [1, rows, 1, D], [1, rows, 1, R]
-            if kept is not None:
-                new = tuple(torch.cat((old, t), 1) for old, t in zip(kept, new))
+            if kept is None:
+                tables = self._built(spec, scale, D, inv_freq, new_start, new_stop)
+            else:
+                parts = [self._built(spec, scale, D, inv_freq, new_start, start)] if new_start < start else []
+                parts.append(kept[1:])
+                if new_stop > start + rows:
+                    parts.append(self._built(spec, scale, D, inv_freq, start + rows, new_stop))
+                tables = tuple(torch.cat(column, 1) for column in zip(*parts))
+        new = (new_start, *tables)
         with self._lock:  # calls on several threads share the tables
             self._tables[key] = new
             self._tables.move_to_end(key)
             while len(self._tables) > self.max_rotations:
                 self._tables.popitem(last=False)
         return new
+
+    @staticmethod
+    def _built(spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, start: int, stop: int) -> tuple:
+        """(C [1, rows, 1, D], T [1, rows, 1, R]) of positions ``start``..``stop - 1``, as :func:`_tables_of`."""
+        angle = torch.mul(torch.arange(start, stop, dtype=torch.int64)[None, :, None], inv_freq.to(torch.float64))
+        cosine, sine = torch.cos(angle), torch.sin(angle)
+        return _float32_tables((cosine, cosine, sine, sine), scale * spec.rotary_scale, spec.conjugate, scale, D,
+                               spec.rotary_start, spec.rotary_dim, spec.style == "neox", torch.device("cpu"))
 
 
 POSITION_TABLES = PositionTables()
