@@ -1,10 +1,7 @@
-"""The CPU float32 path's per-position tables (``ropekit.float32_path.POSITION_TABLES``): a decode-sized call with
-1-D positions takes its float32 tables as rows of tables kept per rotation, instead of forming cos/sin for its
-positions (a model's first layer of every decode step).
-
-Every result must equal bit for bit what the full path gives (fast path off: the call's own tables, formed from its
-positions), and the float64 reference within the tolerance table; a call the tables cannot serve (too many tokens,
-a position past the bound, an invalid position, other frequency sources) forms its own tables as before.
+"""The CPU float32 path's per-position tables (``ropekit.float32_path.POSITION_TABLES``): decode-sized calls with
+1-D positions take their float32 tables as rows of a window kept per rotation. Every result must equal the full
+path's bit for bit (fast path off: tables formed from the call's positions), and the float64 reference within the
+tolerance table; calls the windows cannot serve form their own tables as before.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ import torch
 import ropekit
 from helpers import fast_path
 from ropekit import _fastpath, float32_path
+from ropekit._fastpath.rope import Float32Plan
 from ropekit.float32_path import POSITION_TABLES
 from ropekit.testing import assert_close_to_ref
 
@@ -43,7 +41,7 @@ def formed(monkeypatch):
 
 def window() -> tuple[int, int]:
     """(first position, rows) of the one kept rotation."""
-    (start, C, T), = POSITION_TABLES._tables.values()
+    (start, C, T, *_), = POSITION_TABLES._tables.values()
     assert C.shape[1] == T.shape[1]
     return start, C.shape[1]
 
@@ -126,22 +124,76 @@ def rotate_counted(formed, q, k, **kw) -> tuple[tuple, int]:
 
 def test_windows_grow_by_doubling_and_stay_bounded(formed, monkeypatch):
     """A rotation's window starts at the first call's positions, grows at least twofold towards later calls'
-    (up or down), starts afresh where it would pass ``max_elements``; positions spanning more than that, and more
-    than ``max_tokens`` positions, form their own angles; at most ``max_rotations`` rotations are kept."""
+    (up or down), and never past ``max_elements``: a call beyond that forms its own tables, and after
+    ``RESTART_MISSES`` such calls in a row the window starts afresh. Positions spanning more than half a window,
+    and more than ``max_tokens`` positions, form their own; at most ``max_rotations`` rotations are kept."""
     monkeypatch.setattr(POSITION_TABLES, "max_elements", 4096 * 32)  # 4096 positions of head_dim 16, full rotary
     q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
-    for position, want in ((5, (5, 256)), (260, (5, 256)), (300, (5, 512)), (2, (0, 517)), (4000, (0, 4001)),
-                           (5000, (5000, 256))):
+    for position, want in ((5, (5, 256)), (260, (5, 256)), (300, (5, 512)), (2, (0, 517)), (4000, (0, 4001))):
         assert rotate_counted(formed, q, k, positions=position, base=10000.0)[1] == 0
         assert window() == want, position
-    ids = torch.tensor([[3], [5003]])  # both sides of the window: one wider than the bound
+    for miss in range(POSITION_TABLES.RESTART_MISSES - 1):  # past the bound: the call's own tables, window kept
+        assert rotate_counted(formed, q, k, positions=5000 + miss, base=10000.0)[1] == 1
+        assert window() == (0, 4001)
+    assert rotate_counted(formed, q, k, positions=3000, base=10000.0)[1] == 0  # a hit: the misses start again
+    for miss in range(POSITION_TABLES.RESTART_MISSES - 1):
+        assert rotate_counted(formed, q, k, positions=5000 + miss, base=10000.0)[1] == 1
+    assert rotate_counted(formed, q, k, positions=5010, base=10000.0)[1] == 0
+    assert window() == (5010, 256)
+    ids = torch.tensor([[10], [2500]])  # a new rotation's positions span more than half a window: its own tables
     assert rotate_counted(formed, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16), positions=ids,
-                          base=10000.0)[1] == 1
+                          base=20000.0)[1] == 1
+    assert len(POSITION_TABLES._tables) == 1
     many = torch.randn(1, POSITION_TABLES.max_tokens + 1, 2, 16, dtype=torch.bfloat16)
     assert rotate_counted(formed, many, many, positions=0, base=10000.0)[1] == 1
     for base in range(1, 12):
         ropekit.apply_rope(q, k, positions=1, base=1e4 * base)
     assert len(POSITION_TABLES._tables) == POSITION_TABLES.max_rotations
+
+
+def test_more_rotations_taking_turns_than_kept_do_not_rebuild(formed):
+    """Rotations taking turns, more than ``max_rotations``: the windows in use stay, the others form their own
+    tables; once a set of rotations is no longer used, new ones take their places."""
+    q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    kept = POSITION_TABLES.max_rotations
+    own = sum(rotate_counted(formed, q, k, positions=100 + step, base=1e4 * (base + 1))[1]
+              for step in range(20) for base in range(kept + 2))
+    assert formed["grown"] == kept and own == 2 * 20
+    old = set(POSITION_TABLES._tables)
+    for step in range(2 * kept + 1):  # the first rotations no longer used: new ones replace them
+        ropekit.apply_rope(q, k, positions=100 + step, base=5e5 + step % 2)
+    assert len(old - set(POSITION_TABLES._tables)) == 2
+
+
+def test_two_streams_far_apart_taking_turns_do_not_rebuild(formed, monkeypatch):
+    """Two decode streams farther apart than a window (two requests sharing a model, taking turns): one keeps the
+    window, the other forms its own tables, and no window is rebuilt on every call."""
+    monkeypatch.setattr(POSITION_TABLES, "max_elements", 4096 * 32)
+    q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    for step in range(50):
+        for start in (100, 20000):
+            rotate_counted(formed, q, k, positions=start + step, base=10000.0)
+    assert formed["grown"] <= 2 and window()[0] == 100
+
+
+def test_the_windows_together_stay_within_four_windows(monkeypatch):
+    monkeypatch.setattr(POSITION_TABLES, "max_elements", 4096 * 32)
+    q = torch.randn(2, 1, 2, 16)
+    for base in range(1, 8):  # seven rotations, each a full window (4096 positions, twice the span)
+        ropekit.apply_rope(q, positions=torch.tensor([[0], [1500]]), base=1e4 * base)
+    total = sum(C.numel() + T.numel() for _, C, T, *_ in POSITION_TABLES._tables.values())
+    assert total == 4 * POSITION_TABLES.max_elements and len(POSITION_TABLES._tables) == 4
+
+
+def test_a_plan_keeps_its_rows_not_the_window(monkeypatch):
+    """A plan's kept tables are the call's rows, not views holding a whole window alive after it moved on."""
+    q, k = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    for position in range(5):
+        ropekit.apply_rope(q, k, positions=position, base=10000.0)
+    (plan,) = [p for p in _fastpath.plans._PLANS.values() if isinstance(p, Float32Plan)]
+    for _, _, made in plan.last:
+        for t in (t for tables in made.values() for t in tables):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def test_decode_after_a_long_prompt_builds_rows_in_proportion_to_its_steps(formed):
@@ -159,13 +211,13 @@ def test_refused_positions_and_other_frequencies(formed):
     positions are not the kept tables' calls (they form their own)."""
     q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16)
     ropekit.apply_rope(q, k, positions=torch.tensor([[3], [4]]), base=10000.0)
-    kept = {key: (start, *(t.clone() for t in tables)) for key, (start, *tables) in POSITION_TABLES._tables.items()}
+    kept = {key: (start, C.clone(), T.clone()) for key, (start, C, T, *_) in POSITION_TABLES._tables.items()}
     with pytest.raises(IndexError, match="positions must be >= 0"):
         ropekit.apply_rope(q, k, positions=torch.tensor([[3], [-1]]), base=10000.0)
     assert kept.keys() == POSITION_TABLES._tables.keys()
-    for key, (start, *tables) in kept.items():
-        assert start == POSITION_TABLES._tables[key][0]
-        assert all(torch.equal(a, b) for a, b in zip(tables, POSITION_TABLES._tables[key][1:]))
+    for key, (start, C, T) in kept.items():
+        now = POSITION_TABLES._tables[key]
+        assert start == now[0] and torch.equal(C, now[1]) and torch.equal(T, now[2])
     POSITION_TABLES.clear()
     cos, sin = torch.rand(32, 8), torch.rand(32, 8)
     assert rotate_counted(formed, q, k, positions=torch.tensor([[3], [4]]), cos=cos, sin=sin)[1] == 1
@@ -174,8 +226,9 @@ def test_refused_positions_and_other_frequencies(formed):
     assert not POSITION_TABLES._tables
 
 
-def test_frequencies_are_compared_by_value(formed):
-    """inv_freq changed in place (no new tensor, no version autograd sees, through numpy) gets its own tables."""
+def test_frequencies_are_compared_by_value_and_off_with_the_fast_path(formed):
+    """inv_freq changed in place (through numpy: no new tensor, no version) gets its own window; with the fast
+    path off no window is kept."""
     inv_freq = torch.rand(8)
     q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 1, 16)
     for _ in range(3):
@@ -183,23 +236,25 @@ def test_frequencies_are_compared_by_value(formed):
     inv_freq.numpy()[0] += 0.5
     assert rotate_counted(formed, q, k, positions=9, inv_freq=inv_freq)[1] == 0
     assert len(POSITION_TABLES._tables) == 2
-
-
-def test_off_with_the_fast_path(formed):
-    q = torch.randn(1, 1, 2, 16)
+    POSITION_TABLES.clear()
     with fast_path(False):
         for position in range(3):
             ropekit.apply_rope(q, positions=position, base=10000.0)
-    assert formed["own"] == 3 and not POSITION_TABLES._tables
+    assert not POSITION_TABLES._tables
 
 
 def test_tables_built_under_inference_mode_serve_later_calls():
-    """Built under torch.inference_mode, the kept tables are normal tensors: later calls outside it work, autograd
-    included (the rotation saves nothing of them, but in-place and out-of-place calls read them)."""
+    """Built under torch.inference_mode, the kept tables are normal tensors: later calls outside it read them, in
+    place, out of place and with autograd."""
     q = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         ropekit.apply_rope(q, positions=7, base=10000.0)
-    assert not any(t.is_inference() for _, *tables in POSITION_TABLES._tables.values() for t in tables)
+    assert not any(t.is_inference() for _, C, T, *_ in POSITION_TABLES._tables.values() for t in (C, T))
     x = q.clone()
     ropekit.apply_rope_(x, positions=7, base=10000.0)
     assert torch.equal(x, ropekit.apply_rope(q, positions=7, base=10000.0))
+    leaf = q.clone().requires_grad_()
+    out = ropekit.apply_rope(leaf, positions=7, base=10000.0)
+    assert torch.equal(out.detach(), x)
+    (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+    assert torch.equal(grad, ropekit.rope_backward(torch.ones_like(q), positions=7, base=10000.0))

@@ -186,29 +186,30 @@ def _same_values(kept: tuple, tensors: tuple) -> bool:
 
 
 class PositionTables:
-    """The float32 tables of a window of positions per rotation (frequencies, scale, dims, style), so that a
-    decode-sized CPU call with 1-D positions takes its tables as rows of them -- a view for one position or a run
-    of consecutive ones, else one ``index_select`` each for ``C`` and ``T`` -- instead of forming cos/sin per call:
-    a model's first layer of every decode step, whose positions are new.
+    """The float32 tables of a window of positions per rotation (frequencies, scale, dims, style): a decode-sized
+    CPU call with 1-D positions takes its tables as rows of them (a view for a run of positions, else one
+    ``index_select`` each for ``C`` and ``T``) instead of forming cos/sin per call -- a decode step's first layer.
 
-    Each row is built as :func:`_tables_of` builds it (float64 angles and cos/sin, each value rounded once to
-    float32), once. A rotation's window starts at the first call's positions (at least ``MIN_ROWS`` rows: about
-    0.15 ms to build at head_dim 128 on two threads) and grows by at least doubling towards the positions later
-    calls reach, so decode steps that advance one position each pay O(1) rows a step; a window would exceed
-    ``max_elements`` float32 values (16 MiB: 16384 positions at head_dim 128) starts afresh at the call's
-    positions, and calls whose positions span more than that form their own tables. The ``max_rotations`` most
-    recently used rotations are kept. Calls of more than ``max_tokens`` positions, with a negative position, or
-    with other frequency sources (cos/sin tables, multi-axis positions) form their tables as before. The
-    frequencies are compared by value (their bits) on every call."""
+    Each row is built once, as :func:`_tables_of` builds it. A window starts at the first call's positions, at least
+    twice their span and ``MIN_ROWS`` rows (0.15 ms at head_dim 128, two threads), and grows at least twofold towards
+    later calls' positions: O(1) rows a decode step. Bounds: ``max_elements`` float32 values a window (16 MiB, 16384
+    positions at head_dim 128), ``4 * max_elements`` and ``max_rotations`` windows in all. Nothing is rebuilt on
+    every call when calls take turns: a call the window cannot grow to cover forms its own tables, and only
+    ``RESTART_MISSES`` such calls in a row (a decode that moved on) start it afresh; a new window evicts only windows
+    unused for ``2 * max_rotations`` lookups. Calls of more than ``max_tokens`` positions, spanning more than half a
+    window, with a negative position, or with other frequency sources form their own tables. The frequencies are
+    compared by value (their bits) on every call."""
 
     MIN_ROWS = 256
+    RESTART_MISSES = 8
 
     def __init__(self, max_elements: int = 1 << 22, max_rotations: int = 8, max_tokens: int = 1024,
                  max_frequencies: int = 512):
         self.max_elements, self.max_rotations = max_elements, max_rotations
         self.max_tokens, self.max_frequencies = max_tokens, max_frequencies
-        # rotation key -> (first position, C [1, rows, 1, D], T [1, rows, 1, R])
+        # rotation key -> [first position, C [1, rows, 1, D], T [1, rows, 1, R], calls missed in a row, last use]
         self._tables: OrderedDict = OrderedDict()
+        self._uses = 0  # lookups so far: a window's last use says how recently it served
         self._lock = threading.Lock()
 
     def clear(self) -> None:
@@ -236,7 +237,7 @@ class PositionTables:
             kept = self._covering(rotation + (scale,), spec, scale, D, inv_freq, lo, hi)
             if kept is None:
                 return None
-            start, *tables = kept
+            start, *tables = kept[:3]
             if ids is None:  # a run of consecutive positions from lo, shared by every sequence
                 made[scale] = tuple(t.narrow(1, lo - start, S) for t in tables)
             else:
@@ -275,16 +276,19 @@ class PositionTables:
         return lo, hi, ids.to(torch.int64), pos.shape[0]
 
     def _covering(self, key, spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, lo: int, hi: int):
-        """The kept (first position, C, T) of ``key`` covering positions ``lo``..``hi`` (built, grown or started
-        afresh here), or None where no window within ``max_elements`` covers them."""
+        """The kept [first position, C, T, ...] of ``key`` covering positions ``lo``..``hi`` (built, grown or
+        started afresh here), or None where the call forms its own tables (see the class)."""
         with self._lock:
+            self._uses += 1
             kept = self._tables.get(key)
-            if kept is not None and kept[0] <= lo and hi < kept[0] + kept[1].shape[1]:
-                self._tables.move_to_end(key)
-                return kept
+            if kept is not None:
+                kept[4] = self._uses
+                if kept[0] <= lo and hi < kept[0] + kept[1].shape[1]:
+                    self._tables.move_to_end(key)
+                    kept[3] = 0
+                    return kept
         cap = self.max_elements // (D + spec.rotary_dim)
-        if hi - lo + 1 > cap or hi > MAX_POSITION:
-            return None
+        fresh = max(self.MIN_ROWS, 1 << (2 * (hi - lo) + 1).bit_length())  # at least twice the span
         if kept is not None:  # grow it: at least double, towards the side the call reached
             start, rows = kept[0], kept[1].shape[1]
             new_start, new_stop = min(start, lo), max(start + rows, hi + 1)
@@ -293,27 +297,55 @@ class PositionTables:
                 new_stop = min(new_stop + grow, MAX_POSITION + 1)
             else:
                 new_start = max(new_start - grow, 0)
-            if new_stop - new_start > cap:
-                kept = None  # too wide: start afresh at the call's positions
+            if new_stop - new_start > cap:  # too wide: a miss, or after enough of them in a row, a fresh start
+                kept[3] += 1
+                if kept[3] < self.RESTART_MISSES or fresh > cap:
+                    return None
+                kept = None
+        elif fresh > cap:
+            return None
         if kept is None:
-            new_start = lo
-            new_stop = min(lo + max(self.MIN_ROWS, 1 << (hi - lo).bit_length()), lo + cap, MAX_POSITION + 1)
+            new_start, new_stop = lo, min(lo + fresh, MAX_POSITION + 1)
+        per_row = D + spec.rotary_dim
+        if not self._room(key, (new_stop - new_start) * per_row):
+            return None
         with torch.inference_mode(False):  # kept memory: never an inference tensor
             if kept is None:
                 tables = self._built(spec, scale, D, inv_freq, new_start, new_stop)
             else:
                 parts = [self._built(spec, scale, D, inv_freq, new_start, start)] if new_start < start else []
-                parts.append(kept[1:])
+                parts.append(kept[1:3])
                 if new_stop > start + rows:
                     parts.append(self._built(spec, scale, D, inv_freq, start + rows, new_stop))
                 tables = tuple(torch.cat(column, 1) for column in zip(*parts))
-        new = (new_start, *tables)
+        new = [new_start, *tables, 0, self._uses]
         with self._lock:  # calls on several threads share the tables
             self._tables[key] = new
             self._tables.move_to_end(key)
-            while len(self._tables) > self.max_rotations:
-                self._tables.popitem(last=False)
         return new
+
+    def _room(self, key, elements: int) -> bool:
+        """Whether ``key``'s window may take ``elements`` float32 values: within ``max_rotations`` windows and
+        ``4 * max_elements`` values together, after evicting (least recently used first) only windows unused for
+        ``2 * max_rotations`` lookups. Evicts them when it may."""
+        with self._lock:
+            others = [(k, e) for k, e in self._tables.items() if k != key]
+            total = elements + sum(e[1].numel() + e[2].numel() for _, e in others)
+            count = len(others) + 1
+            evict = []
+            for k, e in others:  # least recently used first
+                if count <= self.max_rotations and total <= 4 * self.max_elements:
+                    break
+                if self._uses - e[4] < 2 * self.max_rotations:
+                    return False  # still in use: the call forms its own tables instead
+                evict.append(k)
+                count -= 1
+                total -= e[1].numel() + e[2].numel()
+            if count > self.max_rotations or total > 4 * self.max_elements:
+                return False
+            for k in evict:
+                del self._tables[k]
+            return True
 
     @staticmethod
     def _built(spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, start: int, stop: int) -> tuple:
