@@ -20,19 +20,27 @@ from torch.utils.checkpoint import checkpoint
 import ropekit
 from helpers import INTERPRETED
 from ropekit import _fastpath
+from ropekit.float32_path import POSITION_TABLES, RECENT_TABLES
 from ropekit.testing import kernels_on_cpu, tolerance
 
+# Routes: "cpu" runs the kernels under the interpreter, "cpu-float32" the CPU float32 path (its kept tables
+# included), "cuda" the kernels on a GPU.
 DEVICES = [
     pytest.param("cpu", id="cpu-kernels",
                  marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")),
+    pytest.param("cpu-float32", id="cpu-float32"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
-SHAPES = {"cpu": (2, 6, 4, 2, 16), "cuda": (2, 256, 32, 8, 128)}  # B, S, Hq, Hk, D
+SHAPES = {"cpu": (2, 6, 4, 2, 16), "cpu-float32": (2, 6, 4, 2, 16), "cuda": (2, 256, 32, 8, 128)}  # B, S, Hq, Hk, D
 LAYERS = 3
 
 
 def _context(device: str):
     return kernels_on_cpu() if device == "cpu" else contextlib.nullcontext()
+
+
+def _device(route: str) -> str:
+    return "cuda" if route == "cuda" else "cpu"
 
 
 def _rope_options(case: str, device: str, B: int, S: int, D: int) -> dict:
@@ -63,8 +71,9 @@ def _rope_options(case: str, device: str, B: int, S: int, D: int) -> dict:
 ROPE_CASES = ["ids", "ids-row", "base", "offset", "seq-offsets", "table", "varlen", "multi-axis"]
 
 
-def _inputs(case: str, device: str, dtype=torch.float32):
-    B, S, HQ, HK, D = SHAPES[device]
+def _inputs(case: str, route: str, dtype=torch.float32):
+    B, S, HQ, HK, D = SHAPES[route]
+    device = _device(route)
     lead = (B * S,) if case == "varlen" else (B, S)
     q = torch.randn(*lead, HQ, D, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(*lead, HK, D, device=device, dtype=dtype, requires_grad=True)
@@ -85,6 +94,8 @@ def _layers(layer, q, k, checkpointed: bool, reset_between: bool = False):
     loss = (a.float() * weight_a.to(a.device)).sum() + (b.float() * weight_b.to(b.device)).sum()
     if reset_between:
         _fastpath.clear()
+        POSITION_TABLES.clear()
+        RECENT_TABLES.clear()
     return torch.autograd.grad(loss, (q, k))
 
 
@@ -128,8 +139,8 @@ def test_qk_norm_rope_under_non_reentrant_checkpointing(case, reset, device):
     with _context(device):
         q, k, options = _inputs(case, device)
         D = q.shape[-1]
-        q_weight = torch.rand(D, device=device, requires_grad=True)
-        k_weight = torch.rand(D, device=device, requires_grad=True)
+        q_weight = torch.rand(D, device=_device(device), requires_grad=True)
+        k_weight = torch.rand(D, device=_device(device), requires_grad=True)
 
         def layer(a, b):
             return ropekit.qk_norm_rope(a, b, q_weight, k_weight, **options)
@@ -165,10 +176,10 @@ def test_patched_model_with_gradient_checkpointing(device):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(_device(device))
     model.gradient_checkpointing_enable()
     model.train()
-    ids = torch.randint(0, 128, (2, 12), device=device)
+    ids = torch.randint(0, 128, (2, 12), device=_device(device))
 
     def forward_backward():
         model.zero_grad(set_to_none=True)
