@@ -239,7 +239,11 @@ class PositionTables:
                 return None
             start, *tables = kept[:3]
             if ids is None:  # a run of consecutive positions from lo, shared by every sequence
-                made[scale] = tuple(t.narrow(1, lo - start, S) for t in tables)
+                rows = tuple(t.narrow(1, lo - start, S) for t in tables)
+                # decode-sized rows as tensors of their own: a plan keeps them (its last tables), and views would
+                # keep the whole window alive after it moved on
+                made[scale] = tuple(t.clone() for t in rows) if S * (D + spec.rotary_dim) <= OWN_ROWS_ELEMENTS \
+                    else rows
             else:
                 rows = ids - start if start else ids
                 made[scale] = tuple(t.index_select(1, rows).view(Bt, S, 1, -1) for t in tables)
@@ -355,6 +359,10 @@ class PositionTables:
         return _float32_tables((cosine, cosine, sine, sine), scale * spec.rotary_scale, spec.conjugate, scale, D,
                                spec.rotary_start, spec.rotary_dim, spec.style == "neox", torch.device("cpu"))
 
+
+# Table elements up to which PositionTables hands out copies of a run of rows rather than views of its window: at
+# least what a Float32Plan keeps (``Float32Plan.KEPT_TABLE_ELEMENTS``).
+OWN_ROWS_ELEMENTS = 1 << 14
 
 POSITION_TABLES = PositionTables()
 """The float32 path's per-position tables (:class:`PositionTables`); off with the fast path, or

@@ -261,16 +261,6 @@ def _remember(key, q: Tensor, k: Tensor | None, args: RopeArgs, spec: RopeSpec, 
     _keep(_PLANS, key, plan)
 
 
-def _owned(made: dict) -> dict:
-    """``made``'s tables, each a copy where it is a view of much more memory (rows of a kept window of
-    ``float32_path.POSITION_TABLES``), so that a kept plan holds its call's rows, not a whole window after the
-    window has moved on."""
-    def own(t: Tensor) -> Tensor:
-        return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() else t
-
-    return {scale: tuple(own(t) for t in tables) for scale, tables in made.items()}
-
-
 class Float32Plan:
     """A recorded CPU call of the float32 path (float16/bfloat16/float32 CPU tensors, no autograd): the validated
     spec's scalars and where its tensors come from in a later call's args (:func:`spec_recipe`), so that a repeated
@@ -353,7 +343,7 @@ class Float32Plan:
             small = sum(t.numel() for tables in made.values() for t in tables) <= self.KEPT_TABLE_ELEMENTS and \
                 sum(t.numel() for t in tensors) <= self.KEPT_TABLE_ELEMENTS  # compared per call
             if small:  # the two most recent: a forward's layers and the next one's first layer take turns
-                self.last = ((offset, [t.clone() for t in tensors], _owned(made)), *self.last[:1])
+                self.last = ((offset, [t.clone() for t in tensors], made), *self.last[:1])
         spec = self.spec
         if mode.inplace:
             rotate_with_tables(q, k, q, k, made, spec)
