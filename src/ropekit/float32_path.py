@@ -99,17 +99,23 @@ def rotate_with_tables(q: torch.Tensor, k: torch.Tensor | None, q_out: torch.Ten
                             spec.rotary_dim, neox, inplace=out is x)
 
 
+def _inv_freq_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple:
+    """The float64 ``(cos, cos, sin, sin)`` [Bt, S, R/2] of int64 positions ``pos`` [Bt, S] times ``inv_freq``: the
+    angles of every 1-D ``inv_freq`` call, per call (:func:`_tables_of`) or per window (:class:`PositionTables`).
+    rotation_tables' angles without reduced_angle: its fmod by the float64 2*pi is off by up to 2e-7 near position
+    2**31 (and slow), while torch's float64 cos/sin are accurate at any such angle."""
+    angle = torch.mul(pos.unsqueeze(-1), inv_freq.to(device=pos.device, dtype=torch.float64))
+    cosine, sine = torch.cos(angle), torch.sin(angle)
+    return cosine, cosine, sine, sine
+
+
 def _tables_of(spec: RopeSpec, B: int, S: int, D: int, scales: tuple, device: torch.device) -> tuple[dict, bool]:
     """({scale: the float32 tables (C, T) of :func:`_float32_tables`}, whether every token's position is valid):
     q and k share their tables when their scales agree."""
     neox = spec.style == "neox"
     pos, valid = _float32_path_positions(spec, B, S)
     if spec.freq_mode == "inv_freq" and pos.dim() == 2:
-        # rotation_tables' angles, without reduced_angle: its fmod by the float64 2*pi is off by up to 2e-7 near
-        # position 2**31 (and slow), while torch's float64 cos/sin are accurate at any such angle
-        angle = torch.mul(pos.unsqueeze(-1), spec.inv_freq.to(device=pos.device, dtype=torch.float64))
-        cosine, sine = torch.cos(angle), torch.sin(angle)
-        tables = (cosine, cosine, sine, sine)
+        tables = _inv_freq_cos_sin(pos, spec.inv_freq)
     else:
         tables = rotation_tables(pos, half=spec.rotary_dim // 2, neox=neox, freq_mode=spec.freq_mode,
                                  inv_freq=spec.inv_freq, cos=spec.cos, sin=spec.sin,
@@ -354,10 +360,9 @@ class PositionTables:
     @staticmethod
     def _built(spec: RopeSpec, scale: float, D: int, inv_freq: torch.Tensor, start: int, stop: int) -> tuple:
         """(C [1, rows, 1, D], T [1, rows, 1, R]) of positions ``start``..``stop - 1``, as :func:`_tables_of`."""
-        angle = torch.mul(torch.arange(start, stop, dtype=torch.int64)[None, :, None], inv_freq.to(torch.float64))
-        cosine, sine = torch.cos(angle), torch.sin(angle)
-        return _float32_tables((cosine, cosine, sine, sine), scale * spec.rotary_scale, spec.conjugate, scale, D,
-                               spec.rotary_start, spec.rotary_dim, spec.style == "neox", torch.device("cpu"))
+        tables = _inv_freq_cos_sin(torch.arange(start, stop, dtype=torch.int64)[None], inv_freq)
+        return _float32_tables(tables, scale * spec.rotary_scale, spec.conjugate, scale, D, spec.rotary_start,
+                               spec.rotary_dim, spec.style == "neox", torch.device("cpu"))
 
 
 # Table elements up to which PositionTables hands out copies of a run of rows rather than views of its window: at
