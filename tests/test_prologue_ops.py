@@ -239,6 +239,73 @@ def test_backward_weight_gradient_tree_of_several_levels_matches_float64(device,
         assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
+@pytest.mark.parametrize("device", KERNEL_ROUTES)
+def test_backward_leaves_its_workspace_counters_at_zero_for_the_next_launch(device, monkeypatch):
+    # The sum trees' rows and arrival counters live in the stream's workspace, kept between launches and never
+    # cleared by the launcher: each launch must set every counter it used back to zero (else the next launch's
+    # nodes never fill and its weight gradients are garbage), and must not read the rows a launch before left.
+    from ropekit.reference import rms_norm_reference
+    from ropekit.triton import heuristics, prologue_launcher, runtime
+
+    monkeypatch.setattr(heuristics, "BWD_PROGRAMS_PER_SM", 10**6)
+    monkeypatch.setattr(heuristics, "WEIGHT_SUM_FAN_IN", 2)
+    with _context(device):
+        dev = _dev(device)
+        B, S, HQ, HK, D = 1, 3, 3, 1, 16
+        q_tree, k_tree = (heuristics.sum_tree(S * h, 2) for h in (HQ, HK))
+        counters = q_tree.counters + k_tree.counters
+        q, k = torch.randn(B, S, HQ, D, device=dev), torch.randn(B, S, HK, D, device=dev)
+        qw, kw = (torch.rand(D, device=dev) + 0.5 for _ in range(2))
+        spec = validate(q, k, positions=7)
+        for call in range(3):
+            gq, gk = torch.randn_like(q), torch.randn_like(k)  # fresh gradients: stale rows would show
+            buffer = runtime.workspace(q.device, 0)
+            if call == 2:  # rows poisoned: every row a launch reads, it wrote first
+                buffer[-(-4 * counters // 16) * 16:].view(torch.float32).fill_(float("nan"))
+            got = prologue_launcher.launch_norm_rope_bwd(gq, q, gk, k, spec, qw, kw, 0.0, 1e-6, config=(1, 1, 1, 1))
+            buffer = runtime.workspace(q.device, 0)
+            assert torch.count_nonzero(buffer[:4 * counters].view(torch.int32)) == 0
+            leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, qw, kw)]
+            ref = ropekit.apply_rope(rms_norm_reference(leaves[0], leaves[2], 0.0, 1e-6),
+                                     rms_norm_reference(leaves[1], leaves[3], 0.0, 1e-6), positions=7)
+            want = torch.autograd.grad(ref, leaves, (gq.double().cpu(), gk.double().cpu()))
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.cpu().double(), w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_training_step_in_a_cuda_graph_and_on_two_streams_matches_eager():
+    # A captured backward takes fresh zeroed scratch from the graph's pool (a replay may run on another stream);
+    # eager launches on two streams each take their own workspace. Every route gives the eager step's bits.
+    B, S, HQ, HK, D = 2, 64, 8, 2, 64
+    q = torch.randn(B, S, HQ, D, device="cuda", requires_grad=True)
+    k = torch.randn(B, S, HK, D, device="cuda", requires_grad=True)
+    qw = (torch.rand(D, device="cuda") + 0.5).requires_grad_(True)
+    kw = (torch.rand(D, device="cuda") + 0.5).requires_grad_(True)
+    pos = torch.arange(S, device="cuda")[None].expand(B, S)
+    gq, gk = torch.randn(B, S, HQ, D, device="cuda"), torch.randn(B, S, HK, D, device="cuda")
+
+    def step():
+        outs = ropekit.qk_norm_rope(q, k, qw, kw, positions=pos)
+        return torch.autograd.grad(outs, (q, k, qw, kw), (gq, gk))
+
+    want = [t.clone() for t in step()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs' docs require
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(step(), want))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, want))
+        assert all(torch.equal(a, b) for a, b in zip(step(), want))  # eager after a replay: counters still zero
+
+
 @pytest.mark.gpu
 def test_backward_weight_gradients_are_the_same_bits_on_every_launch_of_a_full_grid():
     # Thousands of programs arriving in the weight-gradient sum tree at once, on the GPU, at the shape and block

@@ -4,6 +4,7 @@ bookkeeping, the saved-tensor recipe, the recorded prologue launch (:class:`_Rep
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -188,6 +189,10 @@ def _call_signature(values: tuple, names: tuple, scalars: tuple, grad_ok: bool):
     grad = False
     grad_mode = torch.is_grad_enabled()
     for name, t in zip(names, values):
+        if t is None:  # absent (most of them)
+            tensors.append(None)
+            parts.append(None)
+            continue
         kind = type(t)
         if kind is not Tensor and kind is not torch.nn.Parameter:
             if isinstance(t, Tensor):
@@ -211,14 +216,16 @@ class _Replay:
     """A prologue-kernel launch the full path made (recorded by :func:`_recording`) as a
     :class:`ropekit.triton.runtime.Replay`, and where a later call's values for its open slots come from: each
     pointer argument from the call's tensors (the index, in ``sources``, of the one it pointed at when recorded),
-    allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name; those in ``zeroed``
-    filled with zeros), or kept (the default frequencies of ``base=``, which validation caches); the int position
-    offset, where the signature has one."""
+    allocated afresh per call (``scratch``: arguments the launcher allocates itself, by name), carved from the
+    stream's workspace at the recorded offset (``workspace``: by name, as the launcher carved them; see
+    :func:`ropekit.triton.runtime.workspace`), or kept (the default frequencies of ``base=``, which validation
+    caches); the int position offset, where the signature has one."""
 
-    __slots__ = ("launch", "sources", "scratch", "roles", "constexprs", "pos_offset")
+    __slots__ = ("launch", "sources", "scratch", "carved", "workspace_bytes", "carved_from", "carved_values", "roles",
+                 "constexprs", "pos_offset")
 
     @classmethod
-    def record(cls, launch, sources: list, keep_freq: bool, scratch: tuple = (), zeroed: tuple = ()):
+    def record(cls, launch, sources: list, keep_freq: bool, scratch: tuple = (), workspace: tuple = ()):
         """The replay of ``launch`` (a :class:`ropekit.triton.runtime.Launch`), or None where a pointer argument is
         a copy validation made of a call's tensor (no later call could refill it) or the kernel is not compiled."""
         from ropekit.triton import runtime
@@ -228,28 +235,36 @@ class _Replay:
         for j, t in enumerate(sources):
             if t is not None:
                 by_ptr.setdefault(t.data_ptr(), j)
-        open_slots, from_sources, fresh = [], [], []
+        from_sources, fresh, carved, found = [], [], [], {}
         for i in roles.pointers:
             name = roles.fn.arg_names[i]
             if name in scratch:
-                open_slots.append(name)
-                fresh.append((tuple(args[i].shape), args[i].dtype, name in zeroed))
+                fresh.append((tuple(args[i].shape), args[i].dtype))
+                found[name] = "scratch"
+                continue
+            if name in workspace:  # a view of the workspace buffer: its byte offset and extent there
+                t = args[i]
+                at = t.data_ptr() - t.untyped_storage().data_ptr()
+                carved.append((at, at + t.numel() * t.element_size(), t.dtype))
+                found[name] = "workspace"
                 continue
             j = by_ptr.get(args[i].data_ptr())
             if j is not None:
-                open_slots.append(name)
+                found[name] = "source"
                 from_sources.append(j)
             elif not (keep_freq and name == "freq_ptr" and args[i] is not None and args[i].dim() == 1):
                 return None
-        # open slots in the order __call__ passes them: the call's tensors, the scratch, the offset
-        names = [n for n in open_slots if n not in scratch] + [n for n in open_slots if n in scratch]
+        # open slots in the order __call__ passes them: the call's tensors, the scratch, the workspace, the offset
+        names = [n for kind in ("source", "scratch", "workspace") for n, k in found.items() if k == kind]
         names.append("pos_offset")
         r = cls()
         r.pos_offset = args[roles.index["pos_offset"]]
         r.launch = runtime.Replay.of(launch, tuple(names))
         if r.launch is None:
             return None
-        r.sources, r.scratch = tuple(from_sources), tuple(fresh)
+        r.sources, r.scratch, r.carved = tuple(from_sources), tuple(fresh), tuple(carved)
+        r.workspace_bytes = max((end for _, end, _ in carved), default=0)
+        r.carved_from, r.carved_values = _dead, []  # the workspace the values were carved from last, and them
         r.roles, r.constexprs = roles, launch.constexprs
         return r
 
@@ -257,16 +272,29 @@ class _Replay:
         """Launch with ``sources`` (and this call's int position offset, where the signature has one: else the
         recorded one); returns the scratch tensors it allocated."""
         device = sources[0].device
-        scratch = [(torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-                   for shape, dtype, zero in self.scratch]
+        scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.scratch]
         handle = self.launch.handle
-        if pos_offset is None:
-            pos_offset = self.pos_offset
+        values = [handle(sources[j]) for j in self.sources]
         if scratch:
-            self.launch(*[handle(sources[j]) for j in self.sources], *[handle(t) for t in scratch], pos_offset)
-        else:
-            self.launch(*[handle(sources[j]) for j in self.sources], pos_offset)
+            values += [handle(t) for t in scratch]
+        if self.carved:
+            from ropekit.triton.runtime import workspace
+
+            buffer = workspace(device, self.workspace_bytes)
+            if self.carved_from() is not buffer:  # the stream's first replay, or its workspace grew
+                if device.type == "cuda":
+                    base = buffer.data_ptr()
+                    self.carved_values = [base + at for at, _, _ in self.carved]
+                else:  # the interpreter takes tensors
+                    self.carved_values = [buffer[at:end].view(dtype) for at, end, dtype in self.carved]
+                self.carved_from = weakref.ref(buffer)  # holds nothing alive (a graph capture's fresh scratch)
+            values += self.carved_values
+        self.launch(*values, self.pos_offset if pos_offset is None else pos_offset)
         return scratch
+
+def _dead() -> None:
+    return None
+
 
 def _layout(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.data_ptr() & 15

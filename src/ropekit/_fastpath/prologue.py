@@ -19,7 +19,6 @@ from ropekit._fastpath.plans import (
     _call_signature,
     _checked_offset,
     _keep,
-    _layout,
     _note,
     _offset_bound,
     _plans_apply,
@@ -276,9 +275,10 @@ def _norm_rotate_float8(q: Tensor, k: Tensor, norm: NormSpec, args: RopeArgs, sc
 # qk_norm_rope's arguments that may be tensors, in the order a plan's sources index them (then the fresh outputs).
 _NORM_TENSORS = ("q", "k", "q_weight", "k_weight", *TENSOR_ARGS)
 _MAX_BACKWARDS = 8  # gradient layouts kept per plan
-# what the backward's launcher allocates per call: the weights' partial rows, their sum tree's counters (zeroed),
-# then the weight gradients, which a replay returns
-_NORM_BWD_SCRATCH = ("dwq_ptr", "dwk_ptr", "cnt_ptr", "dwqo_ptr", "dwko_ptr")
+# what the backward's launcher allocates per call: the weight gradients, which a replay returns; and what it carves
+# from the stream's workspace: the weights' partial rows and their sum tree's counters
+_NORM_BWD_SCRATCH = ("dwqo_ptr", "dwko_ptr")
+_NORM_BWD_WORKSPACE = ("dwq_ptr", "dwk_ptr", "cnt_ptr")
 
 
 class NormCall(NamedTuple):
@@ -327,8 +327,9 @@ class NormPlan:
     """The forward launch of one qk_norm_rope signature (:class:`_Replay`; sources: the call's tensors in
     ``_NORM_TENSORS`` order, then the fresh q and k outputs) and, per layout of the backward's tensors, the
     backward's (sources: the two gradients, the call's tensors, then the fresh dq and dk; ``_NORM_BWD_SCRATCH``
-    allocated per call). ``saved``: :func:`spec_recipe` of the forward's spec (what the full path
-    saves for the backward besides q, k and the weights)."""
+    allocated per call, ``_NORM_BWD_WORKSPACE`` carved from the stream's workspace). ``saved``:
+    :func:`spec_recipe` of the forward's spec (what the full path saves for the backward besides q, k and the
+    weights)."""
 
     __slots__ = ("forward", "outs", "int_offset", "max_offset", "grad", "keep_freq", "saved", "backwards")
 
@@ -375,14 +376,19 @@ class NormPlan:
         recorded for this layout of the gradients and of the saved tensors (which saved-tensor hooks may have
         changed since the forward), or by the full path, which records it."""
         sources = [grad_q, grad_k, *tensors]
-        present = [t for t in sources if t is not None]
-        ptrs = [t.data_ptr() for t in present]
-        key = (tuple(_layout(t) for t in present), tuple(ptrs.index(p) for p in ptrs))
+        layouts, ptrs = [], []
+        for t in sources:
+            if t is not None:
+                p = t.data_ptr()
+                ptrs.append(p)
+                layouts.append((t.shape, t.stride(), t.dtype, p & 15))
+        # which tensors share a data pointer (None: none do, the usual case)
+        key = (tuple(layouts), None if len(set(ptrs)) == len(ptrs) else tuple(ptrs.index(p) for p in ptrs))
         q, k, q_weight, k_weight = tensors[:4]
         replay = self.backwards.get(key)
         if replay is not None:
             dq, dk = torch.empty_like(q), torch.empty_like(k)
-            *_, dwq, dwk = replay([*sources, dq, dk], offset)  # after the partial rows and the counters
+            dwq, dwk = replay([*sources, dq, dk], offset)
             return dq, dk, dwq, dwk
         from ropekit import ops
 
@@ -391,7 +397,7 @@ class NormPlan:
             grads = ops.norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset, eps, spec)
             if len(launches) == 1 and q.numel() and k.numel():  # a side without heads: its zeros are the launcher's
                 _keep(self.backwards, key, _Replay.record(launches[0], [*sources, *grads[:2]], self.keep_freq,
-                                                          scratch=_NORM_BWD_SCRATCH, zeroed=("cnt_ptr",)),
+                                                          scratch=_NORM_BWD_SCRATCH, workspace=_NORM_BWD_WORKSPACE),
                       _MAX_BACKWARDS)
         return tuple(grads)
 

@@ -517,7 +517,8 @@ def _sum_weight_rows(dw_ptr, cnt_ptr, out_ptr, row, n_rows, HEAD_DIM: tl.constex
     sum of all of them into ``out_ptr`` ([HEAD_DIM], in its dtype), as a tree of ``FAN_IN`` children per node,
     ``SUM_LEVELS`` levels (FAN_IN ** SUM_LEVELS >= n_rows), each level's rows stored after the one below in
     ``dw_ptr``. A node is summed by the last of its children to finish (one arrival counter per node in
-    ``cnt_ptr``, zeroed by the launcher), which then arrives at its own parent; the root writes the output.
+    ``cnt_ptr``, zero at the start and set back to zero by that last child), which then arrives at its own
+    parent; the root writes the output.
     Which program sums a node depends on timing, the order of each sum does not: the same bits on every run.
     This replaces a torch reduction and a cast after the launch (two more kernels per weight, and their host
     time)."""
@@ -540,6 +541,9 @@ def _sum_weight_rows(dw_ptr, cnt_ptr, out_ptr, row, n_rows, HEAD_DIM: tl.constex
             tl.debug_barrier()
             arrived = tl.atomic_add(counters + parent, 1, sem="acq_rel", scope="gpu")
             go = arrived == children - 1
+            # the last arrival sets the counter back to zero for the next launch on the stream (the counters live
+            # in a workspace kept between launches: no memset per launch); no other program touches it again
+            tl.store(counters + parent, 0, mask=go)
             rows = base + parent * FAN_IN + r
             x = tl.load(dw_ptr + rows * HEAD_DIM + c[None, :], mask=go & (r < children) & (c[None, :] < HEAD_DIM),
                         other=0.0, cache_modifier=".cg")
@@ -576,7 +580,8 @@ def norm_rope_bwd_kernel(
     handles one block of heads for every G-th token block and writes its weight-gradient sum to row
     ``program_id(1) * n_blocks + head block`` of ``dwq``/``dwk`` (fp32, [G * n_blocks, D] and the tree's upper
     levels after them); the tree's roots are the weight gradients ``dwqo``/``dwko`` ([D], the weights' dtypes).
-    ``cnt_ptr``: the trees' arrival counters, zeroed, q's first and k's from ``k_counters`` on."""
+    ``cnt_ptr``: the trees' arrival counters, zero, q's first and k's from ``k_counters`` on; zero again when the
+    launch ends."""
     hb = tl.program_id(0)
     n_qb = tl.cdiv(HQ, BLOCK_HQ)
     n_kb = tl.cdiv(HK, BLOCK_HK)

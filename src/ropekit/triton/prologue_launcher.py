@@ -196,6 +196,21 @@ def launch_prologue(q, k, q_out, k_out, spec: RopeSpec, *, v=None, cache: CacheS
     runtime.launch(PROLOGUE, grid, args, constexprs, num_warps, q.device)
 
 
+def _sum_tree_scratch(device: torch.device, q_tree, k_tree, head_dim: int) -> tuple:
+    """The two weights' sum trees' fp32 rows ([rows, head_dim] each) and their int32 arrival counters, all in the
+    stream's workspace (:func:`ropekit.triton.runtime.workspace`): the kernel sets every counter it used back to
+    zero, so no launch allocates or clears them."""
+    n_counters = q_tree.counters + k_tree.counters
+    q_at = -(-4 * n_counters // 16) * 16  # each part 16-byte aligned
+    k_at = q_at + 4 * q_tree.rows * head_dim
+    end = k_at + 4 * k_tree.rows * head_dim
+    buffer = runtime.workspace(device, end)
+    counters = buffer[:4 * n_counters].view(torch.int32)
+    dwq = buffer[q_at:k_at].view(torch.float32).view(q_tree.rows, head_dim)
+    dwk = buffer[k_at:end].view(torch.float32).view(k_tree.rows, head_dim)
+    return dwq, dwk, counters
+
+
 def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weight, weight_offset: float,
                          eps: float, config=None) -> tuple:
     """(dq, dk, dq_weight, dk_weight) of ``qk_norm_rope`` for the output gradients ``grad_q``/``grad_k`` (last
@@ -222,10 +237,8 @@ def launch_norm_rope_bwd(grad_q, q, grad_k, k, spec: RopeSpec, q_weight, k_weigh
     fan_in = heuristics.WEIGHT_SUM_FAN_IN
     q_tree, k_tree = (heuristics.sum_tree(groups * n, fan_in) if n else heuristics.SumTree(0, 0, 0)
                       for n in (n_qb, n_kb))
-    # per weight: the partial rows and the tree's upper levels (fp32), its gradient; one buffer of counters
-    dwq = torch.empty(q_tree.rows, D, dtype=torch.float32, device=q.device)
-    dwk = torch.empty(k_tree.rows, D, dtype=torch.float32, device=q.device)
-    counters = torch.zeros(q_tree.counters + k_tree.counters, dtype=torch.int32, device=q.device)
+    # per weight: the partial rows and the tree's upper levels (fp32), its gradient; one run of counters
+    dwq, dwk, counters = _sum_tree_scratch(q.device, q_tree, k_tree, D)
     dwqo = (torch.empty if n_qb else torch.zeros)(D, dtype=q_weight.dtype, device=q.device)
     dwko = (torch.empty if n_kb else torch.zeros)(D, dtype=k_weight.dtype, device=q.device)
     qc, kc = to_canonical(q, spec.layout), to_canonical(k, spec.layout)

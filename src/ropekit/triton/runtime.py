@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["RECORDER", "KernelRoles", "Launch", "Replay", "compiled_kernels", "current_device", "current_raw_stream",
-           "launch", "launch_hooks_idle", "pdl_supported", "run", "run_compiled"]
+           "launch", "launch_hooks_idle", "pdl_supported", "run", "run_compiled", "workspace"]
 
 _MAX_COMPILED = 256  # compiled specialisations kept (least recently used out)
 _COMPILED: OrderedDict = OrderedDict()
@@ -41,6 +41,33 @@ except ImportError:  # older Triton: hooks live on CompiledKernel
     from triton.compiler import CompiledKernel as _RUNTIME_KNOBS
 
 RECORDER = threading.local()
+
+# Per (device, stream): bytes kernels may use as scratch between launches, zero where they keep counters.
+_WORKSPACES: dict = {}
+
+
+def workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    """``nbytes`` (uint8) of scratch on ``device`` for a launch on its current stream: kept for later launches on
+    that stream, zero when first allocated. A kernel that keeps counters in it sets each one back to zero before
+    it ends, so the next launch on the stream (which starts after it) finds them zero, and no launch pays a
+    memset. Launches on one stream run in order; each stream has its own workspace, so concurrent streams never
+    share one. While a CUDA graph is captured the scratch is fresh zeros from the graph's pool instead (a
+    replay may run on another stream, beside eager launches)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else current_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        key = (index, current_raw_stream(index) if current_raw_stream is not None
+               else torch.cuda.current_stream(index).cuda_stream)
+    else:
+        key = (device.type, device.index)
+    buffer = _WORKSPACES.get(key)
+    if buffer is None or buffer.numel() < nbytes:
+        # the old buffer is freed on this stream: the caching allocator reuses it only for later work on it
+        buffer = torch.zeros(max(nbytes, 2 * buffer.numel() if buffer is not None else 0), dtype=torch.uint8,
+                             device=device)
+        _WORKSPACES[key] = buffer
+    return buffer
 
 
 def _is_constexpr(annotation) -> bool:
