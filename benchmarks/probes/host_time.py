@@ -3,10 +3,12 @@
 Decode shape (Llama-3-8B: 32/8 heads, D 128, bf16, one token). Each row is the median over rounds of many calls
 with no synchronisation inside a round, as ``ropekit bench``'s host mode measures.
 
-    python benchmarks/probes/host_time.py [--profile]
+    python benchmarks/probes/host_time.py [--profile] [--only TEXT] [--number N] [--rounds R]
 
 The qk_norm_rope rows time its training step (weights that require grad, positions [B, S], inv_freq given) against
-apply_rope's with the same rope arguments and a Python autograd Function over the same four inputs.
+apply_rope's with the same rope arguments and a Python autograd Function over the same four inputs; the "no launch"
+floors are what autograd alone costs each step: a Function that launches nothing, saves what the op saves and
+returns gradients of the op's shapes (so an op's own host time is its row minus its floor).
 """
 
 # ruff: noqa: E402 - options are parsed before torch, Triton and ropekit load, so --help runs on any machine
@@ -18,6 +20,10 @@ import argparse
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of the fwd+bwd call")
+    parser.add_argument("--only", default="", help="time only the rows whose name contains one of these "
+                        "|-separated texts (case-insensitive; the first row, the baseline, always runs)")
+    parser.add_argument("--number", type=int, default=2000, help="calls per round (default 2000)")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds; the median is reported (default 9)")
     return parser.parse_args(argv)
 
 
@@ -35,12 +41,13 @@ from ropekit._spec import FORWARD, RopeArgs
 from ropekit.triton.runtime import current_raw_stream, launch_hooks_idle
 
 
-def per_call_us(fn, number: int = 2000, rounds: int = 9) -> float:
+def per_call_us(fn, number: int = 2000, rounds: int = 9) -> tuple[float, float]:
+    """(median, best) µs per call over the rounds: on a shared host the best round is the least disturbed one."""
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
     times = timeit.Timer(fn, setup=torch.cuda.synchronize).repeat(repeat=rounds, number=number)
-    return statistics.median(times) / number * 1e6
+    return statistics.median(times) / number * 1e6, min(times) / number * 1e6
 
 
 def _patched_rotary_rows(dev: torch.device) -> list:
@@ -145,6 +152,36 @@ def main(args: argparse.Namespace) -> None:
     def floor_function_weights():
         return torch.autograd.grad(TwiceWithWeights.apply(ql, kl, qw, kw), (ql, kl, qw, kw), (gq, gk))
 
+    # The autograd machinery each op's step needs, launching nothing: apply_rope's saves only its rope tensors and
+    # returns two gradients; qk_norm_rope's also saves q, k and both weights, and returns four.
+    class RopeShaped(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(pos_bs, inv_freq)
+            return torch.empty_like(a), torch.empty_like(b)
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            ctx.saved_tensors  # noqa: B018 -- the unpack (version checks) a real backward pays
+            return torch.empty_like(ga), torch.empty_like(gb)
+
+    class NormRopeShaped(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, wa, wb):
+            ctx.save_for_backward(a, b, wa, wb, pos_bs, inv_freq)
+            return torch.empty_like(a), torch.empty_like(b)
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            a, b, wa, wb, *_ = ctx.saved_tensors
+            return torch.empty_like(a), torch.empty_like(b), torch.empty_like(wa), torch.empty_like(wb)
+
+    def floor_rope_shaped():
+        return torch.autograd.grad(RopeShaped.apply(ql, kl), (ql, kl), (gq, gk))
+
+    def floor_norm_shaped():
+        return torch.autograd.grad(NormRopeShaped.apply(ql, kl, qw, kw), (ql, kl, qw, kw), (gq, gk))
+
     rows = [
         ("x.add_(1) (baseline)", lambda: x.add_(1)),
         ("apply_rope(q, k, positions=int)", lambda: ropekit.apply_rope(q, k, positions=4095)),
@@ -161,6 +198,8 @@ def main(args: argparse.Namespace) -> None:
         ("  the same, weights without grad", norm_fwd_bwd_frozen),
         ("  apply_rope + autograd.grad, the same rope args", rope_fwd_bwd_same_args),
         ("  floor: Python autograd.Function, q, k, weights", floor_function_weights),
+        ("  floor: no launch, apply_rope's saves and grads", floor_rope_shaped),
+        ("  floor: no launch, qk_norm_rope's saves and grads", floor_norm_shaped),
         ("  forward only: qk_norm_rope, inputs require grad",
          lambda: ropekit.qk_norm_rope(ql, kl, qw, kw, eps=1e-6, positions=pos_bs, inv_freq=inv_freq)),
         ("  forward only: apply_rope, the same rope args",
@@ -177,11 +216,13 @@ def main(args: argparse.Namespace) -> None:
     rows += _patched_rotary_rows(dev)
     base = None
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"{'call':<44} {'us/call':>8} {'x add_':>7}")
-    for name, fn in rows:
-        us = per_call_us(fn)
+    print(f"{'call':<50} {'us/call':>8} {'best':>8} {'x add_':>7}")
+    for i, (name, fn) in enumerate(rows):
+        if i and not any(part in name.lower() for part in args.only.lower().split("|")):
+            continue
+        us, best = per_call_us(fn, args.number, args.rounds)
         base = base or us
-        print(f"{name:<44} {us:>8.2f} {us / base:>7.2f}")
+        print(f"{name:<50} {us:>8.2f} {best:>8.2f} {us / base:>7.2f}")
     if args.profile:
         import cProfile
         import pstats
