@@ -68,17 +68,21 @@ def test_plan_fits_the_budget_cutting_steps_then_rounds():
 # ------------------------------------------------------------------------------------------------------- the CSV
 
 
-def test_append_keeps_the_rows_of_an_older_header(tmp_path):
-    path = tmp_path / "e2e.csv"
+@pytest.mark.parametrize("name", ["e2e.csv", "e2e.csv.xz"])  # the kept file is xz, appended stream by stream
+def test_append_keeps_the_rows_of_an_older_header(tmp_path, name):
+    from ropekit.bench.report import open_text
+    from ropekit.bench.summary import read_e2e
+
+    path = tmp_path / name
     old = ["date", "commit", "torch", "model", "device", "variant", "kind", "batch", "seq", "ms", "tokens_per_s",
            "vs_sdpa", "same_tokens", "tiny", "error"]
-    with path.open("w", newline="") as f:
+    with open_text(path, "w") as f:
         w = csv.DictWriter(f, fieldnames=old)
         w.writeheader()
         w.writerow({k: "old" for k in old})
     e2e.append_csv(path, [dict(variant="ropekit", verdict="faster", spread=0.01)])
     e2e.append_csv(path, [dict(variant="sdpa", verdict="-")])
-    rows = list(csv.DictReader(path.open()))
+    rows = read_e2e(path)
     assert list(rows[0]) == list(e2e.CSV_FIELDS)
     assert rows[0]["ms"] == "old" and rows[0]["verdict"] == ""
     assert [(r["variant"], r["verdict"]) for r in rows[1:]] == [("ropekit", "faster"), ("sdpa", "-")]

@@ -181,7 +181,7 @@ def test_benchmarks_md_is_generated_from_the_kept_history():
     and each card's kept rows are those of the history's newest runs."""
     targets = targets_from_registry(bench_cases.load_registry(str(REGISTRY)))
     by_card = summary.newest_runs(report.read_history(HISTORY))
-    e2e = summary.read_e2e(ROOT / "benchmarks" / "results" / "e2e.csv")
+    e2e = summary.read_e2e(ROOT / "benchmarks" / "results" / "e2e.csv.xz")
     assert (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8") == summary.markdown(
         by_card, targets, "benchmarks/results/latest", e2e)
     for gpu, rows in by_card.items():

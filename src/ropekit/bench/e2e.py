@@ -600,19 +600,22 @@ CSV_FIELDS = ("date", "commit", "torch", "model", "device", "variant", "kind", "
 
 
 def append_csv(path: Path, rows: list[dict]) -> None:
-    """Append ``rows`` to the CSV at ``path`` (its existing rows kept, under :data:`CSV_FIELDS`)."""
+    """Append ``rows`` to the CSV at ``path`` (its existing rows kept, under :data:`CSV_FIELDS`; xz-compressed
+    where the name ends in .xz, as the kept ``benchmarks/results/e2e.csv.xz``)."""
+    from .report import open_text
+
     old: list[dict] = []
     header: list[str] = []
     if path.is_file():
-        with path.open(newline="", encoding="utf-8") as f:
+        with open_text(path, "r") as f:
             reader = csv.DictReader(f)
             old, header = list(reader), list(reader.fieldnames or [])
     fields = list(CSV_FIELDS) + [f for f in header if f not in CSV_FIELDS]
     if header == fields:
-        with path.open("a", newline="", encoding="utf-8") as f:
+        with open_text(path, "a") as f:
             csv.DictWriter(f, fieldnames=fields, restval="").writerows(rows)
         return
-    with path.open("w", newline="", encoding="utf-8") as f:
+    with open_text(path, "w") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(old + rows)
@@ -637,7 +640,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-host-profile", dest="host_profile", action="store_false",
                    help="skip counting each eager decode step's Python calls, aten ops and kernels")
     p.add_argument("--in-process", action="store_true", help="no child process per model (no --timeout)")
-    p.add_argument("--csv", type=Path, help="append the rows to this CSV (benchmarks/results/e2e.csv feeds "
+    p.add_argument("--csv", type=Path, help="append the rows to this CSV (benchmarks/results/e2e.csv.xz feeds "
                                              "BENCHMARKS.md)")
     p.add_argument("--commit", help="the commit to stamp on the rows (default: git's, where there is a checkout)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # the child's one model

@@ -86,6 +86,15 @@ def append_history(history: Path, rows: list[dict[str, Any]], source: str) -> Pa
 _OPENERS = {".gz": gzip.open, ".xz": lzma.open}
 
 
+def open_text(path: Path, mode: str):
+    """``path`` opened in text ``mode`` ("r", "w" or "a") for the csv module, through xz or gzip where the name ends
+    in .xz or .gz (appending adds a stream or member)."""
+    opener = _OPENERS.get(path.suffix)
+    if opener is None:
+        return path.open(mode, newline="", encoding="utf-8")
+    return opener(path, mode + "t", newline="", encoding="utf-8")
+
+
 def read_text(path: Path) -> str:
     """A CSV's text, decompressed where the name ends in .xz or .gz."""
     if path.suffix in _OPENERS:

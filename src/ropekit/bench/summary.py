@@ -27,7 +27,7 @@ from typing import Any
 
 from .attention import ATTN_BASELINE, ATTN_IMPLS
 from .cases import ATTN_MODES, CPU_MODE, RegistryNotFound, load_registry
-from .report import read_history
+from .report import open_text, read_history
 from .targets import Target, evaluate_targets, targets_from_registry
 
 # A run's commit as the harness stamps it: a clean commit id. Rows of A/B working trees ("old", "new", "WIP",
@@ -198,7 +198,7 @@ def read_e2e(path: Path) -> list[dict[str, Any]]:
     """The end-to-end rows kept at ``path`` (``python -m ropekit.bench.e2e --csv``), none where it is absent."""
     if not path.is_file():
         return []
-    with path.open(newline="", encoding="utf-8") as f:
+    with open_text(path, "r") as f:
         return list(csv.DictReader(f))
 
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summary: {exc}", file=sys.stderr)
         return 2
     by_card = newest_runs(read_history(results / "all_runs.csv.xz"))
-    e2e = read_e2e(results / "e2e.csv")
+    e2e = read_e2e(results / "e2e.csv.xz")
     written = write_latest(by_card, results / "latest", plot=args.plot)
     out = Path(args.out)
     latest_rel = Path(results / "latest").as_posix()
