@@ -455,8 +455,12 @@ def test_targets_take_the_worst_qualifying_row():
 
     rows = [row("a", "fwd", "ropekit", 101, 1.005), row("b", "fwd", "ropekit", 103, 1.03),
             row("a", "fwd", "ropekit-table", 100, 1.0), row("b", "fwd", "ropekit-table", 102, 1.02),
-            row("d", "decode", "ropekit", 3, 0.9, tokens=1)]
+            row("d", "decode", "ropekit", 3, 0.9, tokens=1), row("d", "decode", "liger", 2.5, 0.75, tokens=1),
+            row("a", "fwd", "helion", 110, 1.1)]
     results = {t["target"]: t for t in bench_targets.evaluate_targets(rows, _targets())}
+    assert results["decode-vs-liger"]["worst"] == pytest.approx(3 / 2.5) and results["decode-vs-liger"]["ok"] is False
+    assert results["fwd-vs-helion"]["worst"] == pytest.approx(101 / 110, abs=1e-4) and results["fwd-vs-helion"]["cases"] == 1
+    assert results["decode-vs-helion"]["ok"] is None  # no row of that mode
     assert results["fwd-large"]["worst"] == pytest.approx(1.03) and results["fwd-large"]["ok"] is False
     assert results["fwd-large"]["case"] == "b" and results["fwd-large"]["cases"] == 2
     assert results["fwd-cold"]["ok"] is True and results["fwd-cold"]["cases"] == 2  # 4096 tokens qualify
@@ -494,6 +498,7 @@ def test_targets_come_from_the_registry_data(tmp_path):
     registry = bench_cases.load_registry(str(REGISTRY))
     assert [t.key for t in _targets()] == [entry["key"] for entry in registry["TARGETS"]]
     assert {t.key for t in _targets()} == {"fwd-large", "fwd-cold", "fwdbwd", "decode", "host", "exact-vs-table",
+                                           "decode-vs-liger", "fwd-vs-helion", "decode-vs-helion",
                                            "mrope-fwd", "mrope-decode", "prologue-decode",
                                            "prologue-decode-vs-unfused", "prologue-prefill", "prologue-decode-fp8q",
                                            "prologue-prefill-fp8q", "prologue-decode-paged",

@@ -301,6 +301,13 @@ TARGETS = [
     {"key": "decode", "what": "decode 1-64 tokens, 32/8 heads D128, graph replay, vs copy of q", "limit": 1.00,
      "mode": "decode", "where": {"tokens": [None, 64], "hq": [32, 32], "hk": [8, 8], "head_dim": [128, 128]}},
     {"key": "host", "what": "eager host time per call vs x.add_(1)", "limit": 1.00, "mode": "host"},
+    # Peers, each in the same run: Liger's decode (bf16 math, tables) and our own Helion kernel of apply_rope.
+    {"key": "decode-vs-liger", "what": "decode (1-D or multi-axis positions), graph replay, vs Liger", "limit": 1.00,
+     "mode": "decode", "versus": "liger"},
+    {"key": "fwd-vs-helion", "what": "fwd vs a Helion kernel of apply_rope (per-token tables)", "limit": 1.00,
+     "mode": "fwd", "versus": "helion"},
+    {"key": "decode-vs-helion", "what": "decode, graph replay, vs a Helion kernel of apply_rope", "limit": 1.00,
+     "mode": "decode", "versus": "helion"},
     {"key": "exact-vs-table", "what": "fwd, >= 100 MB, exact in-kernel angles vs fp32 table path", "limit": 1.02,
      "mode": "fwd", "where": {"bytes": [100_000_000, None]}, "versus": "ropekit-table"},
     {"key": "mrope-fwd", "what": "M-RoPE fwd, >= 100 MB, vs the same call with 1-D positions", "limit": 1.02,
