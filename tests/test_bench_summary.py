@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import lzma
 from pathlib import Path
 
@@ -174,6 +176,27 @@ def test_latest_without_plotting_keeps_the_cards_plots(tmp_path):
     summary.write_latest(summary.newest_runs(rows), tmp_path, plot=False)
     assert sorted(p.name for p in folder.iterdir()) == ["results-fwd.png", "results.csv.xz"]
     assert (folder / "results-fwd.png").read_bytes() == b"png"
+
+
+def test_prune_keeps_the_newest_runs_and_forms_gbps_again(tmp_path):
+    # --prune rewrites the history as the rows that give the newest results, without the derivable gbps; the page
+    # and each card's rows come out as they did from the whole history.
+    results = tmp_path / "results"
+    history = results / "all_runs.csv.xz"
+    old, new = dict(_row(impl="copy"), median_us="12.5"), _row(commit="1234567", date="2026-02-01T00:00")
+    report.append_history(history, [_row(), old], "first.csv")
+    report.append_history(history, [new, dict(_row(commit="1234567", mode="host"), bytes="")], "second.csv")
+    args = ["--results", str(results), "--no-plot", "--registry", str(REGISTRY)]
+    for prune in ([], ["--prune"]):
+        assert summary.main([*args, "--out", str(tmp_path / f"page{len(prune)}.md"), *prune]) == 0
+    assert (tmp_path / "page0.md").read_text() == (tmp_path / "page1.md").read_text()
+    kept = list(csv.DictReader(io.StringIO(report.read_text(history))))  # one stream, gbps dropped
+    assert len(kept) == 3 and {r["gbps"] for r in kept} == {""}
+    got = report.read_history(history)
+    assert [(r["commit"], r["impl"], r["mode"]) for r in got] == [("abcdef1", "copy", "fwd"),
+                                                                  ("1234567", "ropekit", "fwd"),
+                                                                  ("1234567", "ropekit", "host")]
+    assert [r["gbps"] for r in got] == ["1.6e+04", "2e+04", ""]  # 200 MB in 12.5 and 10 us; none for host time
 
 
 def test_benchmarks_md_is_generated_from_the_kept_history():

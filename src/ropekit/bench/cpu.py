@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .cases import CPU_MODE, POSITION_OFFSET
+from .report import gbps
 from .timing import Timer, interleaved_median_us
 
 # (sequences, tokens per sequence): decode sizes, then prefill (the registry's SIZES["cpu"])
@@ -211,7 +212,7 @@ def bench_rows(case: Any, device: torch.device, timer: Timer, peers: Any, env: d
     for name, us in times.items():
         row = rows[name]
         row["median_us"] = f"{us:.3f}"
-        row["gbps"] = f"{nbytes / us / 1e3:.4g}"
+        row["gbps"] = gbps(row)
         if base:
             row["ratio_vs_copy"] = f"{us / base:.4f}"
     log(f"  {CPU_MODE:7s} " + ", ".join(f"{n} {us:.1f}" for n, us in times.items()) + " (us)")

@@ -24,6 +24,7 @@ from .impls import (
 )
 from .inputs import Inputs, attention_flops, bytes_model, make_inputs
 from .peers import Peers
+from .report import gbps
 from .timing import Timer, cycling
 
 MISMATCH = 0.05  # max|out - ropekit| / max|ropekit| above which a row is flagged
@@ -188,8 +189,7 @@ def _time(timer: Timer, mode: str, fn: Callable[[], Any]) -> float:
 def _record(row: dict[str, Any], times: dict[str, float], name: str, us: float) -> None:
     times[name] = us
     row["median_us"] = f"{us:.3f}"
-    if row["mode"] != "host":
-        row["gbps"] = f"{row['bytes'] / us / 1e3:.4g}"
+    row["gbps"] = gbps(row)  # from the rounded time, as the history's reader forms it
     if row["flops"]:  # the attention modes: flops / (us * 1e-6) / 1e12
         row["tflops"] = f"{int(row['flops']) / us / 1e6:.4g}"
 

@@ -11,6 +11,7 @@ own, named by the CPU and its thread count, with that mode's targets and a table
 size and positions kind. Analysis lives in docs/perf-notes.md, not in the generated file.
 
     python -m ropekit.bench.summary            # from a checkout: rewrite latest/ and BENCHMARKS.md
+    python -m ropekit.bench.summary --prune    # the same, the history first cut to the rows that give them
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from .attention import ATTN_BASELINE, ATTN_IMPLS
 from .cases import ATTN_MODES, CPU_MODE, RegistryNotFound, load_registry
-from .report import open_text, read_history
+from .report import open_text, read_history, write_history
 from .targets import Target, evaluate_targets, targets_from_registry
 
 # A run's commit as the harness stamps it: a clean commit id. Rows of A/B working trees ("old", "new", "WIP",
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="BENCHMARKS.md", help="the generated page (default: %(default)s)")
     parser.add_argument("--registry", default=None, help="the registry (default: the one shipped with ropekit)")
     parser.add_argument("--no-plot", dest="plot", action="store_false")
+    parser.add_argument("--prune", action="store_true", help="first rewrite all_runs.csv.xz as the rows that give "
+                        "the newest results (the superseded ones stay in git history)")
     args = parser.parse_args(argv)
     results = Path(args.results)
     try:
@@ -333,7 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     except RegistryNotFound as exc:
         print(f"summary: {exc}", file=sys.stderr)
         return 2
-    by_card = newest_runs(read_history(results / "all_runs.csv.xz"))
+    history = results / "all_runs.csv.xz"
+    rows = read_history(history)
+    by_card = newest_runs(rows)
+    if args.prune:
+        kept = {id(r) for card in by_card.values() for r in card}
+        write_history(history, [r for r in rows if id(r) in kept])
     e2e = read_e2e(results / "e2e.csv.xz")
     written = write_latest(by_card, results / "latest", plot=args.plot)
     out = Path(args.out)
