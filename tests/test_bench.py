@@ -481,8 +481,11 @@ def test_prologue_targets():
             row("n4", "norm-fwdbwd", "ropekit-qk-norm", 300, 1.3, 16384),  # below 8x4096: the copy target skips it
             row("n4", "norm-fwdbwd", "unfused-compile", 400, 1.7, 16384),
             row("n8", "norm-fwdbwd", "ropekit-qk-norm", 500, 1.08, 32768),
-            row("n8", "norm-fwdbwd", "unfused-compile", 450, 0.97, 32768)]
+            row("n8", "norm-fwdbwd", "unfused-compile", 450, 0.97, 32768),
+            row("n2", "norm-fwdbwd", "ropekit-qk-norm-graph", 200, 1.5, 8192),  # below 4x4096: skipped
+            row("n4", "norm-fwdbwd", "ropekit-qk-norm-graph", 250, 1.12, 16384)]
     results = {t["target"]: t for t in bench_targets.evaluate_targets(rows, _targets())}
+    assert (results["qk-norm-fwdbwd-graph"]["worst"], results["qk-norm-fwdbwd-graph"]["cases"]) == (1.12, 1)
     assert (results["prologue-decode"]["worst"], results["prologue-decode"]["cases"]) == (1.2, 2)
     assert results["prologue-decode"]["ok"] is False and results["prologue-decode"]["case"] == "d64"
     vs = results["prologue-decode-vs-unfused"]  # fused / unfused <= 0.5: the unfused chain >= 2x slower
@@ -503,6 +506,7 @@ def test_targets_come_from_the_registry_data(tmp_path):
                                            "prologue-decode-vs-unfused", "prologue-prefill", "prologue-decode-fp8q",
                                            "prologue-prefill-fp8q", "prologue-decode-paged",
                                            "prologue-prefill-paged", "fwd-fp8-dynamic", "qk-norm-fwdbwd",
+                                           "qk-norm-fwdbwd-graph",
                                            "hidden-norm-fwd", "hidden-norm-vs-compile",
                                            "qk-norm-vs-compile", "mla-decode", "mla-prefill", "prologue-step",
                                            "cpu-vs-hf", "cpu-first-layer-vs-hf", "cpu-first-layer-vs-hf-first-layer",
@@ -751,6 +755,8 @@ def test_smoke_csv_and_json_rows(smoke_run):
         if mode in impls.REFERENCE:  # the prologue: the fused op, the unfused code, checked and timed
             extra = impls.EXTRA_BASELINES.get(mode, ())  # kv-step's floor: timed, not checked (a copy)
             assert set(group) == {impls.BASELINE[mode], *extra, *impls.MODE_IMPLS[mode]} - {"unfused-compile"}
+            graphed = group.pop("ropekit-qk-norm-graph", None)  # a CUDA graph: a row that says why not on CPU
+            assert graphed is None or (not graphed["median_us"] and "CUDA only" in graphed["note"]), graphed
             assert all(r["median_us"] and (r["max_rel_diff"] or r["impl"] in extra) for r in group.values()
                        if r is not base), group
         elif mode in bench_cases.ATTN_MODES:  # rope_attention and its baseline, apply_rope + SDPA: checked

@@ -20,7 +20,7 @@ from torch import Tensor
 from ._triton import tl, triton
 from .base import Bench, Unsupported, _flat_copy, _grad_outputs, _need_triton_device, compiled_per_case
 from .inputs import NORM_EPS, Inputs
-from .timing import _sync
+from .timing import _sync, capture_graph
 
 # fp8 cache rows agree within one e4m3 step: a value rounded from bf16 (the unfused chain) and from fp32 (the
 # fused op) may land on neighbouring steps, and a step is up to 1/8 of a value (3 mantissa bits).
@@ -36,7 +36,8 @@ PAGED_KV_FORMATS = {"ropekit-kv-write-paged-x": ("paged_x", "slots"),
 PAGE_ROWS = 16  # rows per page of the paged formats (vLLM's default block_size)
 PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "ropekit-kv-write-fp8q", "ropekit-kv-write-fp8q-dynamic", *PAGED_KV_FORMATS,
                      "unfused-kv")
-PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "unfused-eager", "unfused-compile")
+# ropekit-qk-norm-graph: the same step captured in a CUDA graph, so its kernels without the eager host time
+PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "ropekit-qk-norm-graph", "unfused-eager", "unfused-compile")
 # kv-step: the QKV projection GEMM, then the prologue. "gemm" is its baseline and "gemm+copy-kv" its floor.
 KV_STEP_IMPLS = ("gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl", "gemm+unfused-kv")
 KV_STEP_BASELINES = ("gemm", "gemm+copy-kv")
@@ -377,11 +378,18 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
                          + "ropekit.apply_rope + cache scatter by indexing; " + _kv_note(inp))
     if inp.q_weight is None:
         raise Unsupported("qk_norm_rope needs a model with qk_norm")
-    if name == "ropekit-qk-norm":
+    if name in ("ropekit-qk-norm", "ropekit-qk-norm-graph"):
         kw = inp.rope_kwargs()
-        return _norm_autograd_bench(
+        bench = _norm_autograd_bench(
             inp, lambda q, k, qw, kwt: ropekit.qk_norm_rope(q, k, qw, kwt, eps=NORM_EPS, **kw),
             "qk_norm_rope through autograd (gradients of q, k and both weights)")
+        if name == "ropekit-qk-norm":
+            return bench
+        if inp.device.type != "cuda":
+            raise Unsupported("CUDA graphs: CUDA only")
+        graph = capture_graph(bench.run, calls=1)
+        # the eager step is host-bound below about 8x4096 tokens on a shared host: this row is its kernels alone
+        return Bench(run=graph.replay, result=bench.result, note=bench.note + ", one step replayed from a CUDA graph")
     if name in ("unfused-eager", "unfused-compile"):
         if c.style != "neox" or c.rotary_dim != c.head_dim or inp.layout != "bshd" or c.positions == "mrope":
             raise Unsupported("the unfused code rotates full-width NeoX (rotate_half) pairs of bshd tensors")

@@ -347,6 +347,9 @@ TARGETS = [
      "where": {"tokens": [2048, 16384]}},
     {"key": "qk-norm-fwdbwd", "what": "qk_norm_rope fwd+bwd, >= 8x4096 tokens, vs ideal 5-pass copy", "limit": 1.10,
      "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "where": {"tokens": [32768, None]}},
+    {"key": "qk-norm-fwdbwd-graph", "what": "qk_norm_rope fwd+bwd kernels (one step in a CUDA graph), >= 4x4096 "
+     "tokens, vs ideal 5-pass copy", "limit": 1.10, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm-graph",
+     "where": {"tokens": [16384, None]}},
     {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
      "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
     # The diffusion transformers' prologue (qk_norm_rope over the hidden, with v's copy).
