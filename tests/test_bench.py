@@ -315,6 +315,26 @@ def test_mla_bytes_model_matches_the_tensors(positions, cache):
     assert (slots % 64).tolist() == (inp.pos_grid.reshape(-1) % 64).tolist()
 
 
+def test_host_training_steps_differentiate_what_each_op_takes():
+    # The host mode runs without autograd; a step turns it on and returns the gradients of its own leaves: q and k
+    # for apply_rope's, q, k and both weights for qk_norm_rope's. A model without the norm has no qk_norm step.
+    import torch
+
+    from ropekit.bench.base import Unsupported
+
+    case = bench_cases.Case(group="t", family="t", model="tiny", hq=4, hk=2, head_dim=16, rotary_dim=16,
+                            rotary_at="front", base=10000.0, dtype="fp32", style="neox", positions="range",
+                            batch=1, seqlen=2, modes=("host",), qk_norm=True)
+    inp = inputs.make_inputs(case, torch.device("cpu"))
+    with torch.no_grad():
+        step = {n: prologue.build_prologue(n, inp, "host").run() for n in prologue.STEP_IMPLS}
+    assert [g.shape for g in step["ropekit-step"]] == [inp.q.shape, inp.k.shape]
+    assert [g.shape for g in step["ropekit-qk-norm-step"]] == [inp.q.shape, inp.k.shape, (16,), (16,)]
+    plain = inputs.make_inputs(dataclasses.replace(case, qk_norm=False), torch.device("cpu"))
+    with pytest.raises(Unsupported, match="qk_norm"):
+        prologue.build_prologue("ropekit-qk-norm-step", plain, "host")
+
+
 @pytest.mark.parametrize("positions", bench_cases.POSITION_KINDS)
 def test_bytes_model_matches_the_tensors(positions):
     import torch
@@ -459,7 +479,8 @@ def test_targets_take_the_worst_qualifying_row():
             row("a", "fwd", "helion", 110, 1.1)]
     results = {t["target"]: t for t in bench_targets.evaluate_targets(rows, _targets())}
     assert results["decode-vs-liger"]["worst"] == pytest.approx(3 / 2.5) and results["decode-vs-liger"]["ok"] is False
-    assert results["fwd-vs-helion"]["worst"] == pytest.approx(101 / 110, abs=1e-4) and results["fwd-vs-helion"]["cases"] == 1
+    assert results["fwd-vs-helion"]["worst"] == pytest.approx(101 / 110, abs=1e-4)
+    assert results["fwd-vs-helion"]["cases"] == 1
     assert results["decode-vs-helion"]["ok"] is None  # no row of that mode
     assert results["fwd-large"]["worst"] == pytest.approx(1.03) and results["fwd-large"]["ok"] is False
     assert results["fwd-large"]["case"] == "b" and results["fwd-large"]["cases"] == 2
@@ -506,7 +527,7 @@ def test_targets_come_from_the_registry_data(tmp_path):
                                            "prologue-decode-vs-unfused", "prologue-prefill", "prologue-decode-fp8q",
                                            "prologue-prefill-fp8q", "prologue-decode-paged",
                                            "prologue-prefill-paged", "fwd-fp8-dynamic", "qk-norm-fwdbwd",
-                                           "qk-norm-fwdbwd-graph",
+                                           "qk-norm-fwdbwd-graph", "qk-norm-step-host",
                                            "hidden-norm-fwd", "hidden-norm-vs-compile",
                                            "qk-norm-vs-compile", "mla-decode", "mla-prefill", "prologue-step",
                                            "cpu-vs-hf", "cpu-first-layer-vs-hf", "cpu-first-layer-vs-hf-first-layer",

@@ -38,11 +38,13 @@ PROLOGUE_KV_IMPLS = ("ropekit-kv-write", "ropekit-kv-write-fp8q", "ropekit-kv-wr
                      "unfused-kv")
 # ropekit-qk-norm-graph: the same step captured in a CUDA graph, so its kernels without the eager host time
 PROLOGUE_NORM_IMPLS = ("ropekit-qk-norm", "ropekit-qk-norm-graph", "unfused-eager", "unfused-compile")
+# host mode: one training step (fwd, then autograd.grad) of qk_norm_rope, and of apply_rope with the same rope args
+STEP_IMPLS = ("ropekit-qk-norm-step", "ropekit-step")
 # kv-step: the QKV projection GEMM, then the prologue. "gemm" is its baseline and "gemm+copy-kv" its floor.
 KV_STEP_IMPLS = ("gemm+ropekit-kv-write", "gemm+ropekit-kv-write-pdl", "gemm+unfused-kv")
 KV_STEP_BASELINES = ("gemm", "gemm+copy-kv")
 # With the hidden-norm mode's fused op (built by .hidden): the implementations the short table has columns for.
-PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS + ("ropekit-hidden-norm",) + KV_STEP_IMPLS
+PROLOGUE_IMPLS = PROLOGUE_KV_IMPLS + PROLOGUE_NORM_IMPLS + ("ropekit-hidden-norm",) + KV_STEP_IMPLS + STEP_IMPLS
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,6 +342,28 @@ def _norm_autograd_bench(inp: Inputs, forward: Callable[..., tuple[Tensor, Tenso
     return Bench(run=run, result=result, note=note)
 
 
+def _training_step(name: str, inp: Inputs) -> Bench:
+    """Host mode: a training step's host time (the mode runs without autograd; the step turns it on). apply_rope's
+    step rotates the same q and k with the same rope arguments, without the norm: what the norm's step adds."""
+    import ropekit
+
+    kw = inp.rope_kwargs()
+    q, k, qw, kwt = _norm_leaves(inp)
+    grads = _grad_outputs(inp)
+    if name == "ropekit-step":
+        forward, leaves = (lambda: ropekit.apply_rope(q, k, **kw)), (q, k)
+        note = "apply_rope, then torch.autograd.grad of q and k (same rope arguments)"
+    else:
+        forward, leaves = (lambda: ropekit.qk_norm_rope(q, k, qw, kwt, eps=NORM_EPS, **kw)), (q, k, qw, kwt)
+        note = "qk_norm_rope, then torch.autograd.grad of q, k and both weights"
+
+    def run() -> tuple[Tensor, ...]:
+        with torch.enable_grad():
+            return torch.autograd.grad(forward(), leaves, grads)
+
+    return Bench(run=run, result=None, note=note)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -378,6 +402,8 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
                          + "ropekit.apply_rope + cache scatter by indexing; " + _kv_note(inp))
     if inp.q_weight is None:
         raise Unsupported("qk_norm_rope needs a model with qk_norm")
+    if name in STEP_IMPLS:
+        return _training_step(name, inp)
     if name in ("ropekit-qk-norm", "ropekit-qk-norm-graph"):
         kw = inp.rope_kwargs()
         bench = _norm_autograd_bench(

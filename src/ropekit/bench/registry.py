@@ -231,6 +231,9 @@ PRESETS = {
          "positions": ["batch"], "sizes": "decode", "modes": ["decode"]},
         {"name": "host", "models": ["llama3-8b"], **_BF16_NEOX, "positions": ["batch"],
          "sizes": [[1, 1], [64, 1]], "modes": ["host"]},
+        # a training step's host time, one token (a larger step's host time hides behind its kernels)
+        {"name": "host-train", "models": ["qwen3-8b"], **_BF16_NEOX, "positions": ["range"], "sizes": [[1, 1]],
+         "modes": ["host"], "impls": ["ropekit-qk-norm-step", "ropekit-step"]},
         # The attention prologue: rope_kv_write against a one-kernel copy of its bytes and the unfused chain.
         {"name": "prologue-decode", **_PROLOGUE, "positions": ["batch"], "caches": ["bf16", "fp8"],
          "sizes": "decode", "modes": ["kv-decode"]},
@@ -350,6 +353,8 @@ TARGETS = [
     {"key": "qk-norm-fwdbwd-graph", "what": "qk_norm_rope fwd+bwd kernels (one step in a CUDA graph), >= 4x4096 "
      "tokens, vs ideal 5-pass copy", "limit": 1.10, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm-graph",
      "where": {"tokens": [16384, None]}},
+    {"key": "qk-norm-step-host", "what": "qk_norm_rope training step's eager host time vs apply_rope's (same rope "
+     "args)", "limit": 1.0, "mode": "host", "impl": "ropekit-qk-norm-step", "versus": "ropekit-step"},
     {"key": "qk-norm-vs-compile", "what": "qk_norm_rope fwd+bwd vs torch.compile of the unfused PyTorch code",
      "limit": 1.0, "mode": "norm-fwdbwd", "impl": "ropekit-qk-norm", "versus": "unfused-compile"},
     # The diffusion transformers' prologue (qk_norm_rope over the hidden, with v's copy).
