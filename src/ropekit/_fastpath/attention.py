@@ -28,12 +28,12 @@ from ropekit._fastpath.plans import (
     _call_signature,
     _checked_offset,
     _keep,
-    _layout,
     _note,
     _offset_bound,
     _planned,
     _plans_apply,
     _recording,
+    _sources_key,
 )
 from ropekit._fastpath.rope import rotate
 from ropekit._spec import FORWARD, to_canonical
@@ -277,8 +277,7 @@ class AttentionPlan:
         if dlse is not None:
             dlse = dlse.float().contiguous()
         sources = [do, dlse, *saved]
-        ptrs = [t.data_ptr() for t in sources if t is not None]
-        key = (tuple(None if t is None else _layout(t) for t in sources), tuple(ptrs.index(p) for p in ptrs))
+        key = _sources_key(sources)
         chain = self.backwards.get(key)
         q, k, v = saved[:3]
         if chain is not None:

@@ -4,7 +4,6 @@ bookkeeping, the saved-tensor recipe, the recorded prologue launch (:class:`_Rep
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -208,9 +207,8 @@ def _call_signature(values: tuple, names: tuple, scalars: tuple, grad_ok: bool):
         tensors.append(t)
         parts.append((t.shape, t.stride(), t.dtype, t.device, p & 15))
         ptrs.append(p)
-    # a call whose tensors alias differently gets its own plan (no two alike, the usual case, is None)
-    aliasing = None if len(set(ptrs)) == len(ptrs) else tuple(ptrs.index(p) for p in ptrs)
-    return (tuple(parts), aliasing, scalars, grad), tensors
+    # a call whose tensors alias differently gets its own plan
+    return (tuple(parts), _aliasing(ptrs), scalars, grad), tensors
 
 class _Replay:
     """A prologue-kernel launch the full path made (recorded by :func:`_recording`) as a
@@ -221,8 +219,7 @@ class _Replay:
     :func:`ropekit.triton.runtime.workspace`), or kept (the default frequencies of ``base=``, which validation
     caches); the int position offset, where the signature has one."""
 
-    __slots__ = ("launch", "sources", "scratch", "carved", "workspace_bytes", "carved_from", "carved_values", "roles",
-                 "constexprs", "pos_offset")
+    __slots__ = ("launch", "sources", "scratch", "carved", "workspace_bytes", "roles", "constexprs", "pos_offset")
 
     @classmethod
     def record(cls, launch, sources: list, keep_freq: bool, scratch: tuple = (), workspace: tuple = ()):
@@ -264,7 +261,6 @@ class _Replay:
             return None
         r.sources, r.scratch, r.carved = tuple(from_sources), tuple(fresh), tuple(carved)
         r.workspace_bytes = max((end for _, end, _ in carved), default=0)
-        r.carved_from, r.carved_values = _dead, []  # the workspace the values were carved from last, and them
         r.roles, r.constexprs = roles, launch.constexprs
         return r
 
@@ -281,20 +277,29 @@ class _Replay:
             from ropekit.triton.runtime import workspace
 
             buffer = workspace(device, self.workspace_bytes)
-            if self.carved_from() is not buffer:  # the stream's first replay, or its workspace grew
-                if device.type == "cuda":
-                    base = buffer.data_ptr()
-                    self.carved_values = [base + at for at, _, _ in self.carved]
-                else:  # the interpreter takes tensors
-                    self.carved_values = [buffer[at:end].view(dtype) for at, end, dtype in self.carved]
-                self.carved_from = weakref.ref(buffer)  # holds nothing alive (a graph capture's fresh scratch)
-            values += self.carved_values
+            if device.type == "cuda":
+                base = buffer.data_ptr()
+                values += [base + at for at, _, _ in self.carved]
+            else:  # the interpreter takes tensors
+                values += [buffer[at:end].view(dtype) for at, end, dtype in self.carved]
         self.launch(*values, self.pos_offset if pos_offset is None else pos_offset)
         return scratch
 
-def _dead() -> None:
-    return None
+def _aliasing(ptrs: list) -> tuple | None:
+    """Which of the data pointers ``ptrs`` are the same (each one's first index), or None where none are, the
+    usual case: part of a key, so that tensors aliasing differently get replays of their own."""
+    return None if len(set(ptrs)) == len(ptrs) else tuple(ptrs.index(p) for p in ptrs)
 
 
-def _layout(t: Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
+def _sources_key(sources: list) -> tuple:
+    """The key of a recorded backward's replay over ``sources`` (None where absent): each tensor's shape, strides,
+    dtype and alignment, and their aliasing (:func:`_aliasing`)."""
+    layouts, ptrs = [], []
+    for t in sources:
+        if t is None:
+            layouts.append(None)
+            continue
+        p = t.data_ptr()
+        ptrs.append(p)
+        layouts.append((t.shape, t.stride(), t.dtype, p & 15))
+    return tuple(layouts), _aliasing(ptrs)

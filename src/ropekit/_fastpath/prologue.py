@@ -25,6 +25,7 @@ from ropekit._fastpath.plans import (
     _prologue_call,
     _recording,
     _Replay,
+    _sources_key,
     spec_recipe,
     spec_views,
 )
@@ -376,14 +377,7 @@ class NormPlan:
         recorded for this layout of the gradients and of the saved tensors (which saved-tensor hooks may have
         changed since the forward), or by the full path, which records it."""
         sources = [grad_q, grad_k, *tensors]
-        layouts, ptrs = [], []
-        for t in sources:
-            if t is not None:
-                p = t.data_ptr()
-                ptrs.append(p)
-                layouts.append((t.shape, t.stride(), t.dtype, p & 15))
-        # which tensors share a data pointer (None: none do, the usual case)
-        key = (tuple(layouts), None if len(set(ptrs)) == len(ptrs) else tuple(ptrs.index(p) for p in ptrs))
+        key = _sources_key(sources)
         q, k, q_weight, k_weight = tensors[:4]
         replay = self.backwards.get(key)
         if replay is not None:
