@@ -405,14 +405,14 @@ def build_prologue(name: str, inp: Inputs, mode: str) -> Bench:
     if name in STEP_IMPLS:
         return _training_step(name, inp)
     if name in ("ropekit-qk-norm", "ropekit-qk-norm-graph"):
+        if name == "ropekit-qk-norm-graph" and inp.device.type != "cuda":
+            raise Unsupported("CUDA graphs: CUDA only")
         kw = inp.rope_kwargs()
         bench = _norm_autograd_bench(
             inp, lambda q, k, qw, kwt: ropekit.qk_norm_rope(q, k, qw, kwt, eps=NORM_EPS, **kw),
             "qk_norm_rope through autograd (gradients of q, k and both weights)")
         if name == "ropekit-qk-norm":
             return bench
-        if inp.device.type != "cuda":
-            raise Unsupported("CUDA graphs: CUDA only")
         graph = capture_graph(bench.run, calls=1)
         # the eager step is host-bound below about 8x4096 tokens on a shared host: this row is its kernels alone
         return Bench(run=graph.replay, result=bench.result, note=bench.note + ", one step replayed from a CUDA graph")
