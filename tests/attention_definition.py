@@ -375,15 +375,16 @@ def check_against_definition(route, q, k, v, *, grads=True, with_lse=False, go_k
     assert o.shape == o_ref.shape
     do = grad_like(o, go_kind) if do is None else do
     if with_lse and dlse is None:
-        dlse = randn(*lse.shape, dtype=torch.float32, device=q.device)
+        dlse = randn(*lse.shape, dtype=lse.dtype, device=q.device)
     base = None
     if dtype in LOW:
         base = low_precision(q, k, v, do, dlse, truncate=route == "cpu-kernels", **kw)
     assert_accurate("o", o, o_ref, None if base is None else base[0])
     if with_lse:
-        assert lse.dtype == torch.float32 and lse.shape == lse_ref.shape
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert lse.shape == lse_ref.shape
         assert_accurate("lse", lse, lse_ref, None if base is None else base[1],
-                        dtype=dtype if dtype in LOW else torch.float32)
+                        dtype=dtype if dtype in LOW else lse.dtype)
     if not grads:
         return o, lse
     outs, gouts = [o], [do]

@@ -653,3 +653,22 @@ def test_float64_on_cuda_is_computed_in_float64():
         for g, w in zip(got, want):
             assert g.dtype == torch.float64
             torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=1e-12)
+
+
+def test_meta_tensors_give_shapes():
+    """A model built on the meta device (shapes only, no data) runs through ropekit's calls as through torch's ops:
+    outputs and gradients of the right shape, dtype and device (the torch paths used to read the data and fail)."""
+    meta = torch.device("meta")
+    q = torch.empty(2, 5, 4, 64, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(2, 5, 2, 64, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(64, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.empty(2, 5, device=meta, dtype=torch.int64)
+    outs = [*ropekit.apply_rope(q, k, positions=3), *ropekit.apply_rope(q, k, positions=ids),
+            *ropekit.qk_norm_rope(q, k, w, w), ropekit.rope_attention(q, k, k, is_causal=True)]
+    for out, like in zip(outs, (q, k, q, k, q, k, q)):
+        assert out.shape == like.shape and out.dtype == like.dtype and out.device == meta
+    sum(o.float().sum() for o in outs).backward()
+    for t in (q, k, w):
+        assert t.grad.shape == t.shape and t.grad.device == meta
+    x = torch.empty(2, 5, 4, 64, device=meta)
+    assert ropekit.apply_rope_(x, positions=1) is x

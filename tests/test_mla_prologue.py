@@ -548,6 +548,30 @@ def test_q_out_checks():
         mla(q.requires_grad_(True), k_pe, positions=torch.arange(T), q_out=torch.empty(T, H, D_NOPE + R))
 
 
+def test_a_kv_c_that_requires_grad_raises_with_everything_untouched():
+    """kv_c is only copied into the cache, which autograd does not track: its gradient used to be dropped silently.
+    Now the call raises before anything is written (q and k_pe stay differentiable with a cache)."""
+    q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+    kv_c.requires_grad_(True)
+    cache = _poisoned((BLOCKS, BLOCK_SIZE, L + R), torch.float32, "cpu")
+    kw = dict(positions=torch.arange(T), kv_cache=cache, slot_mapping=_slots(T, BLOCKS * BLOCK_SIZE, "cpu"))
+    before = snapshot(cache, q, k_pe, kv_c)
+    with pytest.raises(RuntimeError, match="kv_c requires grad"):
+        mla(q, k_pe, kv_c, **kw)
+    assert_unchanged([cache, q, k_pe, kv_c], before)
+    mla(q, k_pe, kv_c.detach(), **kw)
+    assert not same_bits(cache, before[0])
+
+
+def test_an_expanded_cache_is_refused_untouched():
+    q, k_pe, kv_c = _inputs((T,), torch.float32, "cpu")
+    shared = torch.zeros(1, BLOCK_SIZE, L + R)
+    with torch.no_grad(), pytest.raises(ValueError, match="kv_cache reaches an element twice"):
+        mla(q, k_pe, kv_c, positions=torch.arange(T), kv_cache=shared.expand(BLOCKS, BLOCK_SIZE, L + R),
+            slot_mapping=_slots(T, BLOCKS * BLOCK_SIZE, "cpu"))
+    assert not shared.any()
+
+
 def test_compile_fullgraph_with_q_out():
     torch._dynamo.reset()
 

@@ -11,6 +11,8 @@ interpreter, with the semantics of device tensors: their values are read only wi
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -263,6 +265,23 @@ def test_multi_axis_paged_skips_tokens_invalid_on_a_later_axis():
     assert torch.equal(kc.view(-1, HK, D)[1], torch.zeros(HK, D))
     assert torch.equal(vc.view(-1, HK, D)[1], torch.zeros(HK, D))
     assert torch.equal(vc.view(-1, HK, D)[2], v[1])
+
+
+@pytest.mark.parametrize("route", ["host", "kernels"])
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_an_expanded_cache_is_refused_untouched(route, which):
+    """An expand()ed cache maps every sequence's rows onto one: a ValueError naming it (it used to be written, the
+    last sequence's row winning), with nothing written."""
+    if route == "kernels" and not INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU-only runs)")
+    q, k, v = _inputs3(3, "cpu")
+    shared = torch.zeros(1, 8, HK, D)
+    caches = {"k_cache": torch.zeros(3, 8, HK, D), "v_cache": torch.zeros(3, 8, HK, D)}
+    caches[which] = shared.expand(3, 8, HK, D)
+    with kernels_on_cpu() if route == "kernels" else contextlib.nullcontext(), torch.no_grad():
+        with pytest.raises(ValueError, match=f"{which} reaches an element twice"):
+            ropekit.rope_kv_write(q, k, v, caches["k_cache"], caches["v_cache"], positions=torch.tensor([1, 1, 1]))
+    assert not shared.any() and not any(c.any() for c in caches.values())
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU-only runs)")

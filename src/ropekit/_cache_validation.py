@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ropekit._memory import overlap
+from ropekit._memory import has_internal_overlap, overlap
 from ropekit._spec import (
     CACHE_LAYOUTS,
     FP8_CACHE_DTYPES,
@@ -158,6 +158,9 @@ def validate_kv_write(q: Tensor, k: Tensor, cache_args: CacheArgs,
         elif c.dim() != dims or c.stride(-1) != 1:
             raise ValueError(f"{name} must be a {dims}-D tensor with a contiguous last dim, got shape "
                              f"{tuple(c.shape)} strides {c.stride()}")
+        if has_internal_overlap(c):  # expand(): rows of different tokens would land on one element
+            raise ValueError(f"{name} reaches an element twice through its strides (expand()?): it cannot be "
+                             f"written; pass a cache with memory of its own, got strides {c.stride()}")
     kcv, vcv = CacheSpec(k_cache, v_cache, cache_layout, None, None, 1.0, 1.0).views()
     k_grid = (*kcv.shape[:3], kcv.shape[3] * kcv.shape[4]) if x_packed else tuple(kcv.shape)
     if tuple(vcv.shape) != k_grid:

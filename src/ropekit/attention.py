@@ -230,8 +230,8 @@ def rope_attention(
         sqrt(a) into k's, base-2 softmax. The backward takes each rotation's scale from its forward (the chain
         rule does the rest), so o and every gradient agree across presets up to rounding.
     return_lse : bool
-        Also return the log-sum-exp of each row's scores [B, Hq, S] (``thd``: [Hq, T]), float32, natural log
-        (whatever the softmax's base); differentiable.
+        Also return the log-sum-exp of each row's scores [B, Hq, S] (``thd``: [Hq, T]), float32 (float64 for
+        float64 inputs), natural log (whatever the softmax's base); differentiable.
     return_rotated : bool
         Also return the rotated, scaled ``q_rot``, ``k_rot`` (cuDNN's user-bound outputs, e.g. for a KV cache), by
         one more rotation launch.
@@ -313,6 +313,9 @@ def _rope_attention_full(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions
     """The full path of :func:`rope_attention`: check every argument, form the angle rows, attend; ``note``
     (where not None) is handed the :class:`AttentionRun` once the attention ran."""
     _check_inputs(q, k, v, opts.layout)
+    for name in ("is_causal", "log2_softmax", "return_lse", "return_rotated"):
+        if not isinstance(getattr(opts, name), bool):  # None or 0 would silently pick a behaviour
+            raise TypeError(f"{name} must be a bool, got {getattr(opts, name)!r}")
     layout = opts.layout
     D = to_canonical(q, layout).shape[3]
     q_eff, k_eff, a, log2 = _scales(opts.fold, opts.scale, opts.log2_softmax, opts.q_scale, opts.k_scale, D)
@@ -326,7 +329,7 @@ def _rope_attention_full(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions
     table, (rotary_start, rot_dim, neox) = _unit_rows(q, args, plan)
     qk_mult = a * (1.0 if log2 else _LOG2E)
     q_in, k_in, v_in = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    params = (layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult, bool(opts.is_causal), longest)
+    params = (layout, rotary_start, rot_dim, neox, q_eff, k_eff, qk_mult, opts.is_causal, longest)
     o, lse = attend(q_in, k_in, v_in, table, sequences, *params)
     if note is not None:
         note(AttentionRun(args, plan.spec, _unit(plan.shape, plan.dtype, q.device, *plan.rotation),

@@ -87,6 +87,10 @@ def _check_caches(kv_cache, q: Tensor, latent: int, rope: int) -> tuple[Tensor, 
         if c.dim() != 3 or c.shape[2] != width or c.stride(-1) != 1:
             raise ValueError(f"{name} must be a 3-D tensor [.., .., {width}] with a contiguous last dim "
                              f"(D_latent = {latent}, D_rope = {rope}), got shape {tuple(c.shape)} strides {c.stride()}")
+    for name, c in zip(names, caches):
+        if has_internal_overlap(c):  # expand(): rows of different tokens would land on one element
+            raise ValueError(f"{name} reaches an element twice through its strides (expand()?): it cannot be "
+                             f"written; pass a cache with memory of its own, got strides {c.stride()}")
     if len(caches) == 2:
         if caches[1].dtype != caches[0].dtype or caches[1].shape[:2] != caches[0].shape[:2]:
             raise ValueError("kv_cache's two caches must have one dtype and the same first two dims, got "
@@ -257,8 +261,9 @@ def mla_rope_kv_write(
 ) -> tuple[Tensor, ...]:
     """The MLA attention prologue (DeepSeek V2/V3, Kimi K2, GLM) in one kernel: rotate the rope columns of q and the
     shared key ``k_pe``, write each token's latent cache row ``[kv_c | R(k_pe)]``, return ``(q_out, k_pe_out)``
-    (``split_q``: ``(q_nope, q_pe, k_pe_out)``). Inputs are never modified. Without ``kv_cache`` it is
-    differentiable in q and k_pe (the backward is the conjugate rotation); ``torch.compile`` traces it as
+    (``split_q``: ``(q_nope, q_pe, k_pe_out)``). Inputs are never modified. It is differentiable in q and k_pe
+    (the backward is the conjugate rotation), with or without ``kv_cache``; a ``kv_c`` that requires grad raises
+    (the cache holds its copy outside autograd). ``torch.compile`` traces it as
     ``ropekit::mla_rope`` / ``ropekit::mla_rope_kv_write``.
 
     q : Tensor [T, H, D_nope + D_rope] (tokens) or [B, S, H, D_nope + D_rope]
@@ -317,6 +322,9 @@ def mla_rope_kv_write(
     q4, k4, spec, cache, k_heads, tokens = _validate(q, k_pe, kv_c, positions, kv_cache, slot_mapping, cache_layout,
                                                      kv_cache_scale, cu_seqlens, broadcast_k, args)
     grad = torch.is_grad_enabled() and (q.requires_grad or k_pe.requires_grad)
+    if cache is not None and torch.is_grad_enabled() and kv_c.requires_grad:
+        raise RuntimeError("kv_c requires grad, but it is only copied into kv_cache, which autograd does not track: "
+                           "its gradient would be lost; pass kv_c.detach(), or call under torch.no_grad()")
     out_scales = _out_scales(out_dtype, q_out_scale, k_out_scale, q, grad, args.check_positions)
     spec = spec._replace(out_dtype=out_dtype)
     given = _check_q_out(q_out, q, k_pe, kv_c, cache, split_q, spec.rotary_dim, grad, out_dtype or q.dtype)

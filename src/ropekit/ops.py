@@ -54,6 +54,8 @@ def uses_float32_path(x: Tensor) -> bool:
 
 def _run(q: Tensor, k: Tensor | None, q_out: Tensor, k_out: Tensor | None, spec: RopeSpec) -> None:
     """Rotate into the given outputs on q's device (outputs may be the inputs)."""
+    if q.device.type == "meta":  # shapes only (a model built on the meta device): nothing to compute
+        return
     if q_out.dtype in FP8_MAX and not uses_kernels(q):  # float8: the math dtype's result, rounded once, saturated
         from ropekit.reference import to_float8
 
@@ -190,6 +192,8 @@ def _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec: RopeSpe
 
 def norm_rotate(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec) -> list[Tensor]:
     """The body of ``ropekit::qk_norm_rope``: [q_out, k_out], new tensors in q's and k's dtypes."""
+    if q.device.type == "meta":  # shapes only
+        return _new_outputs(q, k, None)
     if not uses_kernels(q):
         return _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec)
     from ropekit.triton.prologue_launcher import launch_prologue
@@ -207,6 +211,8 @@ def _qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[T
 def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: float, eps: float,
                     spec: RopeSpec) -> list[Tensor]:
     """The body of ``ropekit::qk_norm_rope_backward``: [dq, dk, dq_weight, dk_weight] in the inputs' dtypes."""
+    if q.device.type == "meta":  # shapes only
+        return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)]
     if uses_kernels(q):
         from ropekit.triton.prologue_launcher import launch_norm_rope_bwd
 
@@ -478,12 +484,12 @@ def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor
 
 
 def _attention_out(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
-    """(o in ``layout`` with v's head dim, contiguous; lse [B, HQ, S] float32), unwritten."""
+    """(o in ``layout`` with v's head dim, contiguous; lse [B, HQ, S] float32, float64 for float64 q), unwritten."""
     shape = list(q.shape)
     shape[-1] = v.shape[-1]
     o = q.new_empty(shape)
     B, S, HQ, _ = to_canonical(q, layout).shape
-    return o, q.new_empty((B, HQ, S), dtype=torch.float32)
+    return o, q.new_empty((B, HQ, S), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
 def attention_forward(q, k, v, angles, cu_seqlens, layout, rotary_start, rotary_dim, neox, q_scale, k_scale,
