@@ -537,8 +537,8 @@ def test_bad_configs_raise(rope_scaling, match):
 
 
 def test_bad_shapes_and_arguments_raise():
-    with pytest.raises(ValueError, match=r"int\(64 \* 0.3\) = 19 is odd"):
-        from_hf_config({**_LLAMA, "partial_rotary_factor": 0.3})
+    with pytest.raises(ValueError, match=r"int\(64 \* 0.3\) = 19 is odd"):  # Phi applies the factor (Llama does not)
+        from_hf_config({**_LLAMA, "model_type": "phi", "partial_rotary_factor": 0.3})
     with pytest.raises(ValueError, match="needs head_dim, or hidden_size and num_attention_heads"):
         from_hf_config({"model_type": "llama", "rope_theta": 1e4})
     with pytest.raises(ValueError, match="'dynamic' needs max_position_embeddings"):

@@ -15,6 +15,8 @@ import importlib
 import pytest
 import torch
 
+import ropekit
+
 transformers = pytest.importorskip("transformers")
 
 from helpers import no_patch_leaks, rel_err  # noqa: E402, F401  (autouse: no module-level function left patched)
@@ -185,6 +187,42 @@ def test_family_matches_unpatched(model_type, rope_calls):
     assert not is_patched(model) and all("forward" not in m.__dict__ for m in rotary)
     again, _ = _forward_backward(model, ids)
     assert torch.equal(again, ref_logits)
+
+
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED_MODEL_TYPES if MODEL_FAMILIES[t].mrope_section is None])
+def test_partial_rotary_factor_as_each_family_reads_it(model_type):
+    """A config's partial_rotary_factor with the default rope: from_hf_config gives the frequencies the family's own
+    rotary module holds, bit for bit -- most families rotate the whole head whatever the factor says (Llama's rotary
+    used to be patched with half of them), a few rotate the fraction (Phi, GPT-NeoX, GLM, ...)."""
+    name = f"{model_type}_text" if f"{model_type}_text" in TINY else model_type
+    overrides = {k: v for k, v in TINY.get(name, {}).items() if k not in ("rope_parameters", "partial_rotary_factor")}
+    config = transformers.AutoConfig.for_model(name, **BASE, **overrides, partial_rotary_factor=0.5)
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary_classes = [c for n, c in vars(modeling).items() if isinstance(c, type) and n.endswith("RotaryEmbedding")
+                      and "Vision" not in n and c.__module__ == modeling.__name__]
+    rotary = rotary_classes[0](config)
+    held = {n: b for n, b in rotary.named_buffers() if n.endswith("inv_freq") and "original" not in n}
+    assert held, "the rotary module holds no inv_freq: the test would prove nothing"
+    for buffer_name, theirs in held.items():
+        layer_type = buffer_name.removesuffix("_inv_freq") if buffer_name != "inv_freq" else None
+        ours = ropekit.from_hf_config(config, layer_type=layer_type).inv_freq
+        assert ours.shape == theirs.shape and torch.equal(ours, theirs.float()), (buffer_name, ours, theirs)
+
+
+def test_llama_with_a_partial_rotary_factor_matches_unpatched():
+    """transformers' Llama rotates the whole head whatever partial_rotary_factor says; so does the patched model."""
+    config = transformers.AutoConfig.for_model("llama", **BASE, partial_rotary_factor=0.5)
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    ids = torch.randint(2, 128, (2, 24))
+    ref, _ = _forward_backward(model, ids)
+    patch(model)
+    try:
+        got, _ = _forward_backward(model, ids)
+    finally:
+        unpatch(model)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_gemma3_layers_rotate_with_their_own_theta():

@@ -29,6 +29,9 @@ class ModelFamily:
         ``rope_interleave``, which chooses between its two rotation functions).
     partial_rotary_factor : float
         The rotated fraction of a head when the config gives none (GPT-NeoX 0.25, GLM 0.5).
+    default_rope_reads_partial : bool
+        Whether the family's rotary module applies a config's ``partial_rotary_factor`` with the default rope type
+        (False: it rotates the whole head whatever the config says, as Llama's and most families' in transformers).
     mrope_section : tuple of int or None
         Vision-language families whose text rotation is M-RoPE (time, height, width positions): the pairs per axis
         their rotary module takes when the config gives no ``mrope_section``.
@@ -61,6 +64,7 @@ class ModelFamily:
     pairing: str = "neox"
     interleave_key: str | None = None
     partial_rotary_factor: float = 1.0
+    default_rope_reads_partial: bool = True
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False
     legacy_yarn_is_longrope: bool = False
@@ -124,6 +128,18 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 }
 for _name in _NEOX_FAMILIES:
     MODEL_FAMILIES.setdefault(_name, _PATCHED)
+# families whose rotary module's default rope rotates the whole head, a config's partial_rotary_factor
+# notwithstanding (their apply_rotary_pos_emb rotates every column); test_partial_rotary_factor_as_each_family_reads_it
+# holds this list to the installed transformers
+_DEFAULT_ROPE_WHOLE_HEAD = (
+    "afmoe", "apertus", "arcee", "bitnet", "cohere", "cohere2", "cwm", "deepseek_v3", "ernie4_5", "ernie4_5_moe",
+    "exaone4", "exaone_moe", "falcon", "gemma", "gemma2", "gemma3", "gpt_oss", "granite", "granitemoe",
+    "granitemoeshared", "jetmoe", "lfm2", "llama", "llama4", "ministral3", "mistral", "mixtral", "olmo", "olmo2",
+    "olmo3", "olmoe", "qwen2", "qwen2_5_vl", "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss",
+    "smollm3", "starcoder2", "vaultgemma",
+)
+for _name in _DEFAULT_ROPE_WHOLE_HEAD:
+    MODEL_FAMILIES[_name] = dataclasses.replace(MODEL_FAMILIES[_name], default_rope_reads_partial=False)
 del _name
 
 

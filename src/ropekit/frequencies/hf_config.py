@@ -50,7 +50,9 @@ def from_hf_config(
         ``head_dim`` (or ``qk_rope_head_dim`` for MLA models, else ``hidden_size // num_attention_heads``),
         ``max_position_embeddings``, a top-level ``original_max_position_embeddings`` (Phi-3), GPT-NeoX's
         ``rotary_pct`` / ``rotary_emb_base``, GPT-J's absolute ``rotary_dim``, and ``model_type`` for the
-        family's pairing and defaults. transformers need not be installed.
+        family's pairing and defaults. With the default rope type ``partial_rotary_factor`` applies only where
+        the family's rotary module applies it (Phi, Phi-3, GPT-NeoX, GLM, StableLM, ...; Llama's and most others
+        rotate the whole head whatever it says). transformers need not be installed.
     layer_type : str, optional
         For configs with one parameter set per layer type (Gemma 3: ``"sliding_attention"``,
         ``"full_attention"``), which set to use.
@@ -128,6 +130,8 @@ def from_hf_config(
     if partial is None:
         partial = family.partial_rotary_factor
     partial = _real(partial, name, above=0.0, closed=rope_type == "proportional", at_most=1.0)
+    if rope_type == "default" and not family.default_rope_reads_partial:
+        partial = 1.0  # as the family's rotary module: its default rope rotates the whole head
     if rope_type == "proportional":
         rotary_dim = how = head_dim
     elif get("rotary_dim") is not None:  # GPT-J / CodeGen: absolute width
