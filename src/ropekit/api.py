@@ -61,7 +61,9 @@ def apply_rope(
     positions : None, int or Tensor
         ``None``: 0..S-1. ``int``: offset added to 0..S-1 (KV-cache continuation). Tensor [B] (int32/int64):
         per-sequence offsets (with ``cu_seqlens``: one per packed sequence). Tensor [B, S] or [1, S] (``thd``:
-        [T]): per-token position ids, any order. A 0-d integer tensor on q's device is an offset like an int: a CPU
+        [T]): per-token position ids, any order. With ``cu_seqlens``, a tensor of one entry per sequence is read as
+        offsets even where T equals the number of sequences; per-token ids need no ``cu_seqlens`` (pass them
+        without it). A 0-d integer tensor on q's device is an offset like an int: a CPU
         tensor is read as one; a device tensor is not read on the host (no sync) but by the kernel, as every
         sequence's offset, and its value is checked only with ``check_positions``. Strided views are accepted
         ([B] offsets are then read as a dense copy). Every position lies in [0, 2**31 - 1]; see
@@ -70,7 +72,8 @@ def apply_rope(
         fp32 (or fp64) [R/2] inverse frequencies; the angle ``pos * inv_freq[i]`` is formed in float64 and reduced
         modulo 2*pi before fp32 sin/cos (error about 1e-7 at any position below 2**24).
     base : float
-        Used when no other frequency source is given: ``inv_freq[i] = base ** (-2i / R)``.
+        Used when no other frequency source is given: ``inv_freq[i] = base ** (-2i / R)``, rounded once to fp32
+        as models define their frequencies (for unrounded ones pass ``inv_freq`` in float64).
     cos, sin : Tensor, optional
         Tables [P, W] indexed by position, or [B, S, W] / [1, S, W] already gathered per token (``thd``:
         [1, T, W]). W = R/2 (one value per pair) or R (one per column, transformers' duplicated halves).
