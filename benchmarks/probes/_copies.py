@@ -1,5 +1,5 @@
 """A copy through ``rope_kernel``'s own access path, shared by the probes that split a kernel's time between its
-access pattern and its arithmetic (``decode_probe.py``, ``bhsd_order.py``).
+access pattern and its arithmetic (``decode_probe.py``, ``sass_count.py``).
 
 Not a probe itself; found by ``from _copies import ...`` as ``_graphs.py`` is.
 """
