@@ -192,8 +192,8 @@ def _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec: RopeSpe
 
 def norm_rotate(q, k, q_weight, k_weight, weight_offset: float, eps: float, spec: RopeSpec) -> list[Tensor]:
     """The body of ``ropekit::qk_norm_rope``: [q_out, k_out], new tensors in q's and k's dtypes."""
-    if q.device.type == "meta":  # shapes only
-        return _new_outputs(q, k, None)
+    if q.device.type == "meta":  # shapes only: the op's fake
+        return _qk_norm_rope_fake(q, k)
     if not uses_kernels(q):
         return _norm_rope_torch(q, k, q_weight, k_weight, weight_offset, eps, spec)
     from ropekit.triton.prologue_launcher import launch_prologue
@@ -211,8 +211,8 @@ def _qk_norm_rope(q, k, q_weight, k_weight, weight_offset, eps, *spec) -> list[T
 def norm_rope_grads(grad_q, grad_k, q, k, q_weight, k_weight, weight_offset: float, eps: float,
                     spec: RopeSpec) -> list[Tensor]:
     """The body of ``ropekit::qk_norm_rope_backward``: [dq, dk, dq_weight, dk_weight] in the inputs' dtypes."""
-    if q.device.type == "meta":  # shapes only
-        return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)]
+    if q.device.type == "meta":  # shapes only: the op's fake
+        return _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, q_weight, k_weight)
     if uses_kernels(q):
         from ropekit.triton.prologue_launcher import launch_norm_rope_bwd
 
